@@ -1,0 +1,151 @@
+"""Sampling and verification math: the one place where probabilities are made and drafts are judged.
+
+Symbols follow the speculative-sampling papers (Leviathan et al. 2023, Chen et al. 2023):
+``p`` target probabilities, ``q`` draft probabilities, ``k`` drafted tokens, "bonus token" the extra token the target
+samples when every drafted token is accepted. Everything here is pure tensor code: no models, no caches, no host syncs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen. ``temperature == 0`` is greedy decoding.
+
+    ``top_k`` (0 = off) and ``top_p`` (1.0 = off) are applied identically to the target and the draft distribution, so
+    speculative sampling reproduces sampling from the *processed* target distribution exactly.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}; "
+                "set sampling.temperature=0 for greedy or a positive value such as 0.7 to sample"
+            )
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}; use e.g. sampling.top_p=0.9")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """logits [..., V] -> processed probabilities [..., V] in float32.
+
+    Greedy gives the one-hot of the argmax, which makes the generic verification below reduce to "accept iff the
+    drafted token is the target's argmax".
+    """
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (the top-1 token always stays)
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs [V] -> one token id (0-d long tensor), without leaving the device."""
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def select_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [V] -> the next token under ``cfg``: argmax when greedy, else a draw from the processed distribution."""
+    if cfg.greedy:
+        return logits.argmax(-1)
+    return sample(probs_from_logits(logits, cfg), generator)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)): the distribution to sample from after a rejection.
+
+    When p == q a rejection has probability 0; the result is then defined as p so it stays a distribution. The same
+    holds when the residual mass (= the rejection probability) is denormal: dividing by it would not normalize.
+    """
+    r = torch.clamp(p - q, min=0.0)
+    total = r.sum(-1, keepdim=True)
+    tiny = torch.finfo(r.dtype).tiny
+    return torch.where(total >= tiny, r / total.clamp_min(tiny), p)
+
+
+def verify(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one block.
+
+    p: [k+1, V] target probs at each drafted position and the bonus position; q: [k, V] draft probs the tokens were
+    drawn from; draft_tokens: [k]. Token i is accepted with probability min(1, p(x_i) / q(x_i)); at the first rejection
+    the next token is drawn from residual(p, q); if all k are accepted it is drawn from p[k] (the bonus token).
+    Returns (n_accepted, next_token) as 0-d device tensors: the emitted tokens are draft_tokens[:n] + [next_token].
+    """
+    k = draft_tokens.shape[0]
+    if k == 0:
+        return torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], generator)
+    idx = draft_tokens.view(k, 1)
+    px = p[:k].gather(-1, idx).squeeze(-1)
+    qx = q[:k].gather(-1, idx).squeeze(-1)
+    u = torch.rand(k, generator=generator, device=p.device)
+    accepted = u * qx < px  # u < p/q without dividing by q
+    n = torch.cumprod(accepted.long(), 0).sum()
+    # Row k of q is zero, so the residual there is p[k] itself: the bonus token needs no branch.
+    q_ext = torch.cat([q[:k], torch.zeros_like(q[:1])], dim=0)
+    return n, sample(residual(p[n], q_ext[n]), generator)
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: target_logits [k+1, V], draft_tokens [k].
+
+    Accept the longest prefix that equals the target's argmax; the next token is the target's argmax after it. This is
+    ``verify`` with one-hot p and q, computed without building them.
+    """
+    k = draft_tokens.shape[0]
+    best = target_logits.argmax(-1)
+    n = torch.cumprod((best[:k] == draft_tokens).long(), 0).sum() if k else torch.zeros((), dtype=torch.long,
+                                                                                           device=best.device)
+    return n, best[n]
+
+
+def draft_stats(logits: torch.Tensor) -> torch.Tensor:
+    """Raw (temperature 1) confidence of a draft distribution: logits [..., V] -> [..., 3] = (top-1 prob, entropy in
+    nats, top-1 minus top-2 prob). These are the policy's confidence features, whatever the sampling settings."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    probs = logp.exp()
+    top2 = torch.topk(probs, 2, dim=-1).values
+    entropy = -(probs * logp).sum(-1)
+    return torch.stack([top2[..., 0], entropy, top2[..., 0] - top2[..., 1]], dim=-1)
+
+
+def acceptance_stats(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per drafted token: [k, 3] = (q(x), p(x), beta) where beta = sum_x min(p, q) is the expected acceptance of
+    that position. p: [>=k, V], q: [k, V], tokens: [k]."""
+    k = tokens.shape[0]
+    idx = tokens.view(k, 1)
+    qx = q[:k].gather(-1, idx).squeeze(-1)
+    px = p[:k].gather(-1, idx).squeeze(-1)
+    beta = torch.minimum(p[:k], q[:k]).sum(-1)
+    return torch.stack([qx, px, beta], dim=-1)

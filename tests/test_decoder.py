@@ -1,0 +1,249 @@
+"""The decoder is lossless: greedy output equals the target's own greedy ``generate`` token for token, for every
+drafter and policy; sampled output follows the target's distribution; bad input fails before decoding."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import DynamicCache, LlamaConfig
+
+from sacpolicy.decoding import (
+    DecoderConfig,
+    DraftBlock,
+    LayerSkipDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
+from sacpolicy.policy import Autoregressive, Confidence, Heuristic, SeedRule, Static
+
+
+def hf_greedy(model, prompt, n, eos=None):
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def policies():
+    return [
+        Autoregressive(), Static(1), Static(3), Static(8), Heuristic(k0=2), Confidence(0.4, k=6),
+        Confidence(0.0, k=5), SeedRule(k_short=4, k_long=1),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (5,), generator=g)]
+    # a repetitive prompt so the n-gram drafter finds matches and long blocks get accepted
+    prompts.append([5, 6, 7, 8] * 6)
+    return prompts
+
+
+def tiny_drafters(target, draft):
+    return [
+        ModelDrafter(draft.model, name="draft"),
+        ModelDrafter(target.model, name="self"),  # always agrees: whole blocks plus the bonus token
+        LayerSkipDrafter(target.model, 2),
+        NgramDrafter(),
+    ]
+
+
+def test_greedy_equals_target_for_every_drafter_and_policy(tiny_target, tiny_draft, tiny_prompts):
+    target = tiny_target.model
+    for prompt in tiny_prompts:
+        ref = hf_greedy(target, prompt, 24)
+        for drafter in tiny_drafters(tiny_target, tiny_draft):
+            for policy in policies():
+                dec = SpeculativeDecoder(target, [drafter], policy, stop_token_ids=[])
+                res = dec.generate(prompt, 24)
+                assert res.tokens == ref, (drafter.name, policy, prompt)
+                assert sum(s.emitted for s in res.steps) + 1 == len(ref)
+
+
+def test_self_draft_accepts_whole_blocks(tiny_target, tiny_prompts):
+    dec = SpeculativeDecoder(tiny_target.model, [ModelDrafter(tiny_target.model, name="self")], Static(4),
+                             stop_token_ids=[])
+    res = dec.generate(tiny_prompts[0], 21)
+    # 1 token from prefill, then 4 blocks of 4 accepted + 1 bonus
+    assert [(s.drafted, s.accepted, s.emitted) for s in res.steps] == [(4, 4, 5)] * 4
+    assert res.target_calls == 5 and res.acceptance_rate == 1.0
+    assert all(b == pytest.approx(1.0, abs=1e-4) for s in res.steps for b in s.beta)
+    assert all(q == pytest.approx(p, abs=1e-4) for s in res.steps for q, p in zip(s.q, s.p))
+
+
+def test_eos_inside_a_block_and_length_limit_inside_a_block(tiny_target, tiny_prompts):
+    target = tiny_target.model
+    # a prompt whose greedy output has a token first seen mid-sequence: that token becomes the EOS
+    for prompt in tiny_prompts:
+        ref = hf_greedy(target, prompt, 30)
+        fresh = [t for i, t in enumerate(ref) if i >= 2 and ref.index(t) == i]
+        if fresh:
+            break
+    eos = fresh[0]
+    expected = ref[: ref.index(eos) + 1]
+    assert hf_greedy(target, prompt, 30, eos=eos) == expected
+    cut = []
+    for k in (3, 4, 8):
+        dec = SpeculativeDecoder(target, [ModelDrafter(target, name="self")], Static(k), stop_token_ids=[eos])
+        res = dec.generate(prompt, 30)
+        assert res.tokens == expected and res.finish_reason == "eos"
+        cut += [s.accepted + 1 > s.emitted for s in res.steps]  # EOS ended the block before its end
+    assert any(cut)
+    for n in (1, 2, 7, 10):
+        res = SpeculativeDecoder(target, [ModelDrafter(target, name="self")], Static(4), stop_token_ids=[]).generate(
+            prompt, n)
+        assert res.tokens == ref[:n] and res.finish_reason == "length"
+
+
+def test_several_drafters_and_records(tiny_target, tiny_draft, tiny_prompts):
+    target = tiny_target.model
+    drafters = tiny_drafters(tiny_target, tiny_draft)
+
+    class RoundRobin(Static):
+        def decide(self, state):
+            from sacpolicy.policy import Decision
+
+            return Decision(state.drafters[state.step % len(state.drafters)], 3)
+
+    prompt = tiny_prompts[-1]
+    res = SpeculativeDecoder(target, drafters, RoundRobin(3), stop_token_ids=[]).generate(prompt, 30)
+    assert res.tokens == hf_greedy(target, prompt, 30)
+    assert {s.drafter for s in res.steps} == {d.name for d in drafters}
+    for s in res.steps:
+        assert len(s.top1) == len(s.q) == len(s.p) == len(s.beta) == s.drafted
+        assert s.context_len >= len(prompt) + 1 and s.draft_s >= 0 and s.verify_s > 0
+
+
+def test_drafter_that_raises_is_dropped_and_output_stays_exact(tiny_target, tiny_prompts, caplog):
+    target = tiny_target.model
+
+    class Broken(NgramDrafter):
+        calls = 0
+
+        def propose(self, *args, **kwargs):
+            Broken.calls += 1
+            if Broken.calls == 3:
+                raise RuntimeError("draft server went away")
+            return super().propose(*args, **kwargs)
+
+    prompt = tiny_prompts[-1]
+    with caplog.at_level(logging.WARNING):
+        res = SpeculativeDecoder(target, [Broken(name="broken")], Static(3), stop_token_ids=[]).generate(prompt, 20)
+    assert res.tokens == hf_greedy(target, prompt, 20)
+    assert res.dropped_drafters == ["broken"]
+    assert "dropped for this request" in caplog.text
+    assert all(s.drafter is None for s in res.steps[2:])
+
+
+def test_low_acceptance_falls_back_to_autoregressive(tiny_target, tiny_draft, tiny_prompts):
+    target = tiny_target.model
+    cfg = DecoderConfig(fallback_floor=0.5, fallback_cooldown=4, fallback_min_steps=2)
+
+    class Zeros(NgramDrafter):  # proposes token 0, which the target never emits here: acceptance 0
+        def propose(self, context, k, *args, **kwargs):
+            return DraftBlock(torch.zeros(k, dtype=torch.long), None)
+
+    prompt = tiny_prompts[0]
+    ref = hf_greedy(target, prompt, 30)
+    assert 0 not in ref
+    dec = SpeculativeDecoder(target, [Zeros(name="zeros")], Static(4), config=cfg, stop_token_ids=[])
+    res = dec.generate(prompt, 30)
+    assert res.tokens == ref
+    flags = [s.fallback for s in res.steps]
+    assert flags[:7] == [False, False, True, True, True, True, False]  # 2 steps observed, 4 of cooldown, retry
+    assert all(s.drafted == 0 for s in res.steps if s.fallback)
+    assert all(s.drafted > 0 and s.accepted == 0 for s in res.steps if not s.fallback)
+    assert all(s.drafted == 0 for s in res.steps if s.fallback)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda t, d: SpeculativeDecoder(t, [ModelDrafter(t, name="x")], Static(20)), "max_k"),
+        (lambda t, d: Static(-1), "k must be"),
+        (lambda t, d: SpeculativeDecoder(t, [NgramDrafter()], Static(2, drafter="nope")), "not among"),
+        (lambda t, d: SpeculativeDecoder(t, [], Static(2)), "needs at least one drafter"),
+        (lambda t, d: SpeculativeDecoder(t, [NgramDrafter(), NgramDrafter()], Static(2)), "unique name"),
+        (lambda t, d: SpeculativeDecoder(t, [ModelDrafter(d)], Static(2)), "vocabulary"),
+        (lambda t, d: SpeculativeDecoder(t, sampling=SamplingConfig(temperature=-1)), "temperature"),
+        (lambda t, d: SamplingConfig(top_p=0), "top_p"),
+        (lambda t, d: SpeculativeDecoder(t).generate([], 4), "empty prompt"),
+        (lambda t, d: SpeculativeDecoder(t).generate(list(range(3, 3000)), 4), "context"),
+        (lambda t, d: SpeculativeDecoder(t).generate(torch.ones(2, 4, dtype=torch.long), 4), "one sequence"),
+    ],
+)
+def test_bad_input_is_rejected_before_decoding(tiny_target, make, match):
+    from transformers import LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match=match):
+        make(tiny_target.model, other)
+
+
+# ---------------------------------------------------------------- sampling through the real decoder loop
+class Markov(torch.nn.Module):
+    """An order-1 Markov chain behind the causal-LM interface the decoder uses (logits from the last token)."""
+
+    def __init__(self, probs: torch.Tensor):
+        super().__init__()
+        v = probs.shape[0]
+        self.logp = torch.nn.Parameter(probs.log(), requires_grad=False)
+        self.head = torch.nn.Linear(1, v, bias=False)
+        self.config = LlamaConfig(vocab_size=v, num_hidden_layers=1, max_position_embeddings=64)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, cache: DynamicCache = None, use_cache=True, logits_to_keep=1):
+        class Out:
+            logits = self.logp[input_ids[:, -logits_to_keep:]]
+
+        return Out
+
+
+def test_decoder_sampling_matches_target_distribution():
+    v = 6
+    g = torch.Generator().manual_seed(5)
+    P = torch.rand(v, v, generator=g) ** 2 + 0.02
+    Q = torch.rand(v, v, generator=g) ** 2 + 0.02
+    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    sampling = SamplingConfig(temperature=1.0)
+    dec = SpeculativeDecoder(Markov(P), [ModelDrafter(Markov(Q), name="q")], Heuristic(k0=2), sampling=sampling,
+                             config=DecoderConfig(timing=False), stop_token_ids=[])
+    draws = 10_000
+    counts = np.zeros((v, v))
+    for i in range(draws):
+        toks = dec.generate([0], 3, seed=i).tokens
+        counts[toks[1], toks[2]] += 1  # tokens 2 and 3 come from draft + verify blocks
+    # P(t2 = a, t3 = b) = sum_x P(x | 0) P(a | x) P(b | a)
+    expected = ((P[0] @ P)[:, None] * P).double().numpy().ravel()
+    _, pval = chisquare(counts.ravel(), expected / expected.sum() * draws)
+    assert pval > 1e-3, pval
+
+
+# ---------------------------------------------------------------- the real embedded target
+@pytest.mark.slow
+def test_embedded_greedy_equals_generate(embedded):
+    from sacpolicy.data import load_prompts
+
+    target = embedded.model
+    rows = load_prompts("mt_bench", tokenizer=embedded.tokenizer, limit=2)
+    code = load_prompts("humaneval", tokenizer=embedded.tokenizer, limit=1)
+    eos = embedded.eos_token_ids
+    for ids in [r["input_ids"] for r in rows] + [code[0]["input_ids"]]:
+        ref = hf_greedy(target, ids, 40, eos=eos)
+        for drafter, policy in [
+            (LayerSkipDrafter(target, 6), Static(3)),
+            (NgramDrafter(), Heuristic()),
+            (LayerSkipDrafter(target, 30), Confidence(0.4, k=5)),
+        ]:
+            res = SpeculativeDecoder(target, [drafter], policy, stop_token_ids=eos).generate(ids, 40)
+            assert res.tokens == ref, (drafter.name, policy)
+        assert embedded.tokenizer.decode(ref).strip()
