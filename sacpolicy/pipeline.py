@@ -95,7 +95,11 @@ def stage_distill(cfg: DictConfig, out_dir: Path) -> dict:
     # early stopping watches what the draft is for: greedy agreement on held-out first turns
     val = split_prompts(load_prompt_mix(settings.val_prompts, tokenizer=target.tokenizer,
                                         max_prompt_tokens=cfg.data.max_prompt_tokens))["val"]
-    dm = DistillDataModule(target, train, val, seed=cfg.seed, **settings.data)
+    fixed = None
+    if settings.fixed_text:
+        fixed = load_prompt_mix(settings.fixed_text, tokenizer=target.tokenizer, chat=False,
+                                max_prompt_tokens=cfg.data.max_prompt_tokens)
+    dm = DistillDataModule(target, train, val, fixed_text=fixed, seed=cfg.seed, **settings.data)
     logger = instantiate(cfg.logger) if cfg.get("logger") else None
     metrics = train_draft(target, dm, settings, instantiate(cfg.trainer), out_dir / "distill", logger)
     summary = {"target": target.spec, "draft_dir": str(out_dir / "distill" / "draft"), **metrics}

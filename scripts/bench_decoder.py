@@ -8,9 +8,10 @@ Greedy decoding of MT-Bench first turns with the embedded target. Rows are measu
 every row runs once (so machine noise hits all rows alike), after warm-up prompts that are not counted. Every row's
 output is checked to be the target's own greedy output. Prints a Markdown table and writes bench_decoder.json.
 
-Drafts (until a distilled draft exists): ``layerskip`` = the target's first L layers sharing its weights;
-``model`` = a separate model holding a copy of those layers, the draft both we and transformers' assisted generation
-use; ``ngram`` = prompt lookup (max n-gram 2, transformers' default).
+Drafts: ``layerskip`` = the target's first L layers sharing its weights; ``model`` = a separate draft model, the one
+both we and transformers' assisted generation use: ``--draft DIR`` (e.g. a distilled draft; we draft with its
+trimmed vocabulary when it has one, transformers with its full head) or, without it, a copy of the target's first L
+layers; ``ngram`` = prompt lookup (max n-gram 2, transformers' default).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from sacpolicy.data import load_prompts
 from sacpolicy.decoding import LayerSkipDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
-from sacpolicy.decoding.drafters import truncated_view
+from sacpolicy.decoding.drafters import model_drafter, truncated_view
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Confidence, Heuristic, Static
 
@@ -147,15 +148,24 @@ def tune_threshold(target, drafter, k, prompts, eos, n, grid=(0.1, 0.2, 0.3, 0.5
     return best[1]
 
 
-def build_rows(args, target, eos, warm):
-    view = truncated_view(target, args.layers)
-    model_draft = copy.deepcopy(view)  # a separate draft model: its own copy of the first L layers
+def build_rows(args, lm, eos, warm):
+    target = lm.model
+    if args.draft:
+        ours_draft = model_drafter(lm, args.draft, name="model")
+        model_draft = load_model(args.draft, device=target.device, dtype=next(target.parameters()).dtype).model
+    else:
+        model_draft = copy.deepcopy(truncated_view(target, args.layers))  # its own copy of the first L layers
+        ours_draft = ModelDrafter(model_draft, name="model")
     model_draft.generation_config = copy.deepcopy(target.generation_config)
     drafters = {
         "layerskip": lambda: LayerSkipDrafter(target, args.layers, name="layerskip"),
-        "model": lambda: ModelDrafter(model_draft, name="model"),
+        "model": lambda: ours_draft,
         "ngram": lambda: NgramDrafter(max_ngram=2, name="ngram"),
     }
+    if args.draft:  # the same draft with its full-vocabulary head, as transformers runs it
+        full = model_drafter(lm, args.draft, name="modelfull", trim=False)
+        drafters["modelfull"] = lambda: full
+        args.drafters = args.drafters + ["modelfull"]
     rows = [Row("ar", ours(target, [], Autoregressive(), eos)), Row("hf-ar", hf(target, eos))]
     tuned = {}
     for d in args.drafters:
@@ -193,6 +203,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--kmax", type=int, default=8, help="k cap of the confidence rows")
     ap.add_argument("--layers", type=int, default=4, help="layers of the layer-skip / first-layers draft")
     ap.add_argument("--drafters", default="layerskip,model,ngram")
+    ap.add_argument("--draft", default=None, help="a draft model directory (e.g. a distilled draft) for the model rows")
     ap.add_argument("--only", default="", help="comma-separated row-name prefixes to keep (ar rows always run)")
     ap.add_argument("--out", default="bench_decoder.json")
     args = ap.parse_args(argv)
@@ -201,12 +212,12 @@ def main(argv=None) -> dict:
 
     lm = load_model(args.target, device=args.device, dtype=args.dtype)
     target, eos = lm.model, lm.eos_token_ids
-    counter = CallCounter(target)
     ds = load_prompts("mt_bench", tokenizer=lm.tokenizer)
     ids = [r["input_ids"] for r in ds]
     warm, measured = ids[: args.warmup], ids[args.warmup : args.warmup + args.prompts]
 
-    rows, tuned = build_rows(args, target, eos, warm)
+    rows, tuned = build_rows(args, lm, eos, warm)
+    counter = CallCounter(target)  # after the drafts exist: views of the target copy its hooks when made
     if args.only:
         keep = tuple(args.only.split(","))
         rows = [r for r in rows if r.name in ("ar", "hf-ar") or r.name.startswith(keep)]
@@ -236,7 +247,7 @@ def main(argv=None) -> dict:
     meta = {
         "target": args.target, "device": str(target.device), "dtype": str(next(target.parameters()).dtype),
         "prompts": len(measured), "warmup_prompts": len(warm), "max_new_tokens": args.max_new_tokens,
-        "layers": args.layers, "tuned_thresholds": tuned, "torch_threads": torch.get_num_threads(),
+        "layers": args.layers, "draft": args.draft or f"first {args.layers} target layers", "tuned_thresholds": tuned, "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
     }
     meta["comparisons"] = comparisons(results)
@@ -255,7 +266,7 @@ def comparisons(rows) -> dict:
     pairs = {"ar": "hf-ar", "model-heuristic": "hf-assisted-model-heuristic",
              "model-confidence-0.4": "hf-assisted-model-confidence-0.4"}
     for name in tps:
-        if name.startswith("model-static-k"):
+        if name.startswith(("model-static-k", "modelfull-static-k")):
             pairs[name] = "hf-assisted-model-k" + name.rsplit("k", 1)[1]
         if name.startswith("ngram-static-k"):
             pairs[name] = "hf-prompt-lookup-k" + name.rsplit("k", 1)[1]

@@ -64,6 +64,9 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
     for opt in options("predictor"):
         est = instantiate(cfg_for(f"predictor={opt}").predictor)
         assert hasattr(est, "fit") and hasattr(est, "predict_proba")
+    for opt in options("distill"):
+        settings = instantiate(cfg_for(f"distill={opt}").distill)
+        assert settings.loss == opt and settings.data["topk"] > 0
     for opt in options("trainer"):
         assert callable(instantiate(cfg_for(f"trainer={opt}", tmp_path=tmp_path).trainer))
     for opt in options("logger"):

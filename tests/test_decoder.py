@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaConfig
 
 from sacpolicy.decoding import (
     DecoderConfig,
@@ -19,6 +19,7 @@ from sacpolicy.decoding import (
     SpeculativeDecoder,
 )
 from sacpolicy.policy import Autoregressive, Confidence, Heuristic, SeedRule, Static
+from toys import Markov
 
 
 def hf_greedy(model, prompt, n, eos=None):
@@ -188,26 +189,6 @@ def test_bad_input_is_rejected_before_decoding(tiny_target, make, match):
 
 
 # ---------------------------------------------------------------- sampling through the real decoder loop
-class Markov(torch.nn.Module):
-    """An order-1 Markov chain behind the causal-LM interface the decoder uses (logits from the last token)."""
-
-    def __init__(self, probs: torch.Tensor):
-        super().__init__()
-        v = probs.shape[0]
-        self.logp = torch.nn.Parameter(probs.log(), requires_grad=False)
-        self.head = torch.nn.Linear(1, v, bias=False)
-        self.config = LlamaConfig(vocab_size=v, num_hidden_layers=1, max_position_embeddings=64)
-
-    def get_output_embeddings(self):
-        return self.head
-
-    def forward(self, input_ids, cache: DynamicCache = None, use_cache=True, logits_to_keep=1):
-        class Out:
-            logits = self.logp[input_ids[:, -logits_to_keep:]]
-
-        return Out
-
-
 def test_decoder_sampling_matches_target_distribution():
     v = 6
     g = torch.Generator().manual_seed(5)
@@ -215,7 +196,7 @@ def test_decoder_sampling_matches_target_distribution():
     Q = torch.rand(v, v, generator=g) ** 2 + 0.02
     P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
     sampling = SamplingConfig(temperature=1.0)
-    dec = SpeculativeDecoder(Markov(P), [ModelDrafter(Markov(Q), name="q")], Heuristic(k0=2), sampling=sampling,
+    dec = SpeculativeDecoder(Markov(P.log()), [ModelDrafter(Markov(Q.log()), name="q")], Heuristic(k0=2), sampling=sampling,
                              config=DecoderConfig(timing=False), stop_token_ids=[])
     draws = 10_000
     counts = np.zeros((v, v))

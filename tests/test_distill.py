@@ -20,6 +20,7 @@ from sacpolicy.policy import Heuristic, Static
 from sacpolicy.training.distill import DistillModule, DistillSettings, divergence, teacher_logp, train_draft
 from sacpolicy.training.distill_data import DistillDataModule, collate
 from sacpolicy.training.drafts import build_draft, select_vocab
+from toys import Markov
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,25 +85,6 @@ def test_trimmed_draft_stays_lossless(tiny_target):
                      vocab_size=49152)
 
 
-class Markov(torch.nn.Module):
-    def __init__(self, logp_rows, out_features):
-        super().__init__()
-        self.logp = torch.nn.Parameter(logp_rows, requires_grad=False)
-        self.head = torch.nn.Linear(1, out_features, bias=False)
-        from transformers import LlamaConfig
-
-        self.config = LlamaConfig(vocab_size=logp_rows.shape[0], num_hidden_layers=1, max_position_embeddings=64)
-
-    def get_output_embeddings(self):
-        return self.head
-
-    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
-        class Out:
-            logits = self.logp[input_ids[:, -logits_to_keep:]]
-
-        return Out
-
-
 def test_sampling_with_a_trimmed_draft_matches_the_target():
     v, d2t = 6, torch.tensor([0, 2, 3, 5])
     g = torch.Generator().manual_seed(11)
@@ -110,7 +92,7 @@ def test_sampling_with_a_trimmed_draft_matches_the_target():
     P = P / P.sum(-1, keepdim=True)
     Qt = torch.rand(v, 4, generator=g) + 0.05  # the draft only knows 4 of the 6 tokens
     Qt = Qt / Qt.sum(-1, keepdim=True)
-    dec = SpeculativeDecoder(Markov(P.log(), v), [ModelDrafter(Markov(Qt.log(), 4), name="q", d2t=d2t, vocab_size=v)],
+    dec = SpeculativeDecoder(Markov(P.log()), [ModelDrafter(Markov(Qt.log()), name="q", d2t=d2t, vocab_size=v)],
                              Heuristic(k0=2), sampling=SamplingConfig(temperature=1.0), stop_token_ids=[])
     draws, counts = 6000, np.zeros((v, v))
     for i in range(draws):
@@ -226,3 +208,16 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert summary["global_step"] == 2
     assert (tmp_path / "run" / "distill" / "draft" / "model.safetensors").exists()
     assert "distributed_backend=gloo" in out.stderr or "gloo" in out.stdout + out.stderr
+
+
+def test_fixed_text_is_distilled_verbatim(tiny_target, tiny_data, tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog.\nSpeculative decoding verifies drafts in one pass.\n")
+    fixed = load_prompts(f"text:{path}", tokenizer=tiny_target.tokenizer, chat=False)
+    dm = DistillDataModule(tiny_target, tiny_data.train_prompts, tiny_data.val_prompts, max_new_tokens=10, samples=1,
+                           temperature=0.8, topk=16, batch_size=4, fixed_text=fixed)
+    dm.prepare_data()
+    text_rows = [r for r in dm.train if r["prompt_len"] == 1]
+    assert len(dm.train) == len(tiny_data.train) + 2 and len(text_rows) == 2
+    row = text_rows[0]
+    assert row["input_ids"] == fixed[0]["input_ids"] and len(row["topk_ids"]) == len(row["input_ids"]) - 1

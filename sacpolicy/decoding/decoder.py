@@ -131,8 +131,8 @@ class SpeculativeDecoder:
         if not self.policy.needs_token_feedback:
             return None
 
-        def stop(position: int, logits: torch.Tensor) -> bool:
-            top1, entropy, margin = draft_stats(logits).tolist()
+        def stop(position: int, stats: torch.Tensor) -> bool:
+            top1, entropy, margin = stats.tolist()
             return self.policy.should_stop(state, DraftToken(position, top1, entropy, margin))
 
         return stop

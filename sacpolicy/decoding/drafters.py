@@ -14,11 +14,12 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from sacpolicy.decoding.sampling import SamplingConfig, select_token
+from sacpolicy.decoding.sampling import SamplingConfig, draft_stats, select_token
 
 logger = logging.getLogger(__name__)
 
-# Called after each drafted token with (position in block, that position's draft logits [V]); True stops the block.
+# Called after each drafted token with (position in block, draft_stats of that position: [top-1 prob, entropy,
+# margin]); True stops the block after this token.
 StopFn = Callable[[int, torch.Tensor], bool]
 
 
@@ -118,7 +119,7 @@ class ModelDrafter:
             tok = select_token(step_logits, sampling, generator)
             tokens.append(tok)
             logits.append(step_logits)
-            if i + 1 == k or (stop is not None and stop(i, step_logits)):
+            if i + 1 == k or (stop is not None and stop(i, draft_stats(step_logits))):
                 break
             feed = tok.view(1)
         self._valid = context.shape[0]

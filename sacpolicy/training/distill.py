@@ -55,6 +55,7 @@ class DistillSettings:
     data: dict = field(default_factory=dict)  # DistillDataModule keyword arguments
     prompts: list = field(default_factory=lambda: [{"source": "mt_bench", "turns": "all"}, "humaneval"])  # train split
     val_prompts: list = field(default_factory=lambda: ["mt_bench"])  # val split, first turns
+    fixed_text: list | None = None  # prompt sources used verbatim (no chat template, no generation), e.g. text:<path>
 
     def __post_init__(self) -> None:
         from sacpolicy.training.drafts import ARCHS
@@ -139,9 +140,11 @@ class DistillModule(L.LightningModule):
 
     # ------------------------------------------------------------------ loss
     def _positions(self, batch):
-        logits = self.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        """Draft logits at the trained positions only: the LM head never runs on prompt or padding positions."""
+        hidden = self.draft.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         mask = batch["loss_mask"]
-        return logits[mask].float(), batch["topk_ids"][mask], batch["topk_logp"][mask]
+        logits = self.draft.get_output_embeddings()(hidden.last_hidden_state[:, :-1][mask])
+        return logits.float(), batch["topk_ids"][mask], batch["topk_logp"][mask]
 
     def _loss(self, batch):
         logits, top_ids, top_logp = self._positions(batch)
