@@ -81,13 +81,14 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
     prompt = list(row["input_ids"])
     L, G = len(prompt), len(generated)
     ids = torch.tensor([prompt + generated], device=target.device)
-    p = probs_from_logits(model(input_ids=ids).logits[0, L - 1 : L + G - 1], _T1)  # [G, V]
+    # logits_to_keep: the LM head runs only where a generated token is predicted, not over the prompt
+    p = probs_from_logits(model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1], _T1)  # [G, V]
     gen = torch.tensor(generated, device=target.device)
     p_target = p.gather(-1, gen.view(-1, 1)).squeeze(-1)
     out = []
     for d in drafters:
         if isinstance(d, ModelDrafter):
-            logits = d.model(input_ids=ids).logits[0, L - 1 : L + G - 1].float()
+            logits = d.model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1].float()
             if d.d2t is not None:
                 logits = logits.new_full((G, d.vocab_size), float("-inf")).index_copy_(1, d.d2t, logits)
             q = probs_from_logits(logits, _T1)
