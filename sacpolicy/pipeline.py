@@ -8,9 +8,7 @@ Stages (``cfg.stages``, run in order, each writing files into the run directory)
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from sacpolicy.data import split_prompts
+from sacpolicy.io import write_json
 from sacpolicy.decoding import SpeculativeDecoder
 from sacpolicy.models import LoadedModel
 from sacpolicy.policy import Autoregressive
@@ -74,13 +73,6 @@ def build_decoder(cfg: DictConfig, target: LoadedModel, drafters: list, policy=N
 def load_split(cfg: DictConfig, target: LoadedModel, split: str | None = None):
     prompts = instantiate(cfg.data)(tokenizer=target.tokenizer)
     return split_prompts(prompts)[split or cfg.run.split]
-
-
-def write_json(path: Path, payload) -> None:
-    """Atomic: a reader never sees half a file, an interrupted run never leaves one."""
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, default=float))
-    os.replace(tmp, path)
 
 
 def stage_distill(cfg: DictConfig, out_dir: Path) -> dict:

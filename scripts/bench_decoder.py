@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import resource
 import sys
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sacpolicy.data import load_prompts
+from sacpolicy.io import write_json
 from sacpolicy.decoding import LayerSkipDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from sacpolicy.decoding.drafters import model_drafter, truncated_view
 from sacpolicy.models import EMBEDDED_TARGET, load_model
@@ -252,10 +252,7 @@ def main(argv=None) -> dict:
     }
     meta["comparisons"] = comparisons(results)
     report = {"rows": results, "meta": meta}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, args.out)
+    write_json(args.out, report)
     print(markdown(results, meta))
     return report
 

@@ -19,7 +19,6 @@ import argparse
 import copy
 import functools
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch
 
 from sacpolicy.data import load_prompt_mix, split_prompts
 from sacpolicy.decoding import ModelDrafter, SpeculativeDecoder
+from sacpolicy.io import write_json
 from sacpolicy.decoding.drafters import model_drafter
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Static
@@ -183,9 +183,7 @@ def main(argv=None):
             "live_prompts": len(test_prompts), "max_new_tokens": args.max_new_tokens, "ks": args.ks,
             "torch_threads": torch.get_num_threads(), "workdir": str(workdir)}
     report = {"rows": rows, "meta": meta}
-    tmp = args.out + ".tmp"
-    Path(tmp).write_text(json.dumps(report, indent=2))
-    os.replace(tmp, args.out)
+    write_json(args.out, report)
     print(markdown(rows, meta))
     return report
 

@@ -13,13 +13,12 @@ Prints a Markdown table and writes bench_traces.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 from sacpolicy.data import load_prompts, split_prompts
 from sacpolicy.decoding import LayerSkipDrafter, NgramDrafter, SpeculativeDecoder
 from sacpolicy.decoding.drafters import model_drafter
+from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Heuristic, Static
 from sacpolicy.policy.cost import profile
@@ -80,10 +79,7 @@ def main(argv=None):
         "target_decode_s_per_position": gen_s / positions,
         "teacher_forced_speedup": live_per_pos / (tf_s / positions),
         "policies_replayed": len(policies), "cost_model": cost.to_dict()}}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    os.replace(tmp, args.out)
+    write_json(args.out, report)
     m = report["meta"]
     print(f"live decoding {m['live_s_per_position'] * 1e3:.1f} ms/position; teacher-forced passes of "
           f"{len(drafters)} drafters {m['teacher_forced_s_per_position'] * 1e3:.2f} ms/position "

@@ -153,7 +153,6 @@ def test_wrong_draft_probabilities_are_detected():
     P = torch.rand(V, V, generator=gen) ** 3 + 1e-3
     Q = torch.rand(V, V, generator=gen) ** 3 + 1e-3
     P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
-    cfg = SamplingConfig(temperature=1.0)
     g = torch.Generator().manual_seed(3)
     counts = np.zeros(V)
     for _ in range(20_000):

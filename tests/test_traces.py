@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from sacpolicy.data import load_prompts
 from sacpolicy.decoding import LayerSkipDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder

@@ -19,7 +19,6 @@ import bisect
 import functools
 import json
 import logging
-import os
 import platform
 import statistics
 import time
@@ -170,14 +169,9 @@ class CostModel:
 
     def to_json(self, path) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(self.to_dict(), indent=2))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        from sacpolicy.io import write_json
+
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path) -> CostModel:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sacpolicy.io import write_json
+
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -61,12 +63,7 @@ def write_shard(rows: list[dict], kind: str, out_dir: str | Path, name: str) -> 
 
 
 def write_meta(out_dir: str | Path, meta: dict) -> None:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"schema_version": SCHEMA_VERSION, **meta}
-    tmp = out_dir / f".{META_FILE}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, out_dir / META_FILE)
+    write_json(Path(out_dir) / META_FILE, {"schema_version": SCHEMA_VERSION, **meta})
 
 
 def read_meta(trace_dir: str | Path) -> dict:

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-from pathlib import Path
 
 import datasets
 import lightning as L

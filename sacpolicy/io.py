@@ -1,0 +1,20 @@
+"""Atomic file writes: a reader never sees half a file and an interrupted run never leaves one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_json(path: str | Path, payload, **dump_kwargs) -> Path:
+    """Write ``payload`` as JSON to a temporary sibling, then rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(payload, indent=2, **({"default": str} | dump_kwargs)))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
