@@ -59,6 +59,8 @@ def test_teacher_forced_records(setup):
         assert r["match"] == (r["draft_token"] == r["target_token"])
     meta = json.loads((out / "meta.json").read_text())
     assert meta["schema_version"] == 1 and meta["drafters"] == ["skip2", "self", "ngram"]
+    assert meta["target"] == "tiny:llama-4l" and meta["dtype"] == "torch.float32" and meta["device"] == "cpu"
+    assert meta["package_version"] and meta["sampling"]["temperature"] == 0.0
 
 
 @pytest.mark.parametrize("make_policy", [

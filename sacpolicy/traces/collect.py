@@ -50,7 +50,9 @@ def _prepare(out_dir: Path, meta: dict) -> None:
             diff = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k]}
             raise TraceError(f"{out_dir} holds traces of another collection {diff}; use a new directory")
         return
-    write_meta(out_dir, {**meta, "schema_version": SCHEMA_VERSION})
+    from sacpolicy import __version__
+
+    write_meta(out_dir, {**meta, "schema_version": SCHEMA_VERSION, "package_version": __version__})
 
 
 def collect_live(decoder: SpeculativeDecoder, prompts, out_dir, *, max_new_tokens: int, meta: dict,
@@ -59,7 +61,10 @@ def collect_live(decoder: SpeculativeDecoder, prompts, out_dir, *, max_new_token
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
-    _prepare(out_dir, {**meta, "kind": "live", "policy": repr(decoder.policy), "max_new_tokens": max_new_tokens})
+    weights = next(decoder.target.parameters())
+    _prepare(out_dir, {**meta, "kind": "live", "policy": repr(decoder.policy), "max_new_tokens": max_new_tokens,
+                       "drafters": list(decoder.drafters), "sampling": vars(decoder.sampling),
+                       "device": str(weights.device), "dtype": str(weights.dtype)})
     for name, chunk in tqdm(list(_chunks(prompts, shard, chunk_size)), desc="live traces", disable=not progress):
         if (out_dir / f"{name}.parquet").exists():
             continue
@@ -148,7 +153,8 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
     sampling = sampling or SamplingConfig()
     out_dir = Path(out_dir)
     _prepare(out_dir, {**meta, "kind": "teacher_forced", "drafters": [d.name for d in drafters], "k_max": k_max,
-                       "max_new_tokens": max_new_tokens, "sampling": vars(sampling)})
+                       "max_new_tokens": max_new_tokens, "sampling": vars(sampling), "device": str(target.device),
+                       "dtype": str(target.dtype)})
     decoder = SpeculativeDecoder(target.model, [], Autoregressive(), sampling=sampling,
                                  stop_token_ids=target.eos_token_ids)
     for name, chunk in tqdm(list(_chunks(prompts, shard, chunk_size)), desc="teacher-forced traces",
