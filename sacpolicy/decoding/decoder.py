@@ -137,18 +137,25 @@ class SpeculativeDecoder:
 
         return stop
 
-    def _block_stats(self, block: DraftBlock, logits: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-        """[k, 6] = draft (top1, entropy, margin) + (q(x), p(x), beta), on device."""
+    def _block_stats(self, block: DraftBlock, logits: torch.Tensor, pq) -> torch.Tensor:
+        """[k, 6] = draft (top1, entropy, margin) + (q(x), p(x), beta), on device. ``pq``: the processed (p, q)
+        verification used when sampling; None when greedy, where the records use temperature-1 distributions."""
         k = block.k
-        if self.sampling.greedy:
+        if pq is None:
             p = probs_from_logits(logits[:k], _T1)
+            q = self._draft_probs(block, _T1)
+        else:
+            p, q = pq
         if block.logits is None:
-            q = torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
             conf = torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(k, 3)
         else:
-            q = probs_from_logits(block.logits, _T1 if self.sampling.greedy else self.sampling)
             conf = draft_stats(block.logits)
         return torch.cat([conf, acceptance_stats(p, q, block.tokens)], dim=-1)
+
+    def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
+        if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
+            return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
+        return probs_from_logits(block.logits, cfg)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
@@ -227,10 +234,10 @@ class SpeculativeDecoder:
 
         kb = block.k
         logits = self._forward(torch.cat([run.buf[n - 1 : n], block.tokens]), run.cache, kb + 1)
-        n_acc, nxt, p = self._verify(logits, block)
+        n_acc, nxt, pq = self._verify(logits, block)
         run.buf[n : n + kb] = block.tokens
         run.buf[n + n_acc] = nxt  # device-side index: no sync before the write
-        stats = self._block_stats(block, logits, p) if kb else None
+        stats = self._block_stats(block, logits, pq) if kb else None
         head = torch.cat([n_acc.view(1), nxt.view(1), block.tokens]).tolist()  # the step's one host sync
         t2 = self._now()
 
@@ -261,15 +268,12 @@ class SpeculativeDecoder:
         return rec
 
     def _verify(self, logits: torch.Tensor, block: DraftBlock):
-        """-> (n_accepted, next token, processed target probs or None when greedy), all on device."""
+        """-> (n_accepted, next token, (p, q) processed probs or None when greedy), all on device."""
         if self.sampling.greedy:
             return (*verify_greedy(logits, block.tokens), None)
         p = probs_from_logits(logits, self.sampling)
-        if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
-            q = torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
-        else:
-            q = probs_from_logits(block.logits, self.sampling)
-        return (*verify(p, q, block.tokens, self.generator), p)
+        q = self._draft_probs(block, self.sampling)
+        return (*verify(p, q, block.tokens, self.generator), (p, q))
 
     def _drop(self, run: _Run, name: str, exc: Exception) -> None:
         logger.warning("drafter %r raised %r; dropped for this request, decoding continues", name, exc)
