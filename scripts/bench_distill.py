@@ -33,6 +33,7 @@ from sacpolicy.io import write_json
 from sacpolicy.decoding.drafters import model_drafter
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Static
+from sacpolicy.traces.collect import teacher_forced_rows
 from sacpolicy.training.distill import DistillSettings, train_draft
 from sacpolicy.training.distill_data import DistillDataModule, generate_continuations, token_counts
 from sacpolicy.training.drafts import build_draft
@@ -54,23 +55,15 @@ class Snapshots(L.Callback):
                 self.saved[m] = {k: v.detach().clone() for k, v in module.draft.state_dict().items()}
 
 
-@torch.inference_mode()
 def match_and_beta(target, drafter: ModelDrafter, seqs) -> tuple[float, float]:
-    """Teacher-forced over the target's greedy outputs: greedy match rate and mean beta at temperature 1."""
-    matches = betas = n = 0
-    for row in seqs:
-        ids = torch.tensor([row["input_ids"]], device=target.device)
-        first = row["prompt_len"] - 1
-        p = torch.softmax(target.model(input_ids=ids).logits[0, first:-1].float(), -1)
-        logits = drafter.model(input_ids=ids).logits[0, first:-1].float()
-        if drafter.d2t is not None:
-            full = logits.new_full((logits.shape[0], drafter.vocab_size), float("-inf"))
-            logits = full.index_copy_(1, drafter.d2t, logits)
-        q = torch.softmax(logits, -1)
-        matches += (q.argmax(-1) == p.argmax(-1)).sum().item()
-        betas += torch.minimum(p, q).sum(-1).sum().item()
-        n += p.shape[0]
-    return matches / n, betas / n
+    """Teacher-forced over the target's greedy outputs (the trace collector's own pass): greedy match rate and mean
+    beta at temperature 1."""
+    rows = []
+    for r in seqs:
+        L = r["prompt_len"]
+        prompt = {"prompt_id": r["prompt_id"], "category": "", "input_ids": r["input_ids"][:L]}
+        rows += teacher_forced_rows(target, [drafter], prompt, r["input_ids"][L:], k_max=1)
+    return sum(r["match"] for r in rows) / len(rows), sum(r["beta"] for r in rows) / len(rows)
 
 
 @torch.inference_mode()

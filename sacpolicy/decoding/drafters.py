@@ -112,10 +112,7 @@ class ModelDrafter:
         tokens, logits = [], []
         for i in range(k):
             out = self.model(input_ids=feed.view(1, -1), cache=self._cache, use_cache=True, logits_to_keep=1)
-            step_logits = out.logits[0, -1]
-            if self.d2t is not None:
-                step_logits = step_logits.new_full((self.vocab_size,), float("-inf")).index_copy_(
-                    0, self.d2t, step_logits)
+            step_logits = self.full_logits(out.logits[0, -1])
             tok = select_token(step_logits, sampling, generator)
             tokens.append(tok)
             logits.append(step_logits)
@@ -127,6 +124,14 @@ class ModelDrafter:
         if not tokens:
             return DraftBlock.empty(context.device)
         return DraftBlock(torch.stack(tokens), torch.stack(logits))
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., head] -> [..., vocab_size] over the target's ids (-inf where a trimmed draft has no
+        logit); unchanged for a full-vocabulary draft."""
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.d2t, logits)
 
     def accept(self, n_accepted: int) -> None:
         keep = min(n_accepted, self._pending)

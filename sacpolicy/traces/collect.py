@@ -93,9 +93,7 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
     out = []
     for d in drafters:
         if isinstance(d, ModelDrafter):
-            logits = d.model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1].float()
-            if d.d2t is not None:
-                logits = logits.new_full((G, d.vocab_size), float("-inf")).index_copy_(1, d.d2t, logits)
+            logits = d.full_logits(d.model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1].float())
             q = probs_from_logits(logits, _T1)
             stats = draft_stats(logits)
             draft = q.argmax(-1)
