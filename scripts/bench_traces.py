@@ -4,7 +4,8 @@
 
 On held-out MT-Bench first turns with the embedded target (greedy):
 1. seconds per generated position of live decoding (static k) vs of the teacher-forced pass of every drafter over
-   the target's output (the target's own decode, shared by all drafters and all policies, reported separately);
+   the target's output (the target's own decode, shared by all drafters and all policies, reported separately; its
+   kept logits give p, so the target never runs a second time);
 2. the cost model profiled on this machine, the policies replayed over the traces (simulated tokens/s) and the
    same policies run live (measured tokens/s), side by side.
 Prints a Markdown table and writes bench_traces.json.
@@ -47,11 +48,11 @@ def main(argv=None):
     gen_s = tf_s = 0.0
     rows, generated = [], {}
     for r in prompts:  # the target's own output once, then one teacher-forced pass per drafter
-        res = ar.generate(r["input_ids"], args.max_new_tokens)
+        res = ar.generate(r["input_ids"], args.max_new_tokens, keep_logits=True)
         gen_s += res.total_s
         generated[r["prompt_id"]] = res.tokens
         t0 = time.perf_counter()
-        rows += teacher_forced_rows(lm, drafters, r, res.tokens, k_max=16)
+        rows += teacher_forced_rows(lm, drafters, r, res.tokens, k_max=16, target_logits=res.logits)
         tf_s += time.perf_counter() - t0
     positions = sum(len(t) for t in generated.values())
 

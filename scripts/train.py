@@ -1,12 +1,17 @@
-"""Run the sacpolicy pipeline under Hydra.
+"""Run the sacpolicy pipeline under Hydra: distill a draft, collect traces, fit policies, evaluate, export.
 
     python scripts/train.py                       # embedded SmolLM2-135M target on CPU (the default experiment)
-    python scripts/train.py experiment=smoke      # tiny random models, seconds
-    python scripts/train.py policy=heuristic run.max_new_tokens=128
-    python scripts/train.py -m policy=static,heuristic,confidence   # a sweep; returns tokens/s per job
+    python scripts/train.py experiment=smoke      # tiny random models, under a minute
+    python scripts/train.py stages=[decode] policy=heuristic run.max_new_tokens=128
+    python scripts/train.py stages=[fit,evaluate] from_run=outputs/<date>/<time>   # reuse traces of an earlier run
+    python scripts/train.py hydra.run.dir=outputs/<date>/<time>                    # resume an interrupted run
+    python scripts/train.py -m experiment=smoke predictor=[hgb],[logreg]          # a sweep; returns the metric
+    python scripts/train.py logger=wandb          # W&B, offline by default (`wandb sync` later)
 """
 
+import json
 import logging
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -14,6 +19,19 @@ from rich.console import Console
 from rich.table import Table
 
 from sacpolicy import pipeline
+
+
+def print_eval_table(eval_path: str) -> None:
+    ev = json.loads(Path(eval_path).read_text())
+    m = ev["meta"]
+    table = Table(title=f"{m['target']} on {m['device']}: {m['test_prompts_simulated']} test prompts simulated, "
+                        f"{m['live_prompts']} live x {m['max_new_tokens']} tokens")
+    for col in ("policy", "mode", "tokens/s", "speedup vs AR", "tokens/target call", "p50 ms", "policy %"):
+        table.add_column(col, justify="left" if col in ("policy", "mode") else "right", no_wrap=True)
+    for r in sorted(ev["rows"], key=lambda r: (r["mode"], -r["tokens_per_s"])):
+        table.add_row(r["name"], r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x",
+                      f"{r['mean_accepted']:.2f}", f"{r['latency_p50_ms']:.1f}", f"{100 * r['policy_fraction']:.2f}")
+    Console().print(table)
 
 
 def print_decode_table(summary: dict) -> None:
@@ -36,6 +54,9 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(f"error: {exc}") from None
     if "decode" in outputs:
         print_decode_table(outputs["decode"])
+    if "evaluate" in outputs:
+        print_eval_table(outputs["evaluate"]["eval"])
+        print(f"report: {outputs['report']}")
     return outputs["metric"]
 
 

@@ -60,10 +60,13 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
     for opt in options("policy"):
         assert instantiate(cfg_for(f"policy={opt}").policy).decide is not None
     assert instantiate(cfg.decoder).max_k >= 1
-    assert instantiate(cfg.sampling).greedy
+    assert instantiate(cfg_for().sampling).greedy and not instantiate(cfg.sampling).greedy  # smoke samples
+    assert set(cfg.predictor) == set(options("predictor"))  # the default fits every predictor
     for opt in options("predictor"):
-        est = instantiate(cfg_for(f"predictor={opt}").predictor)
-        assert hasattr(est, "fit") and hasattr(est, "predict_proba")
+        spec = instantiate(cfg_for(f"predictor=[{opt}]").predictor)
+        assert list(spec) == [opt] and spec[opt]["kind"] in ("sklearn", "mlp")
+        if spec[opt]["kind"] == "sklearn":
+            assert hasattr(spec[opt]["estimator"], "fit") and hasattr(spec[opt]["estimator"], "predict_proba")
     for opt in options("distill"):
         settings = instantiate(cfg_for(f"distill={opt}").distill)
         assert settings.loss == opt and settings.data["topk"] > 0
@@ -74,12 +77,12 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
         assert type(logger).__name__ in {"CSVLogger", "WandbLogger"}
 
 
-def test_every_draft_and_data_option_builds_on_the_tiny_target(tiny_target):
+def test_every_draft_and_data_option_builds_on_the_tiny_target(tiny_target, tmp_path):
     for opt in options("draft"):
         cfg = cfg_for("experiment=smoke", f"draft={opt}")
         if opt == "model":
             cfg.draft.draft.spec = "tiny:llama-1l"
-        drafters = pipeline.build_drafters(cfg, tiny_target)
+        drafters = pipeline.build_drafters(cfg, tiny_target, tmp_path)
         assert [d.name for d in drafters] == list(cfg.draft or {})
     for opt in options("data"):
         ds = instantiate(cfg_for(f"data={opt}").data)(tokenizer=tiny_target.tokenizer)
@@ -97,17 +100,3 @@ def test_unknown_stage_fails_before_any_work():
     cfg = cfg_for("experiment=smoke", "stages=[decode,fly]")
     with pytest.raises(pipeline.PipelineError, match="unknown stage.*fly"):
         pipeline.validate(cfg)
-
-
-def test_train_script_runs_the_smoke_experiment(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/train.py"), "experiment=smoke", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "tokens/s" in out.stdout and "speedup vs AR" in out.stdout
-    import json
-
-    summary = json.loads((tmp_path / "decode.json").read_text())
-    assert summary["rows"]["ar"]["tokens_per_s"] > 0 and summary["rows"]["policy"]["tokens_per_s"] > 0
-    assert (tmp_path / "config.yaml").exists()

@@ -248,3 +248,20 @@ def test_layer_skip_view_shares_weights_not_structure(tiny_target):
         handle.remove()
     with pytest.raises(ValueError, match="num_layers"):
         truncated_view(target, 5)
+
+
+def test_kept_logits_are_the_targets_distributions_of_each_new_token(tiny_target, tiny_draft, tiny_prompts):
+    """keep_logits returns, row for row, what a teacher-forced target pass over prompt + output computes, whatever
+    the policy (AR rows come from single-token steps, speculative rows from verify passes)."""
+    target = tiny_target.model
+    prompt = tiny_prompts[-1]
+    for policy in (Autoregressive(), Static(3)):
+        dec = SpeculativeDecoder(target, tiny_drafters(tiny_target, tiny_draft), policy, stop_token_ids=[])
+        res = dec.generate(prompt, 20, keep_logits=True)
+        assert res.logits.shape == (len(res.tokens), target.config.vocab_size)
+        ids = torch.tensor([prompt + res.tokens])
+        with torch.no_grad():
+            ref = target(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(res.logits, ref, rtol=1e-4, atol=1e-4)
+        assert res.logits.argmax(-1).tolist() == res.tokens  # greedy: each token is its row's argmax
+    assert dec.generate(prompt, 5).logits is None  # off by default: nothing is kept

@@ -22,3 +22,41 @@ class Markov(torch.nn.Module):
             logits = self.logp[input_ids[:, -logits_to_keep:]]
 
         return Out
+
+
+def synthetic_traces(n_prompts: int = 60, length: int = 48, drafters=("draft", "ngram"), seed: int = 0,
+                     vocab: int = 1000, k_max: int = 8) -> list[dict]:
+    """Teacher-forced trace rows whose acceptance follows the draft's confidence: a drafted token is accepted with
+    probability top1 (calibrated draft), top1 drawn per position; drafter 1 (when given) is a model-free drafter that
+    proposes spans in repetitive stretches. Gives predictors a real signal to learn and policies a real choice."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    cats = ("writing", "coding", "math", "code")
+    for i in range(n_prompts):
+        pid, cat, L = f"synthetic/{i}", cats[i % len(cats)], int(rng.integers(8, 200))
+        target = rng.integers(3, vocab, length)
+        easy = rng.random() < 0.5  # prompts differ: some are easy to draft, some hard
+        for d, name in enumerate(drafters):
+            if d == 0:
+                top1 = rng.beta(4, 1.5, length) if easy else rng.beta(1.5, 4, length)
+                match = rng.random(length) < top1
+                entropy, margin, plen = (1 - top1) * 3, top1 * 0.8, [k_max] * length
+            else:
+                match = rng.random(length) < (0.6 if easy else 0.05)
+                top1, entropy, margin = np.ones(length), np.zeros(length), np.ones(length)
+                plen = [k_max if m else 0 for m in match]
+            run, r = [0] * length, 0
+            for g in range(length - 1, -1, -1):
+                r = r + 1 if match[g] else 0
+                run[g] = min(r, k_max, plen[g])
+            for g in range(length):
+                rows.append({
+                    "prompt_id": pid, "category": cat, "prompt_len": L, "drafter": name, "position": g,
+                    "target_token": int(target[g]), "draft_token": int(target[g]) if match[g] else -1,
+                    "match": bool(match[g]), "top1": float(top1[g]), "entropy": float(entropy[g]),
+                    "margin": float(margin[g]), "p_target": 0.5, "q_target": float(top1[g]) if match[g] else 0.0,
+                    "beta": float(top1[g]), "run_len": int(run[g]), "proposal_len": int(plen[g]),
+                })
+    return rows

@@ -168,8 +168,13 @@ class SpeculativeDecoder:
         category: str | None = None,
         load: float = 0.0,
         seed: int | None = None,
+        keep_logits: bool = False,
     ) -> GenerationResult:
-        """Decode one prompt. Returns the new tokens (ending at the first stop token, included) and step records."""
+        """Decode one prompt. Returns the new tokens (ending at the first stop token, included) and step records.
+
+        ``keep_logits``: also return the target's raw logits behind every new token (``result.logits``, [new, V], on
+        the device), the distributions the target's own decode saw: trace collection reads them instead of running the
+        target again."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt = self._prompt(input_ids)
@@ -186,12 +191,16 @@ class SpeculativeDecoder:
                               drafters=tuple(self.drafters)),
         )
         run.buf[:L] = prompt
+        run.logits = [] if keep_logits else None
         for d in self.drafters.values():
             d.reset()
         self.policy.reset(run.state.request)
 
         t_start = self._now()
-        first = select_token(self._forward(run.buf[:L], run.cache, 1)[-1], self.sampling, self.generator)
+        prefill = self._forward(run.buf[:L], run.cache, 1)
+        first = select_token(prefill[-1], self.sampling, self.generator)
+        if keep_logits:
+            run.logits.append(prefill[-1:])
         run.buf[L] = first
         run.out, run.n = [int(first)], L + 1
         prefill_s = self._now() - t_start
@@ -204,7 +213,8 @@ class SpeculativeDecoder:
         if run.finish is None:
             run.finish = "length" if len(run.out) >= max_new_tokens else "context"
         total_s = self._now() - t_start
-        return GenerationResult(run.out, run.records, L, prefill_s, total_s, run.finish, run.dropped)
+        logits = torch.cat(run.logits)[: len(run.out)] if keep_logits else None
+        return GenerationResult(run.out, run.records, L, prefill_s, total_s, run.finish, run.dropped, logits)
 
     def _step(self, run: _Run) -> StepRecord:
         """Decide, draft, verify in one target pass, commit the accepted tokens and roll back the rest."""
@@ -255,6 +265,8 @@ class SpeculativeDecoder:
                 new, run.finish = new[: i + 1], "eos"
                 break
         new = new[:remaining]
+        if run.logits is not None:  # row i of the verify pass is the distribution of the step's i-th new token
+            run.logits.append(logits[: len(new)])
         run.out.extend(new)
         run.n += len(new)
 
@@ -313,3 +325,4 @@ class _Run:
     ema: float | None = None
     cooldown: int = 0
     spec_steps: int = 0
+    logits: list | None = None  # keep_logits: the target's logits of each new token

@@ -46,6 +46,7 @@ class GenerationResult:
     total_s: float
     finish_reason: str  # "eos" | "length" | "context"
     dropped_drafters: list[str] = field(default_factory=list)
+    logits: object = None  # generate(keep_logits=True): the target's logits behind each new token, [new, V] tensor
 
     @property
     def target_calls(self) -> int:

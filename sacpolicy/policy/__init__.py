@@ -1,9 +1,9 @@
 """Speculation policies: which drafter, how many tokens, when to stop drafting."""
 
 from sacpolicy.policy.base import DecodeState, Decision, DraftToken, Policy, RequestInfo
-from sacpolicy.policy.rules import Autoregressive, Confidence, Heuristic, SeedRule, Static
+from sacpolicy.policy.rules import Autoregressive, Bandit, Confidence, Heuristic, SeedRule, Static
 
 __all__ = [
-    "Autoregressive", "Confidence", "DecodeState", "Decision", "DraftToken", "Heuristic", "Policy",
+    "Autoregressive", "Bandit", "Confidence", "DecodeState", "Decision", "DraftToken", "Heuristic", "Policy",
     "RequestInfo", "SeedRule", "Static",
 ]

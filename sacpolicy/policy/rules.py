@@ -149,3 +149,57 @@ class SeedRule(_OneDrafter):
 
     def decide(self, state: DecodeState) -> Decision:
         return self._pick(state, self._k)
+
+
+class Bandit(Policy):
+    """Online choice of (drafter, k), autoregressive included, with no training: discounted UCB1 on the reward
+    tokens per second of each step. Statistics carry over between requests and decay by ``discount`` per step, so the
+    policy follows traffic shifts. Step seconds are the measured ones, or the cost model's prediction when ``cost``
+    is given (replaying traces, where no step is timed)."""
+
+    def __init__(self, ks=(1, 2, 4, 8), drafters: tuple[str, ...] | None = None, c: float = 0.5,
+                 discount: float = 0.995, cost=None):
+        if not ks or min(ks) < 1:
+            raise ValueError(f"Bandit: ks must be non-empty integers >= 1, got {ks}")
+        if not 0.0 < discount <= 1.0:
+            raise ValueError(f"Bandit: discount must be in (0, 1], got {discount}")
+        self.ks, self.only, self.c, self.discount, self.cost = tuple(ks), drafters, c, discount, cost
+        self.name = "bandit"
+        self.arms: list[tuple[str | None, int]] = []
+        self.n = self.total = None
+        self.best = 0.0  # largest reward seen: rewards are scaled into [0, 1] by it
+        self._arm = 0
+
+    def validate(self, drafters, max_k):
+        for k in self.ks:
+            check_k(k, max_k, repr(self))
+        for d in self.only or ():
+            check_drafter(d, drafters, repr(self))
+        use = self.only or drafters
+        self.arms = [(None, 0)] + [(d, k) for d in use for k in self.ks]
+        self.n, self.total = [0.0] * len(self.arms), [0.0] * len(self.arms)
+
+    def decide(self, state: DecodeState) -> Decision:
+        usable = [i for i, (d, _) in enumerate(self.arms) if d is None or d in state.drafters]
+        untried = [i for i in usable if self.n[i] == 0]
+        if untried:
+            self._arm = untried[0]
+        else:
+            log_t = math.log(sum(self.n[i] for i in usable))
+            self._arm = max(usable, key=lambda i: self.total[i] / self.n[i] + self.c * math.sqrt(log_t / self.n[i]))
+        d, k = self.arms[self._arm]
+        return Decision(d, k) if d is not None else Decision.autoregressive()
+
+    def observe(self, record) -> None:
+        if record.fallback or not self.arms:
+            return
+        if self.cost is not None:
+            seconds = self.cost.step_time(record.drafter, record.drafted, record.context_len)
+        else:
+            seconds = record.draft_s + record.verify_s
+        reward = record.emitted / max(seconds, 1e-9)
+        self.best = max(self.best, reward)
+        self.n = [self.discount * v for v in self.n]
+        self.total = [self.discount * v for v in self.total]
+        self.n[self._arm] += 1.0
+        self.total[self._arm] += reward / self.best

@@ -79,15 +79,22 @@ def collect_live(decoder: SpeculativeDecoder, prompts, out_dir, *, max_new_token
 
 
 @torch.inference_mode()
-def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[int], k_max: int) -> list[dict]:
+def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[int], k_max: int,
+                        target_logits: torch.Tensor | None = None) -> list[dict]:
     """Per generated position and drafter: the draft's prediction given the target's own prefix (one batched pass
-    for model drafters; one proposal per position for the others) and the accepted run from there."""
-    model = target.model
+    for model drafters; one proposal per position for the others) and the accepted run from there.
+
+    ``target_logits`` ([G, V]): the target's logits behind each generated token, as kept by the decode that produced
+    them (``generate(keep_logits=True)``); without them the target runs one teacher-forced pass to recompute them."""
     prompt = list(row["input_ids"])
     L, G = len(prompt), len(generated)
     ids = torch.tensor([prompt + generated], device=target.device)
-    # logits_to_keep: the LM head runs only where a generated token is predicted, not over the prompt
-    p = probs_from_logits(model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1], _T1)  # [G, V]
+    if target_logits is None:
+        # logits_to_keep: the LM head runs only where a generated token is predicted, not over the prompt
+        target_logits = target.model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1]
+    if target_logits.shape[0] != G:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {G} generated tokens")
+    p = probs_from_logits(target_logits.float(), _T1)  # [G, V]
     gen = torch.tensor(generated, device=target.device)
     p_target = p.gather(-1, gen.view(-1, 1)).squeeze(-1)
     out = []
@@ -162,8 +169,8 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
         rows = []
         for r in chunk:
             seed = None if sampling.greedy else (sampling.seed or 0) + hash_id(r["prompt_id"])
-            generated = decoder.generate(r["input_ids"], max_new_tokens, seed=seed).tokens
-            rows += teacher_forced_rows(target, drafters, r, generated, k_max)
+            res = decoder.generate(r["input_ids"], max_new_tokens, seed=seed, keep_logits=True)
+            rows += teacher_forced_rows(target, drafters, r, res.tokens, k_max, target_logits=res.logits)
         write_shard(rows, "teacher_forced", out_dir, name)
     return out_dir
 

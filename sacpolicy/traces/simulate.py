@@ -99,6 +99,7 @@ class SimResult:
     drafted: int = 0
     predicted_s: float = 0.0
     per_prompt: dict = field(default_factory=dict)  # prompt_id -> (target_calls, [accepted per step])
+    results: list = field(default_factory=list)  # (category, GenerationResult with predicted seconds) per prompt
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,7 +108,8 @@ class SimResult:
 
 def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
              config: DecoderConfig | None = None, drafters: list[str] | None = None) -> SimResult:
-    """Replay ``policy`` over every prompt of ``grouped`` (from ``group_traces``)."""
+    """Replay ``policy`` over every prompt of ``grouped`` (from ``group_traces``). Each replayed result carries the
+    cost model's seconds in place of wall times (prefill, every step's draft and verify, the total)."""
     res = SimResult()
     for pid, p in grouped.items():
         names = drafters or list(p["drafters"])
@@ -115,18 +117,23 @@ def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
         seq = [0] * p["prompt_len"] + list(any_rows["target_token"])
         G = len(any_rows["target_token"])
         replay = [ReplayDrafter(n, p["drafters"][n], p["prompt_len"], vocab_size) for n in names]
-        if isinstance(policy, Oracle):
+        if hasattr(policy, "current"):  # policies that read the traces (the oracle, example recorders)
             policy.current = p
         dec = SpeculativeDecoder(ReplayTarget(seq, vocab_size), replay, policy, config=config or DecoderConfig(),
                                  stop_token_ids=[])
         out = dec.generate(seq[: p["prompt_len"]], G, category=p["category"])
+        out.prefill_s = cost.verify_time(p["prompt_len"] - 1, 0)
+        for s in out.steps:
+            s.draft_s = cost.draft_time(s.drafter, s.drafted, s.context_len)
+            s.verify_s = cost.verify_time(s.drafted, s.context_len)
+        out.total_s = out.prefill_s + sum(s.draft_s + s.verify_s for s in out.steps)
         res.tokens += len(out.tokens)
         res.target_calls += out.target_calls
         res.accepted += sum(s.accepted for s in out.steps)
         res.drafted += sum(s.drafted for s in out.steps)
-        res.predicted_s += cost.verify_time(p["prompt_len"] - 1, 0) + sum(
-            cost.step_time(s.drafter, s.drafted, s.context_len) for s in out.steps)
+        res.predicted_s += out.total_s
         res.per_prompt[pid] = (out.target_calls, [s.accepted for s in out.steps])
+        res.results.append((p["category"], out))
     return res
 
 

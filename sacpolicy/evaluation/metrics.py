@@ -1,0 +1,117 @@
+"""One table row per evaluated policy, from its generations: throughput, calls per token, latency, cost, histograms.
+
+Live and simulated rows are built the same way: a simulated GenerationResult carries predicted seconds in
+``prefill_s``, ``total_s`` and each step's ``draft_s``/``verify_s``, so nothing here knows which kind it reads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # only for annotations: importing sacpolicy.decoding pulls in torch
+    from sacpolicy.decoding.records import GenerationResult
+
+MODES = ("live", "simulated")
+
+
+def row_from_results(name: str, mode: str, results: list[tuple[str | None, GenerationResult]], *,
+                     price_per_hour: float, policy_s: float = 0.0, extra: dict | None = None) -> dict:
+    """Aggregate ``(category, result)`` pairs of one policy into a row; ``policy_s`` is time spent deciding.
+
+    ``draft_calls_per_token`` counts one drafter forward per drafted token, which is exact for model and layer-skip
+    drafters; an n-gram lookup costs no forward but is counted the same, since a step does not record the kind.
+    ``cost_per_1k_tokens`` prices device time: seconds per token at ``price_per_hour``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    tokens = sum(len(r.tokens) for _, r in results)
+    seconds = sum(r.total_s for _, r in results)
+    if tokens == 0 or seconds <= 0:
+        raise ValueError(f"row {name!r} has {tokens} tokens in {seconds} s; evaluate at least one prompt with "
+                         "max_new_tokens > 0 (simulated results must carry predicted seconds in total_s)")
+    steps = [s for _, r in results for s in r.steps]
+    drafting = [s for s in steps if s.drafted > 0]
+    drafted = sum(s.drafted for s in drafting)
+    target_calls = sum(r.target_calls for _, r in results)
+
+    latency = []  # seconds per emitted token: a step's time is shared by the tokens it emitted
+    for _, r in results:
+        if r.tokens:
+            latency.append(r.prefill_s)  # the first token comes from the prefill pass
+        for s in r.steps:
+            if s.emitted:
+                latency += [(s.draft_s + s.verify_s) / s.emitted] * s.emitted
+    p50, p90, p99 = (float(v) * 1000 for v in np.percentile(latency, [50, 90, 99]))
+
+    per_category: dict[str, dict] = {}
+    for category, r in results:
+        c = per_category.setdefault(category or "other", {"tokens": 0, "seconds": 0.0})
+        c["tokens"] += len(r.tokens)
+        c["seconds"] += r.total_s
+    for c in per_category.values():
+        c["tokens_per_s"] = c["tokens"] / c["seconds"] if c["seconds"] > 0 else 0.0
+
+    row = {
+        "name": name, "mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "mean_accepted": tokens / target_calls,
+        "target_calls_per_token": target_calls / tokens,
+        "draft_calls_per_token": sum(s.drafted for s in steps if s.drafter is not None) / tokens,
+        "acceptance_rate": sum(s.accepted for s in drafting) / drafted if drafted else 0.0,
+        "cost_per_1k_tokens": seconds / tokens * 1000 * price_per_hour / 3600,
+        "latency_p50_ms": p50, "latency_p90_ms": p90, "latency_p99_ms": p99,
+        "policy_s": policy_s, "policy_fraction": policy_s / seconds,
+        "k_hist": _hist(s.k if s.drafter is not None else 0 for s in steps),
+        "accept_hist": _hist(s.accepted for s in drafting),
+        "per_category": dict(sorted(per_category.items())),
+    }
+    clash = set(row) & set(extra or {})
+    if clash:
+        raise ValueError(f"extra keys {sorted(clash)} would overwrite metrics of row {name!r}; rename them")
+    return row | (extra or {})
+
+
+def add_speedups(rows: list[dict], baseline: str = "ar") -> None:
+    """Set ``speedup_vs_ar`` on each row and each of its categories, against the baseline row of the same mode.
+
+    Live and simulated rows are never compared with each other: predicted seconds are not measured seconds.
+    """
+    base = {r["mode"]: r for r in rows if r["name"] == baseline}
+    for row in rows:
+        ref = base.get(row["mode"])
+        if ref is None:
+            raise ValueError(f"no {baseline!r} row in mode {row['mode']!r} to compute speedups against; evaluate "
+                             f"{baseline!r} in {row['mode']} mode too, or pass baseline= a row evaluated in it")
+        row["speedup_vs_ar"] = row["tokens_per_s"] / ref["tokens_per_s"]
+        for category, c in row["per_category"].items():
+            ref_tps = ref["per_category"].get(category, {}).get("tokens_per_s", 0.0)
+            c["speedup_vs_ar"] = c["tokens_per_s"] / ref_tps if ref_tps > 0 else None
+
+
+def reliability_bins(probs, labels, n_bins: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean predicted probability, observed frequency and count per equal-width bin of [0, 1] (NaN when empty)."""
+    probs, labels = np.asarray(probs, dtype=float).ravel(), np.asarray(labels, dtype=float).ravel()
+    if probs.size == 0 or probs.shape != labels.shape:
+        raise ValueError(f"need as many labels as probabilities, at least one; got {probs.size} probabilities "
+                         f"and {labels.size} labels")
+    if probs.min() < 0 or probs.max() > 1:
+        raise ValueError("probabilities must lie in [0, 1]; pass probabilities, not logits")
+    idx = np.minimum((probs * n_bins).astype(int), n_bins - 1)  # p = 1 belongs to the last bin
+    count = np.bincount(idx, minlength=n_bins)
+    with np.errstate(invalid="ignore"):
+        conf = np.bincount(idx, probs, n_bins) / count
+        freq = np.bincount(idx, labels, n_bins) / count
+    return conf, freq, count
+
+
+def calibration_error(probs, labels, n_bins: int = 10) -> float:
+    """Expected calibration error: the count-weighted mean |observed frequency - mean probability| over bins."""
+    conf, freq, count = reliability_bins(probs, labels, n_bins)
+    full = count > 0
+    return float(np.sum(count[full] * np.abs(freq[full] - conf[full])) / count.sum())
+
+
+def _hist(values) -> dict[str, int]:
+    return {str(v): n for v, n in sorted(Counter(values).items())}

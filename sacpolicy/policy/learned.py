@@ -1,0 +1,69 @@
+"""The learned policy: features from the shared feature function, decisions from the runtime's ``DecisionRule``
+(predicted acceptance + the cost model). It adds nothing of its own but reading the decoder's state, so the exported
+runtime decides exactly as it does."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from sacpolicy.policy.base import DecodeState, Decision, DraftToken, Policy, RequestInfo, check_k
+from sacpolicy.policy.features import token_features
+from sacpolicy.runtime.rule import Block, DecisionRule
+
+
+class LearnedPolicy(Policy):
+    """``select="step"`` picks the drafter every step; ``"request"`` keeps the first step's choice for the request.
+    ``timing`` accumulates the policy's own seconds in ``policy_s`` (the overhead a benchmark reports)."""
+
+    def __init__(self, rule: DecisionRule, name: str = "learned", select: str = "step"):
+        if select not in ("step", "request"):
+            raise ValueError(f"select must be 'step' or 'request', got {select!r}")
+        self.rule, self.name, self.select = rule, name, select
+        self.needs_token_feedback = rule.mode == "stop"
+        self.block: Block | None = None
+        self.prev_top1: float | None = None
+        self.request_drafter: str | None = None
+        self.policy_s = 0.0
+
+    def validate(self, drafters: tuple[str, ...], max_k: int) -> None:
+        check_k(self.rule.k_max, max_k, repr(self))
+        for i, name in enumerate(drafters):
+            self.rule.check_drafter(name)
+            if self.rule.drafters.index(name) != i:
+                raise ValueError(
+                    f"{self!r} was trained with drafters in the order {list(self.rule.drafters)} (the drafter-index "
+                    f"feature depends on it), but the decoder holds {list(drafters)}; pass them in the trained order")
+
+    def reset(self, request: RequestInfo) -> None:
+        self.request_drafter = None
+        self.block, self.prev_top1 = None, None
+
+    def decide(self, state: DecodeState) -> Decision:
+        t0 = time.perf_counter()
+        k_cap = min(self.rule.k_max, state.remaining - 1)
+        names = state.drafters if self.request_drafter is None else (self.request_drafter,)
+        names = tuple(n for n in names if n in state.drafters)
+        rows = {n: np.array([token_features(state, None, None, drafter=n, position=j) for j in range(k_cap)])
+                for n in names} if k_cap > 0 else {}
+        name, k = self.rule.plan(rows, state.context_len, k_cap)
+        if self.select == "request" and name is not None:
+            self.request_drafter = name
+        self.block = Block(name, state.context_len, k) if name is not None else None
+        self.prev_top1 = None
+        self.policy_s += time.perf_counter() - t0
+        return Decision(name, k) if name is not None else Decision.autoregressive()
+
+    def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
+        t0 = time.perf_counter()
+        row = token_features(state, token, self.prev_top1)
+        nxt = token_features(state, None, token.top1, position=token.position + 1)
+        self.prev_top1 = token.top1
+        stop = self.rule.stop(self.block, np.array(row), np.array(nxt))
+        self.policy_s += time.perf_counter() - t0
+        return stop
+
+    @property
+    def fallbacks(self) -> int:
+        return self.rule.fallbacks

@@ -1,0 +1,169 @@
+"""The cost model: how long a speculative step takes on one device, and the tokens/s it is expected to buy.
+
+One definition serves the policies (choose k), the simulator (replay traces at a profiled device's speed) and the
+exported runtime, so this module needs numpy only; ``sacpolicy.policy.cost.profile`` measures a device and returns one:
+
+    cost = profile(target.model, [ModelDrafter(draft.model, name="draft"), NgramDrafter()])
+    cost.to_json("cost.json")
+    k, tokens_per_s = CostModel.from_json("cost.json").best_k("draft", 300, accept_probs=[0.8] * 8, k_max=8)
+
+Model of a step drafting k tokens on top of `context` committed tokens:
+    verify = a(k + 1) + b * context         a: piecewise linear in tokens fed, b: seconds per cached token
+    draft  = k * d(context + (k - 1) / 2)   model drafters: one forward per drafted token
+    draft  = d(context)                     n-gram (and other model-free) drafters: one lookup per proposal
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+COST_FORMAT = 1
+# Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
+# finite and positive.
+_MIN_S = 1e-7
+
+
+def _hinge_basis(x, knots: Sequence[float]) -> np.ndarray:
+    """[len(x), len(knots)] columns 1, x, max(0, x - knot) per interior knot: any continuous function that is linear
+    between the knots (and beyond the outer ones) is one combination of them."""
+    x = np.asarray(x, dtype=float)
+    cols = [np.ones_like(x)]
+    if len(knots) > 1:
+        cols += [x] + [np.maximum(0.0, x - kn) for kn in knots[1:-1]]
+    return np.stack(cols, axis=1)
+
+
+@dataclass
+class PiecewiseLinear:
+    """y(x): linear interpolation between the knots (xs, ys), linear extrapolation beyond; one knot = constant."""
+
+    xs: list[float]
+    ys: list[float]
+
+    def __post_init__(self) -> None:
+        self.xs, self.ys = [float(v) for v in self.xs], [float(v) for v in self.ys]
+        if not self.xs or len(self.xs) != len(self.ys):
+            raise ValueError(f"a piecewise-linear curve needs as many ys as xs (>= 1), "
+                             f"got {len(self.xs)} and {len(self.ys)}")
+        if any(b <= a for a, b in zip(self.xs, self.xs[1:])):
+            raise ValueError(f"piecewise-linear knots must be strictly increasing, got {self.xs}; "
+                             "sort and deduplicate them")
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)  # outer segments extend beyond the ends
+        return ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (x - xs[i])
+
+    @classmethod
+    def fit(cls, x, y, knots: Sequence[float]) -> PiecewiseLinear:
+        """Least-squares values at `knots` of the piecewise-linear curve closest to the points (x, y)."""
+        x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+        if x.size == 0 or x.shape != y.shape:
+            raise ValueError(f"fit needs matching, non-empty x and y; got shapes {x.shape} and {y.shape}")
+        knots = sorted(float(k) for k in knots)
+        coef, *_ = np.linalg.lstsq(_hinge_basis(x, knots), y, rcond=None)
+        return cls(knots, (_hinge_basis(knots, knots) @ coef).tolist())
+
+
+@dataclass
+class CostModel:
+    device: str
+    verify: dict  # {"tokens": PiecewiseLinear over tokens fed (k + 1), "per_context": seconds per cached token}
+    draft: dict[str, PiecewiseLinear]  # drafter -> seconds of one draft step (or one proposal) vs context length
+    per_token_draft: dict[str, bool]  # True: cost per drafted token (model drafters); False: per proposal (n-gram)
+    meta: dict = field(default_factory=dict)  # torch version, device name, dtype, when profiled, target
+
+    def __post_init__(self) -> None:
+        if set(self.verify) != {"tokens", "per_context"}:
+            raise ValueError(f"verify must have keys 'tokens' and 'per_context', got {sorted(self.verify)}")
+        if set(self.draft) != set(self.per_token_draft):
+            raise ValueError(f"draft curves {sorted(self.draft)} and per_token_draft {sorted(self.per_token_draft)} "
+                             "must name the same drafters")
+
+    def verify_time(self, k: int, context_len: int) -> float:
+        return max(_MIN_S, self.verify["tokens"](k + 1) + self.verify["per_context"] * context_len)
+
+    def draft_time(self, drafter: str | None, k: int, context_len: int) -> float:
+        if drafter is None or k <= 0:
+            return 0.0
+        if drafter not in self.draft:
+            raise ValueError(f"no draft cost for drafter {drafter!r}; profiled: {sorted(self.draft)}. "
+                             "Fix: re-run profile() with this drafter, or pick a profiled one")
+        if not self.per_token_draft[drafter]:
+            return max(_MIN_S, self.draft[drafter](context_len))
+        # draft step i runs on context_len + i cached tokens; the curve is near-linear, so use the block's middle
+        return k * max(_MIN_S, self.draft[drafter](context_len + (k - 1) / 2))
+
+    def step_time(self, drafter: str | None, k: int, context_len: int) -> float:
+        return self.draft_time(drafter, k, context_len) + self.verify_time(k, context_len)
+
+    @staticmethod
+    def expected_tokens(accept_probs: Sequence[float]) -> float:
+        """accept_probs[i] = P(drafted token i accepted | all before it accepted). The step emits the accepted tokens
+        plus one (the correction or bonus token): 1 + sum_j P(first j+1 accepted) = 1 + sum_j prod_{i<=j} a_i."""
+        total, alive = 1.0, 1.0
+        for a in accept_probs:
+            if not 0.0 <= a <= 1.0:
+                raise ValueError(f"acceptance probabilities must lie in [0, 1], got {a}")
+            alive *= a
+            total += alive
+        return total
+
+    def expected_tokens_per_s(self, drafter: str | None, k: int, context_len: int,
+                              accept_probs: Sequence[float]) -> float:
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        if drafter is None or k == 0:
+            return 1.0 / self.verify_time(0, context_len)
+        if len(accept_probs) < k:
+            raise ValueError(f"k={k} drafted tokens need {k} acceptance probabilities, got {len(accept_probs)}; "
+                             "pass one per position up to k_max")
+        return self.expected_tokens(accept_probs[:k]) / self.step_time(drafter, k, context_len)
+
+    def best_k(self, drafter: str | None, context_len: int, accept_probs: Sequence[float],
+               k_max: int) -> tuple[int, float]:
+        """(k, expected tokens/s) maximising tokens/s over k in 0..k_max; ties go to the smaller k."""
+        best = (0, self.expected_tokens_per_s(None, 0, context_len, ()))
+        for k in range(1, k_max + 1 if drafter is not None else 1):
+            tps = self.expected_tokens_per_s(drafter, k, context_len, accept_probs)
+            if tps > best[1]:
+                best = (k, tps)
+        return best
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict:
+        return {"format": COST_FORMAT, "device": self.device,
+                "verify": {"tokens": asdict(self.verify["tokens"]), "per_context": float(self.verify["per_context"])},
+                "draft": {name: asdict(curve) for name, curve in self.draft.items()},
+                "per_token_draft": dict(self.per_token_draft), "meta": dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping, source: str = "cost model") -> CostModel:
+        found = d.get("format") if isinstance(d, Mapping) else None
+        if found != COST_FORMAT:
+            raise ValueError(f"{source} has cost format {found!r} but this sacpolicy reads cost format {COST_FORMAT}. "
+                             "Fix: re-profile this device with sacpolicy.policy.cost.profile() and save it again")
+        return cls(device=d["device"],
+                   verify={"tokens": PiecewiseLinear(**d["verify"]["tokens"]),
+                           "per_context": float(d["verify"]["per_context"])},
+                   draft={name: PiecewiseLinear(**curve) for name, curve in d["draft"].items()},
+                   per_token_draft={name: bool(v) for name, v in d["per_token_draft"].items()},
+                   meta=dict(d.get("meta", {})))
+
+    def to_json(self, path) -> None:
+        """Write atomically (temp file + rename), so a reader never sees half a file."""
+        from sacpolicy.io import write_json
+
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def from_json(cls, path) -> CostModel:
+        return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))

@@ -1,0 +1,61 @@
+"""THE feature vector of a drafted token. Live decoding, trace replay, training and the exported runtime all build it
+here (``sacpolicy.policy.features.token_features`` reads a ``DecodeState`` into these arguments), so a predictor sees
+the same numbers wherever it runs. numpy-free plain Python: production decoders call it per drafted token.
+
+A token's draft confidence (top-1 probability, entropy, top-1/top-2 margin) is known once it is drafted. Before
+drafting (choosing k or the drafter) it is not: pass ``top1=None`` and the three confidence features are NaN with
+``conf_known = 0``; predictors are trained on both forms of every example, so one predictor serves the stop rule and
+the planner.
+"""
+
+from __future__ import annotations
+
+import math
+
+FEATURE_VERSION = 2
+FEATURE_NAMES = (
+    "top1", "entropy", "margin", "conf_known", "prev_top1", "position", "log_context_len", "accept_ema",
+    "has_accept_ema", "drafter_index", "load", "category_index",
+)
+# Prompt categories of the embedded prompt sets; anything else (or unknown) maps to "other".
+CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "code", "other")
+CONFIDENCE = slice(0, 3)  # columns that are NaN before the token is drafted
+PREV_TOP1 = FEATURE_NAMES.index("prev_top1")  # NaN when the previous drafted token is not drafted yet either
+_NAN = float("nan")
+
+
+def category_index(category: str | None) -> int:
+    return CATEGORIES.index(category) if category in CATEGORIES else CATEGORIES.index("other")
+
+
+def feature_spec() -> dict:
+    """What an exported predictor was trained on; the runtime refuses a predictor whose spec differs."""
+    return {"version": FEATURE_VERSION, "names": list(FEATURE_NAMES), "categories": list(CATEGORIES)}
+
+
+def feature_vector(*, position: int, context_len: int, drafter_index: int, top1: float | None = None,
+                   entropy: float | None = None, margin: float | None = None, prev_top1: float | None = None,
+                   accept_ema: float | None = None, load: float = 0.0, category: str | None = None) -> list[float]:
+    """Features of the token drafted at ``position`` (0-based in the block) on top of ``context_len`` committed tokens.
+
+    ``prev_top1``: the previous drafted token's top-1 probability in this block; None at position 0 (then 1.0,
+    "nothing doubtful drafted yet") or when unknown further in (NaN). ``accept_ema``: this drafter's recent acceptance
+    rate in the request, None before its first block. ``drafter_index``: its index among the decoder's drafters.
+    """
+    known = top1 is not None
+    if prev_top1 is None:
+        prev_top1 = 1.0 if position == 0 else _NAN
+    return [
+        float(top1) if known else _NAN,
+        float(entropy) if known else _NAN,
+        float(margin) if known else _NAN,
+        1.0 if known else 0.0,
+        float(prev_top1),
+        float(position),
+        math.log1p(context_len + position),
+        0.0 if accept_ema is None else float(accept_ema),
+        0.0 if accept_ema is None else 1.0,
+        float(drafter_index),
+        float(load),
+        float(category_index(category)),
+    ]

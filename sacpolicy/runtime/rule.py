@@ -1,0 +1,138 @@
+"""The learned decision rule, from feature rows to decisions: which drafter (or none), how many tokens, when to stop.
+The in-framework ``LearnedPolicy`` and every exported adapter call this one class, so they decide identically.
+
+- *plan* (before a block): for each drafter, predicted acceptance of positions 0..k_max-1 with the confidence still
+  unknown; the cost model turns them into expected tokens/s for every k, and the best (drafter, k) wins against
+  autoregressive decoding. Mode ``"k"`` drafts that k; mode ``"stop"`` lets the stop rule end the block.
+- *stop* (after each drafted token, SpecDec++-style): with S the probability that every token so far is accepted and
+  E the expected tokens of the block if it ended now, drafting one more token (predicted acceptance a) is worth it
+  when (E + optimism * S * a) / T(n + 1) > E / T(n), T from the cost model. ``optimism`` scales the predicted gain
+  and is tuned on validation traces by the simulator; the threshold itself moves with the cost of each step.
+- Non-finite features (a broken signal upstream) never reach a decision: the rule falls back to the best static
+  (drafter, k), chosen on validation traces, and counts it in ``fallbacks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sacpolicy.runtime.cost import CostModel
+from sacpolicy.runtime.features import CONFIDENCE, FEATURE_NAMES, PREV_TOP1, feature_spec
+from sacpolicy.runtime.predictors import Predictor
+
+MODES = ("stop", "k")
+_CONF_KNOWN = FEATURE_NAMES.index("conf_known")
+
+
+class RuleError(ValueError):
+    pass
+
+
+@dataclass
+class Block:
+    """What the stop rule tracks while a block is drafted."""
+
+    drafter: str
+    context_len: int
+    k: int  # the block's cap
+    n: int = 0  # tokens drafted so far
+    survive: float = 1.0  # P(all n accepted)
+    expected: float = 1.0  # expected tokens emitted if the block ended now (accepted + the target's own token)
+
+
+def _finite(rows: np.ndarray) -> bool:
+    """Every feature is finite, except NaN by design: the confidence of a token not drafted yet (and of its
+    predecessor, when that is not drafted yet either)."""
+    ok = np.isfinite(rows)
+    unknown = (rows[:, _CONF_KNOWN] == 0.0)[:, None]
+    ok[:, CONFIDENCE] |= unknown & np.isnan(rows[:, CONFIDENCE])
+    ok[:, PREV_TOP1] |= unknown[:, 0] & np.isnan(rows[:, PREV_TOP1])
+    return bool(ok.all())
+
+
+@dataclass
+class DecisionRule:
+    predictor: Predictor
+    cost: CostModel
+    drafters: tuple[str, ...]  # the drafters it was trained on; a feature row's drafter_index points in here
+    k_max: int
+    fallback: tuple[str | None, int]  # best static (drafter, k) on validation traces
+    mode: str = "stop"
+    optimism: float = 1.0
+    fallbacks: int = field(default=0, compare=False)  # decisions that fell back on non-finite features
+
+    def __post_init__(self) -> None:
+        self.drafters = tuple(self.drafters)
+        self.fallback = (self.fallback[0], int(self.fallback[1]))
+        if self.mode not in MODES:
+            raise RuleError(f"unknown decision mode {self.mode!r}; modes are {list(MODES)}")
+        if self.k_max < 1:
+            raise RuleError(f"k_max must be >= 1, got {self.k_max}")
+        spec = self.predictor.meta.get("features")
+        if spec != feature_spec():
+            raise RuleError(
+                f"the predictor was trained on feature spec {spec}, but this runtime computes {feature_spec()}; "
+                "retrain the predictor (or re-export it) with this sacpolicy version")
+        missing = [d for d in self.drafters if d not in self.cost.draft]
+        if missing:
+            raise RuleError(f"the cost model has no timings for drafters {missing}; profile them with "
+                            "sacpolicy.policy.cost.profile")
+        if self.fallback[0] is not None and self.fallback[0] not in self.drafters:
+            raise RuleError(f"fallback drafter {self.fallback[0]!r} is not among {list(self.drafters)}")
+
+    def check_drafter(self, name: str) -> None:
+        if name not in self.drafters:
+            raise RuleError(f"the policy was trained on drafters {list(self.drafters)}, not {name!r}; collect traces "
+                            "with this drafter and refit, or remove it from the decoder")
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, rows: dict[str, np.ndarray], context_len: int, k_cap: int | None = None) -> tuple[str | None, int]:
+        """rows: {drafter: [k_cap, F] feature rows of positions 0..k_cap-1, confidence unknown} -> (drafter, k).
+        (None, 0) = decode one token autoregressively."""
+        k_cap = min(self.k_max, k_cap or self.k_max)
+        if k_cap < 1 or not rows:
+            return None, 0
+        names = list(rows)
+        X = np.concatenate([rows[n][:k_cap] for n in names])
+        if not _finite(X):
+            self.fallbacks += 1
+            name, k = self.fallback
+            return (name, min(k, k_cap)) if name in rows else (None, 0)
+        probs = self.predictor.predict(X).reshape(len(names), k_cap)
+        best = (self.cost.expected_tokens_per_s(None, 0, context_len, ()), None, 0)
+        for name, a in zip(names, probs):
+            k, tps = self.cost.best_k(name, context_len, a.tolist(), k_cap)
+            if k > 0 and tps > best[0]:
+                best = (tps, name, k)
+        _, name, k = best
+        if name is not None and self.mode == "stop":
+            k = k_cap  # the stop rule decides where the block ends
+        return name, k
+
+    # ------------------------------------------------------------------ stop
+    def stop(self, block: Block, row: np.ndarray, next_row: np.ndarray) -> bool:
+        """After drafting a token (``row``, confidence known): True ends the block. ``next_row``: the next position,
+        confidence unknown (its previous-token confidence is this token's)."""
+        X = np.stack([row, next_row])
+        block.n += 1
+        if not _finite(X):
+            self.fallbacks += 1
+            return block.n >= self.fallback[1]
+        a, a_next = self.predictor.predict(X).tolist()
+        block.survive *= a
+        block.expected += block.survive
+        if block.n >= block.k:
+            return True
+        now = block.expected / self.cost.step_time(block.drafter, block.n, block.context_len)
+        more = (block.expected + self.optimism * block.survive * a_next) / self.cost.step_time(
+            block.drafter, block.n + 1, block.context_len)
+        return not more > now
+
+    # ------------------------------------------------------------------ files
+    def config(self) -> dict:
+        """Everything but the predictor's arrays and the cost model, as JSON-ready data."""
+        return {"drafters": list(self.drafters), "k_max": self.k_max, "mode": self.mode,
+                "optimism": self.optimism,
+                "fallback": {"drafter": self.fallback[0], "k": self.fallback[1]}}

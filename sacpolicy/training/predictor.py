@@ -1,0 +1,285 @@
+"""Acceptance predictors trained on traces: examples and labels, scikit-learn and Lightning models, held-out metrics,
+and the tuning that turns a predictor into a ``DecisionRule``.
+
+Examples come from replaying teacher-forced traces through the real decoder loop (``traces.simulate``) with a
+recording policy that drafts ``k`` tokens per block, so every feature is computed by the shared feature function
+exactly as live decoding computes it. A drafted position is an example when everything before it in its block was
+accepted (later positions never matter); its label is whether it was accepted (greedy traces) or beta, the expected
+acceptance (sampled traces). Each example appears in three forms: confidence known (the stop rule), confidence
+unknown with the previous token's confidence known (the stop rule's look-ahead) and both unknown (planning k and the
+drafter), so one predictor serves every decision. Splits follow the prompt-id split of the data module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sacpolicy.data import assign_split
+from sacpolicy.policy.base import DecodeState, Decision, DraftToken
+from sacpolicy.policy.features import feature_spec, token_features
+from sacpolicy.policy.rules import Static
+from sacpolicy.runtime.predictors import Predictor, PredictorError
+
+logger = logging.getLogger(__name__)
+
+FORMS = ("known", "next", "plan")  # confidence known / unknown but previous known / both unknown
+
+
+@dataclass
+class Examples:
+    X: np.ndarray  # [n, F] features
+    y: np.ndarray  # [n] label: accepted (0/1) or beta
+    prompt_id: np.ndarray
+    drafter: np.ndarray
+    position: np.ndarray
+    form: np.ndarray
+    split: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def take(self, mask) -> Examples:
+        return Examples(*(getattr(self, f.name)[mask] for f in dataclasses.fields(self)))
+
+    def of(self, split: str, form: str | None = None) -> Examples:
+        mask = self.split == split
+        return self.take(mask if form is None else mask & (self.form == form))
+
+    def classifier_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(X, y, weight) for a binary classifier: a soft label b becomes a positive of weight b and a negative of
+        weight 1 - b (the same expected log-loss)."""
+        soft = (self.y > 0) & (self.y < 1)
+        if not soft.any():
+            return self.X, self.y.astype(int), np.ones(len(self.y))
+        X = np.concatenate([self.X, self.X])
+        y = np.concatenate([np.ones(len(self.y), int), np.zeros(len(self.y), int)])
+        return X, y, np.concatenate([self.y, 1.0 - self.y])
+
+
+class _Recorder(Static):
+    """Drafts k tokens a block with one drafter and records each relevant drafted position's features and label."""
+
+    def __init__(self, k: int, drafter: str, soft: bool):
+        super().__init__(k, drafter)
+        self.soft, self.current, self.rows, self._snap = soft, None, [], None
+
+    def decide(self, state: DecodeState) -> Decision:
+        d = super().decide(state)
+        self._snap = dataclasses.replace(state, accept_ema=dict(state.accept_ema), drafter=d.drafter)
+        return d
+
+    def observe(self, record) -> None:
+        if record.drafter is None or not record.drafted:
+            return
+        state, g = self._snap, self._snap.generated
+        cols = self.current["drafters"][record.drafter]
+        for j in range(min(record.accepted + 1, record.drafted)):
+            i = g + j
+            token = DraftToken(j, cols["top1"][i], cols["entropy"][i], cols["margin"][i])
+            prev = cols["top1"][i - 1] if j else None
+            label = cols["beta"][i] if self.soft else float(j < record.accepted)
+            for form, feats in zip(FORMS, (token_features(state, token, prev),
+                                           token_features(state, None, prev, position=j),
+                                           token_features(state, None, None, position=j))):
+                self.rows.append((feats, label, self.current["prompt_id"], record.drafter, j, form))
+
+
+def acceptance_examples(grouped: dict, cost, *, vocab_size: int, k: int, soft: bool = False,
+                        fractions=None) -> Examples:
+    """Examples from teacher-forced traces grouped by ``traces.simulate.group_traces``: every drafter, ``k`` tokens a
+    block. ``soft``: label with beta (sampled traces) instead of the greedy match."""
+    from sacpolicy.traces.simulate import simulate
+
+    grouped = {pid: {**p, "prompt_id": pid} for pid, p in grouped.items()}
+    drafters = list(next(iter(grouped.values()))["drafters"]) if grouped else []
+    rows = []
+    for name in drafters:
+        rec = _Recorder(k, name, soft)
+        simulate(rec, grouped, cost, vocab_size=vocab_size)
+        rows += rec.rows
+    if not rows:
+        raise PredictorError("the traces hold no drafted positions; collect traces with at least one drafter")
+    feats, y, pid, drafter, pos, form = zip(*rows)
+    split_of = {p: assign_split(p, **({"fractions": fractions} if fractions else {})) for p in set(pid)}
+    return Examples(np.array(feats, dtype=np.float64), np.array(y, dtype=np.float64), np.array(pid),
+                    np.array(drafter), np.array(pos), np.array(form), np.array([split_of[p] for p in pid]))
+
+
+# ---------------------------------------------------------------------- scikit-learn
+def from_hist_gradient_boosting(model) -> Predictor:
+    """A fitted binary ``HistGradientBoostingClassifier`` as tree arrays (numeric features; NaN = missing)."""
+    if getattr(model, "n_trees_per_iteration_", None) != 1:
+        raise PredictorError("only binary HistGradientBoostingClassifier models can be compiled")
+    cols = {k: [] for k in ("feature", "threshold", "left", "right", "missing_left", "leaf", "value")}
+    roots, offset = [], 0
+    for (tree,) in model._predictors:  # sklearn keeps the fitted trees here; nodes is a structured numpy array
+        nodes = tree.nodes
+        if nodes["is_categorical"].any():
+            raise PredictorError("categorical splits are not supported; pass categories as numeric features")
+        leaf = nodes["is_leaf"].astype(bool)
+        roots.append(offset)
+        cols["feature"].append(nodes["feature_idx"].astype(np.int64))
+        cols["threshold"].append(nodes["num_threshold"].astype(np.float64))
+        cols["left"].append(np.where(leaf, 0, nodes["left"]).astype(np.int64) + offset)
+        cols["right"].append(np.where(leaf, 0, nodes["right"]).astype(np.int64) + offset)
+        cols["missing_left"].append(nodes["missing_go_to_left"].astype(bool))
+        cols["leaf"].append(leaf)
+        cols["value"].append(np.where(leaf, nodes["value"], 0.0).astype(np.float64))
+        offset += len(nodes)
+    arrays = {k: np.concatenate(v) for k, v in cols.items()}
+    arrays["roots"] = np.asarray(roots, dtype=np.int64)
+    arrays["baseline"] = np.asarray(model._baseline_prediction, dtype=np.float64).reshape(1)
+    return Predictor("trees", arrays)
+
+
+def _standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    mean = np.nan_to_num(np.nanmean(np.where(np.isfinite(X), X, np.nan), axis=0))
+    scale = np.nan_to_num(np.nanstd(np.where(np.isfinite(X), X, np.nan), axis=0), nan=1.0)
+    return mean, np.where(scale > 1e-12, scale, 1.0)
+
+
+def fit_sklearn(estimator, train: Examples) -> Predictor:
+    """Fit a HistGradientBoostingClassifier (on raw features, NaN = unknown) or a LogisticRegression (on
+    standardized features, unknown = the mean) and compile it."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+
+    X, y, w = train.classifier_arrays()
+    if isinstance(estimator, HistGradientBoostingClassifier):
+        return from_hist_gradient_boosting(estimator.fit(X, y, sample_weight=w))
+    if isinstance(estimator, LogisticRegression):
+        mean, scale = _standardizer(X)
+        shell = Predictor("linear", {"mean": mean, "scale": scale, "coef": np.zeros(X.shape[1]),
+                                     "intercept": np.zeros(1)})
+        estimator.fit(shell._standardize(X), y, sample_weight=w)
+        return Predictor("linear", {**shell.arrays, "coef": estimator.coef_[0].astype(np.float64),
+                                    "intercept": estimator.intercept_.astype(np.float64)})
+    raise PredictorError(f"cannot compile {type(estimator).__name__}; use HistGradientBoostingClassifier or "
+                         "LogisticRegression (predictor=hgb or predictor=logreg), or the Lightning MLP (predictor=mlp)")
+
+
+def with_calibration(pred: Predictor, val: Examples) -> Predictor:
+    """An isotonic map from raw score to observed acceptance, fitted on validation rows (never training rows)."""
+    from sklearn.isotonic import IsotonicRegression
+
+    X, y, w = val.classifier_arrays()
+    iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(pred.raw(X), y, sample_weight=w)
+    arrays = dict(pred.arrays, calib_x=iso.X_thresholds_.astype(np.float64),
+                  calib_y=iso.y_thresholds_.astype(np.float64))
+    return Predictor(pred.kind, arrays, dict(pred.meta))
+
+
+def predictor_metrics(pred: Predictor, ex: Examples) -> dict:
+    """AUC, log-loss and expected calibration error of calibrated predictions (soft labels count as weights)."""
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    from sacpolicy.evaluation.metrics import calibration_error
+
+    if not len(ex):
+        return {"n": 0}
+    X, y, w = ex.classifier_arrays()
+    p = pred.predict(X)
+    out = {"n": int(len(ex)), "positive_rate": float(np.average(y, weights=w)),
+           "log_loss": float(log_loss(y, np.clip(p, 1e-6, 1 - 1e-6), sample_weight=w, labels=[0, 1])),
+           "ece": float(calibration_error(pred.predict(ex.X), ex.y))}
+    out["auc"] = float(roc_auc_score(y, p, sample_weight=w)) if len(set(y.tolist())) == 2 else float("nan")
+    return out
+
+
+# ---------------------------------------------------------------------- Lightning MLP
+def fit_mlp(train: Examples, val: Examples, *, hidden=(64, 64), lr: float = 3e-3, weight_decay: float = 1e-4,
+            batch_size: int = 512, max_epochs: int = 30, patience: int = 4, seed: int = 0, out_dir=None,
+            trainer_kwargs: dict | None = None, logger=None) -> Predictor:
+    """A small MLP trained with Lightning (early stopping on validation loss, best checkpoint restored)."""
+    import lightning as L
+    import torch
+
+    from sacpolicy.training.predictor_module import AcceptanceDataModule, AcceptanceMLP
+
+    L.seed_everything(seed, verbose=False)
+    mean, scale = _standardizer(train.X)
+    dm = AcceptanceDataModule(train, val, mean, scale, batch_size=batch_size, seed=seed)
+    module = AcceptanceMLP(train.X.shape[1], hidden=tuple(hidden), lr=lr, weight_decay=weight_decay)
+    ckpt_dir = Path(out_dir) / "checkpoints" if out_dir else None
+    callbacks = [L.pytorch.callbacks.EarlyStopping("val_loss", patience=patience, mode="min")]
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1,
+                                               filename="mlp-{epoch}-{val_loss:.4f}")
+    callbacks.append(ckpt)
+    kwargs = {"accelerator": "cpu", "devices": 1, "enable_model_summary": False, "logger": logger or False,
+              "enable_progress_bar": True, **(trainer_kwargs or {})}
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=callbacks, default_root_dir=out_dir, **kwargs)
+    trainer.fit(module, datamodule=dm)
+    if ckpt.best_model_path:
+        state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+        module.load_state_dict(state)
+    arrays = {"mean": mean, "scale": scale}
+    linears = [m for m in module.net if isinstance(m, torch.nn.Linear)]
+    for i, lin in enumerate(linears):
+        arrays[f"w{i}"] = lin.weight.detach().cpu().numpy().astype(np.float32)
+        arrays[f"b{i}"] = lin.bias.detach().cpu().numpy().astype(np.float64)
+    return Predictor("mlp", arrays)
+
+
+# ---------------------------------------------------------------------- one entry point
+def fit_predictor(name: str, spec: dict, ex: Examples, out_dir=None, logger=None) -> tuple[Predictor, dict]:
+    """Fit the predictor ``spec`` (``{"kind": "sklearn", "estimator": <estimator>}`` or ``{"kind": "mlp", ...}``) on
+    the train split, calibrate on val, and report val and test metrics; the predictor's meta records all of it."""
+    train, val = ex.of("train"), ex.of("val")
+    if not len(train) or not len(val):
+        raise PredictorError(f"need train and val examples, got {len(train)} and {len(val)}: collect traces over more "
+                             "prompts (both splits come from the prompt-id split)")
+    labels = set(np.unique(train.classifier_arrays()[1]).tolist())
+    if len(labels) < 2:
+        raise PredictorError(f"every training example is {'accepted' if labels == {1} else 'rejected'}: there is "
+                             "nothing to predict; collect traces over more prompts, with drafters that sometimes "
+                             "disagree with the target (or sampled decoding)")
+    kind = spec.get("kind")
+    if kind == "sklearn":
+        pred = fit_sklearn(spec["estimator"], train)
+    elif kind == "mlp":
+        pred = fit_mlp(train, val, out_dir=out_dir, logger=logger,
+                       **{k: v for k, v in spec.items() if k not in ("kind",)})
+    else:
+        raise PredictorError(f"predictor {name!r} has kind {kind!r}; kinds are 'sklearn' and 'mlp'")
+    pred = with_calibration(pred, val)
+    metrics = {split: predictor_metrics(pred, ex.of(split)) for split in ("val", "test")}
+    pred.meta.update({"name": name, "features": feature_spec(), "metrics": metrics,
+                      "examples": {s: int((ex.split == s).sum()) for s in ("train", "val", "test")}})
+    return pred, metrics
+
+
+# ---------------------------------------------------------------------- predictor -> decision rule
+OPTIMISM_GRID = (0.5, 0.75, 1.0, 1.5, 2.0)
+
+
+def tune_rule(pred: Predictor, cost, val_grouped: dict, *, vocab_size: int, k_max: int, config=None,
+              modes=("stop", "k"), optimism=OPTIMISM_GRID):
+    """The decision rule for ``pred``: its fallback is the best static (drafter, k) on the validation traces, and its
+    mode and stop-rule optimism are the ones the simulator finds fastest on them. Returns (rule, tuning table)."""
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.rule import DecisionRule
+    from sacpolicy.traces.simulate import best_static, simulate
+
+    if not val_grouped:
+        raise PredictorError("no validation traces to tune the decision rule on; collect traces over val prompts")
+    drafters = tuple(next(iter(val_grouped.values()))["drafters"])
+    static = best_static(val_grouped, cost, vocab_size=vocab_size, k_max=k_max)["all"]
+    table, best = [], None
+    for mode in modes:
+        for lam in optimism if mode == "stop" else (1.0,):
+            rule = DecisionRule(pred, cost, drafters, k_max, (static["drafter"], static["k"]), mode, lam)
+            tps = simulate(LearnedPolicy(rule), val_grouped, cost, vocab_size=vocab_size, config=config).tokens_per_s
+            table.append({"mode": mode, "optimism": lam, "val_tokens_per_s": tps})
+            if best is None or tps > best[0]:
+                best = (tps, rule)
+    rule = best[1]
+    rule.fallbacks = 0
+    logger.info("decision rule for %s: mode=%s optimism=%s (%.1f tokens/s simulated on val; best static %s k=%d: "
+                "%.1f)", pred.meta.get("name"), rule.mode, rule.optimism, best[0], static["drafter"], static["k"],
+                static["tokens_per_s"])
+    return rule, {"grid": table, "best_static_val": static}

@@ -1,0 +1,185 @@
+"""Evaluation rows, reports and plots on hand-built generations whose every metric can be worked out on paper."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sacpolicy.decoding.records import GenerationResult, StepRecord
+from sacpolicy.evaluation import (add_speedups, calibration_error, calibration_plot, category_table, make_plots,
+                                  markdown_table, row_from_results, speedup_vs_k_plot, write_eval, write_report)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _step(drafter, k, drafted, accepted, emitted, draft_s, verify_s):
+    return StepRecord(step=0, drafter=drafter, k=k, drafted=drafted, accepted=accepted, emitted=emitted,
+                      context_len=10, draft_s=draft_s, verify_s=verify_s)
+
+
+def _result(prefill_s, steps):
+    n = 1 + sum(s.emitted for s in steps)  # the prefill pass emits the first token
+    total = prefill_s + sum(s.draft_s + s.verify_s for s in steps)
+    return GenerationResult(tokens=list(range(n)), steps=steps, prompt_len=10, prefill_s=prefill_s, total_s=total,
+                            finish_reason="length")
+
+
+def _example():
+    """8 tokens in 0.49 s, 6 target calls, 7 drafted of which 3 accepted."""
+    a = _result(0.1, [_step("draft", 3, 3, 2, 3, 0.03, 0.03),  # 3 tokens at 20 ms
+                      _step(None, 0, 0, 0, 1, 0.0, 0.05)])  # autoregressive: 1 token at 50 ms
+    b = _result(0.2, [_step("ngram", 4, 2, 0, 1, 0.01, 0.03),  # drafted fewer than decided
+                      _step("draft", 2, 2, 1, 1, 0.02, 0.02)])  # EOS cut the block to one token
+    return [("code", a), (None, b)]
+
+
+def _row(name, mode, tokens_per_step, step_s, categories=("code", "chat")):
+    """One result per category: 1 prefill token at step_s, then 4 steps emitting tokens_per_step tokens each."""
+    k = tokens_per_step - 1
+    steps = [_step("draft" if k else None, k, k, k, tokens_per_step, 0.0, step_s) for _ in range(4)]
+    return row_from_results(name, mode, [(c, _result(step_s, steps)) for c in categories], price_per_hour=3.6)
+
+
+def _rows():
+    rows = [_row(name, mode, n, s) for mode, s in (("live", 0.01), ("simulated", 0.02))
+            for name, n in (("ar", 1), ("static-k1", 2), ("static-k3", 4), ("learned", 3), ("heuristic", 2))]
+    add_speedups(rows)
+    return rows
+
+
+# ---------------------------------------------------------------------- metrics
+def test_row_counts_tokens_calls_and_cost():
+    row = row_from_results("learned", "live", _example(), price_per_hour=3.6, policy_s=0.049, extra={"seed": 0})
+    assert (row["name"], row["mode"], row["tokens"], row["seed"]) == ("learned", "live", 8, 0)
+    assert row["seconds"] == pytest.approx(0.49)
+    assert row["tokens_per_s"] == pytest.approx(8 / 0.49)
+    assert row["mean_accepted"] == pytest.approx(8 / 6)
+    assert row["target_calls_per_token"] == pytest.approx(6 / 8)
+    assert row["draft_calls_per_token"] == pytest.approx(7 / 8)
+    assert row["acceptance_rate"] == pytest.approx(3 / 7)
+    assert row["cost_per_1k_tokens"] == pytest.approx(0.49 / 8 * 1000 * 0.001)  # $3.6/h = $0.001/s
+    assert row["policy_fraction"] == pytest.approx(0.1)
+    assert row["k_hist"] == {"0": 1, "2": 1, "3": 1, "4": 1}
+    assert row["accept_hist"] == {"0": 1, "1": 1, "2": 1}
+    assert row["per_category"]["code"] == pytest.approx({"tokens": 5, "seconds": 0.21, "tokens_per_s": 5 / 0.21})
+    assert row["per_category"]["other"]["tokens"] == 3
+    json.dumps(row)  # plain data
+
+
+def test_latency_percentiles_share_step_time_among_its_tokens():
+    row = row_from_results("x", "live", _example(), price_per_hour=1.0)
+    # per token: 100 (prefill), 20, 20, 20, 50 | 200 (prefill), 40, 40 ms
+    latency = [100, 20, 20, 20, 50, 200, 40, 40]
+    assert sorted(latency) == [20, 20, 20, 40, 40, 50, 100, 200]
+    assert row["latency_p50_ms"] == pytest.approx(40.0)  # position 3.5 of 8: between 40 and 40
+    assert row["latency_p90_ms"] == pytest.approx(100 + 0.3 * 100)  # position 6.3
+    assert row["latency_p99_ms"] == pytest.approx(100 + 0.93 * 100)  # position 6.93
+    assert row["latency_p99_ms"] == pytest.approx(np.percentile(latency, 99))
+
+
+def test_row_rejects_bad_input():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        row_from_results("x", "offline", _example(), price_per_hour=1.0)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        row_from_results("x", "live", [], price_per_hour=1.0)
+    with pytest.raises(ValueError, match=r"\['tokens'\].*rename"):
+        row_from_results("x", "live", _example(), price_per_hour=1.0, extra={"tokens": 1})
+
+
+def test_speedups_compare_within_a_mode():
+    rows = _rows()
+    by = {(r["name"], r["mode"]): r for r in rows}
+    # live: AR emits 5 tokens in 5 x 10 ms; static-k3 emits 17 tokens in 5 x 10 ms. Simulated steps take 20 ms.
+    for mode in ("live", "simulated"):
+        assert by["ar", mode]["speedup_vs_ar"] == pytest.approx(1.0)
+        assert by["static-k3", mode]["speedup_vs_ar"] == pytest.approx(17 / 5)
+        assert by["static-k3", mode]["per_category"]["code"]["speedup_vs_ar"] == pytest.approx(17 / 5)
+    assert by["ar", "simulated"]["tokens_per_s"] == pytest.approx(by["ar", "live"]["tokens_per_s"] / 2)
+
+
+def test_speedup_of_a_category_missing_from_the_baseline_is_none():
+    rows = [_row("ar", "live", 1, 0.01, ["code"]), _row("learned", "live", 2, 0.01, ["code", "math"])]
+    add_speedups(rows)
+    assert rows[1]["per_category"]["math"]["speedup_vs_ar"] is None
+    assert "-" in category_table(rows)
+
+
+def test_missing_baseline_names_the_mode_and_the_fix():
+    rows = [_row("ar", "live", 1, 0.01), _row("learned", "simulated", 2, 0.01)]
+    with pytest.raises(ValueError, match=r"no 'ar' row in mode 'simulated'.*evaluate 'ar' in simulated mode"):
+        add_speedups(rows)
+
+
+def test_calibration_error():
+    probs, labels = [0.25] * 4 + [0.75] * 4, [1, 0, 0, 0, 1, 1, 1, 0]  # each bin's frequency equals its probability
+    assert calibration_error(probs, labels) == pytest.approx(0.0)
+    assert calibration_error([1.0, 1.0], [1, 1]) == pytest.approx(0.0)  # p = 1 lands in the last bin
+    assert calibration_error([0.9] * 10, [0] * 10) == pytest.approx(0.9)
+    assert calibration_error([0.9] * 10 + [0.1] * 10, [1] * 5 + [0] * 5 + [0] * 10) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="as many labels"):
+        calibration_error([0.5, 0.5], [1])
+    with pytest.raises(ValueError, match="not logits"):
+        calibration_error([2.0], [1])
+
+
+# ---------------------------------------------------------------------- reports
+def test_markdown_tables_list_every_row():
+    rows = _rows()
+    table = markdown_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert lines[0].startswith("| name | mode | tokens/s | speedup vs AR")
+    for r in rows:
+        assert f"| {r['name']} | {r['mode']} |" in table
+    assert "3.40x" in table
+    cats = category_table(rows)
+    assert cats.splitlines()[0] == "| name | mode | chat | code |"
+    assert "| static-k3 | live | 3.40x | 3.40x |" in cats
+    assert "| - |" in markdown_table([_row("ar", "live", 1, 0.01)])  # no speedup yet
+
+
+def test_write_eval_and_report(tmp_path):
+    rows, meta = _rows(), {"target": "tiny:llama-4l", "prompts": 2}
+    path = write_eval(tmp_path, rows, meta)
+    ev = json.loads(path.read_text())
+    assert path.name == "eval.json" and set(ev) == {"rows", "meta"} and ev["meta"] == meta
+    assert [r["name"] for r in ev["rows"]] == [r["name"] for r in rows]
+    assert "learned" in (tmp_path / "eval.md").read_text()
+
+    plots = make_plots(ev, tmp_path / "plots")
+    cmd = "python scripts/evaluate.py experiment=smoke"
+    md, js = write_report(tmp_path, ev, command=cmd, sections={"Distillation": "val/accept_rate 0.61"}, plots=plots)
+    text = md.read_text()
+    assert f"```bash\n{cmd}\n```" in text
+    assert "## Distillation\n\nval/accept_rate 0.61" in text
+    assert "![speedup_by_policy](plots/speedup_by_policy.png)" in text
+    assert "| static-k3 | live |" in text
+    report = json.loads(js.read_text())
+    assert set(report) == {"eval", "command", "sections", "plots"}
+    assert report["command"] == cmd and "plots/k_distribution.png" in report["plots"]
+    assert not list(tmp_path.glob(".*tmp*"))  # atomic writes leave no temporaries
+
+
+# ---------------------------------------------------------------------- plots
+def test_make_plots_writes_pngs(tmp_path):
+    plots = make_plots({"rows": _rows()}, tmp_path)
+    assert {p.name for p in plots} == {"speedup_by_policy.png", "speedup_by_category.png", "acceptance_hist.png",
+                                       "k_distribution.png", "cost_per_1k.png", "speedup_vs_k.png"}
+    for p in plots:
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000
+
+
+def test_make_plots_skips_empty_data(tmp_path):
+    assert make_plots({"rows": []}, tmp_path) == []
+    rows = [_row("ar", "live", 1, 0.01), _row("oracle", "live", 1, 0.01)]  # a key row that never drafted
+    add_speedups(rows)
+    names = {p.name for p in make_plots({"rows": rows}, tmp_path)}
+    assert names == {"speedup_by_policy.png", "speedup_by_category.png", "k_distribution.png", "cost_per_1k.png"}
+    assert speedup_vs_k_plot(rows, tmp_path / "k.png") is None and not (tmp_path / "k.png").exists()
+
+
+def test_calibration_plot(tmp_path):
+    rng = np.random.default_rng(0)
+    probs = rng.uniform(size=500)
+    path = calibration_plot(probs, rng.uniform(size=500) < probs, tmp_path / "sub" / "cal.png", title="Acceptance")
+    assert path.read_bytes()[:8] == PNG_MAGIC

@@ -1,0 +1,124 @@
+"""The whole pipeline under Hydra: the smoke experiment end to end, a multirun, resume, from_run, W&B offline."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sacpolicy import pipeline
+from test_config import cfg_for
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "scripts/train.py")
+
+
+def train(*args, timeout=600, env=None):
+    flags = [a for a in args if a.startswith("-")]  # Hydra's flags go before the overrides
+    args = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, TRAIN, *flags, "experiment=smoke", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    res = train(f"hydra.run.dir={out}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, res
+
+
+def test_smoke_experiment_runs_every_stage_and_reports(smoke_run):
+    out, res = smoke_run
+    for stage in ("distill", "collect", "fit", "evaluate", "export"):
+        assert (out / f"{stage}.json").is_file(), stage
+    ev = json.loads((out / "eval.json").read_text())
+    rows = {(r["name"], r["mode"]): r for r in ev["rows"]}
+    names = {n for n, _ in rows}
+    assert {"ar", "best-static", "heuristic", "confidence-0.4", "confidence-tuned", "seed-rule", "bandit",
+            "oracle", "learned-hgb", "learned-logreg", "learned-mlp"} <= names
+    assert {"static-k1", "static-k2", "static-k4"} <= names
+    for (name, mode), r in rows.items():
+        assert r["tokens_per_s"] > 0 and r["mode"] in ("live", "simulated")
+    assert ("learned-hgb", "live") in rows and ("oracle", "live") not in rows
+    report = (out / "report.md").read_text()
+    assert "learned-mlp" in report and "scripts/train.py" in report and "experiment=smoke" in report
+    assert list((out / "plots").glob("*.png"))
+    assert json.loads((out / "report.json").read_text())["eval"]["rows"]
+    for name in ("hgb", "logreg", "mlp"):
+        assert (out / "policies" / name / "policy.json").is_file()
+        assert (out / "export" / name / "vllm.json").is_file()
+    assert "learned-hgb" in res.stdout and "report:" in res.stdout
+    assert (out / "metrics.jsonl").is_file() and (out / "tables" / "eval" / "rows.csv").is_file()
+
+
+def test_rerun_in_the_same_directory_skips_finished_stages_and_from_run_reuses_them(smoke_run, tmp_path):
+    out, _ = smoke_run
+    before = (out / "eval.json").stat().st_mtime
+    res = train(f"hydra.run.dir={out}", "stages=[fit,evaluate]")
+    assert res.returncode == 0 and "already finished" in res.stderr + res.stdout
+    assert (out / "eval.json").stat().st_mtime == before
+    res = train(f"hydra.run.dir={tmp_path}", f"from_run={out}", "stages=[evaluate]", "eval.live_prompts=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert all(r["mode"] == "simulated" for r in json.loads((tmp_path / "eval.json").read_text())["rows"])
+
+
+def test_from_run_of_another_target_is_refused(smoke_run):
+    out, _ = smoke_run
+    cfg = cfg_for("experiment=embedded_cpu", f"from_run={out}")
+    with pytest.raises(pipeline.PipelineError, match="was made with target 'tiny:llama-4l'"):
+        pipeline.validate(cfg)
+    with pytest.raises(pipeline.PipelineError, match="not a sacpolicy run directory"):
+        pipeline.validate(cfg_for("experiment=smoke", f"from_run={out / 'plots'}"))
+
+
+def test_a_stage_without_its_inputs_says_which_stage_makes_them(tmp_path):
+    res = train(f"hydra.run.dir={tmp_path}", "stages=[fit]")
+    assert res.returncode != 0 and "needs traces/tf" in res.stderr + res.stdout
+
+
+def test_multirun_sweep_runs_two_jobs(tmp_path):
+    res = train("-m", "stages=[decode]", "policy=static,heuristic", f"hydra.sweep.dir={tmp_path}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for job in ("0", "1"):
+        assert json.loads((tmp_path / job / "decode.json").read_text())["rows"]["policy"]["tokens_per_s"] > 0
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(tmp_path):
+    """Kill the run during trace collection, rerun it in the same directory: finished stages and trace chunks are
+    kept, the rest is done, and the result matches an uninterrupted run's traces."""
+    args = [sys.executable, TRAIN, "experiment=smoke", f"hydra.run.dir={tmp_path}", "stages=[collect,fit]",
+            "collect.chunk_size=1"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((tmp_path / "traces" / "tf").glob("*.parquet"))) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "fit.json").exists()
+    shards = {p.name: p.stat().st_mtime for p in (tmp_path / "traces" / "tf").glob("*.parquet")}
+    assert shards
+    res = train(f"hydra.run.dir={tmp_path}", "stages=[collect,fit]", "collect.chunk_size=1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    after = {p.name: p.stat().st_mtime for p in (tmp_path / "traces" / "tf").glob("*.parquet")}
+    assert all(after[n] == t for n, t in shards.items())  # finished chunks were not redone
+    collect = json.loads((tmp_path / "collect.json").read_text())
+    assert len(after) == sum(collect["prompts"].values())
+    assert (tmp_path / "fit.json").is_file()
+
+
+def test_wandb_offline_run_holds_the_logged_summary(tmp_path):
+    res = train(f"hydra.run.dir={tmp_path}", "logger=wandb", "logger.offline=false", "stages=[decode]",
+                env={"WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc"), "WANDB_SILENT": "true"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "logging offline instead" in res.stderr + res.stdout  # online without credentials falls back
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    # an offline run keeps its records in the binary transaction log that `wandb sync` uploads
+    log = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"decode/policy_tokens_per_s" in log and b"summary/metric" in log

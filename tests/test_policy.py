@@ -1,0 +1,138 @@
+"""Learned policies: examples from traces, predictors that learn acceptance, the decision rule, bad input, the bandit."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.linear_model import LogisticRegression
+
+from sacpolicy.data import assign_split
+from sacpolicy.decoding import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from sacpolicy.policy import Autoregressive, Bandit, Static
+from sacpolicy.policy.learned import LearnedPolicy
+from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
+from sacpolicy.runtime.rule import DecisionRule, RuleError
+from sacpolicy.traces.simulate import Oracle, best_static, group_traces, simulate
+from sacpolicy.training.predictor import FORMS, acceptance_examples, fit_predictor, tune_rule
+from test_traces import cost_model
+from toys import synthetic_traces
+
+V = 1000
+SPECS = {
+    "hgb": {"kind": "sklearn", "estimator": HistGradientBoostingClassifier(max_iter=50, max_depth=6, random_state=0)},
+    "logreg": {"kind": "sklearn", "estimator": LogisticRegression(max_iter=500)},
+    "mlp": {"kind": "mlp", "max_epochs": 4, "hidden": (32,), "trainer_kwargs": {"enable_progress_bar": False}},
+}
+
+
+@pytest.fixture(scope="module")
+def synth():
+    grouped = group_traces(synthetic_traces(90, drafters=("draft",)))
+    cost = cost_model(["draft"])
+    split = {s: {p: v for p, v in grouped.items() if assign_split(p) == s} for s in ("train", "val", "test")}
+    return grouped, split, cost, acceptance_examples(grouped, cost, vocab_size=V, k=8)
+
+
+@pytest.fixture(scope="module")
+def fitted(synth, tmp_path_factory):
+    _, _, _, ex = synth
+    return {name: fit_predictor(name, spec, ex, out_dir=tmp_path_factory.mktemp(name)) for name, spec in SPECS.items()}
+
+
+def test_examples_follow_the_replay_and_the_prompt_split(synth):
+    grouped, split, cost, ex = synth
+    # one example per drafted position up to the first rejection of its block, in each of the three forms
+    steps = simulate(Static(8, "draft"), grouped, cost, vocab_size=V)
+    relevant = sum(min(s.accepted + 1, s.drafted) for _, r in steps.results for s in r.steps)
+    assert len(ex) == 3 * relevant
+    assert set(ex.form) == set(FORMS) and ex.X.shape[1] == len(FEATURE_NAMES)
+    assert all(ex.split[i] == assign_split(ex.prompt_id[i]) for i in range(0, len(ex), 97))
+    known = ex.X[ex.form == "known"]
+    assert np.isfinite(known).all()  # confidence is known once the token is drafted
+    plan = ex.X[(ex.form == "plan") & (ex.position > 0)]
+    assert np.isnan(plan[:, :3]).all() and np.isnan(plan[:, FEATURE_NAMES.index("prev_top1")]).all()
+    # labels: an accepted token is followed, in its block, by the next position
+    assert set(np.unique(ex.y)) == {0.0, 1.0}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_predictors_learn_acceptance_and_are_calibrated(fitted, name):
+    pred, metrics = fitted[name]
+    for split in ("val", "test"):
+        assert metrics[split]["auc"] > 0.65, metrics
+        assert metrics[split]["ece"] < 0.1, metrics
+    assert pred.meta["features"] == feature_spec() and pred.meta["name"] == name
+
+
+def test_learned_policy_beats_best_static_and_trails_the_oracle(synth, fitted):
+    _, split, cost, _ = synth
+    pred, _ = fitted["hgb"]
+    rule, tuning = tune_rule(pred, cost, split["val"], vocab_size=V, k_max=8)
+    assert {r["mode"] for r in tuning["grid"]} == {"stop", "k"}
+    best = best_static(split["val"], cost, vocab_size=V, k_max=8)["all"]
+    learned = simulate(LearnedPolicy(rule), split["test"], cost, vocab_size=V).tokens_per_s
+    static = simulate(Static(best["k"], best["drafter"]), split["test"], cost, vocab_size=V).tokens_per_s
+    oracle = simulate(Oracle(cost, 8), split["test"], cost, vocab_size=V).tokens_per_s
+    assert static < learned < oracle
+
+
+def _rule(pred, cost, **kw):
+    return DecisionRule(pred, cost, ("draft",), 8, ("draft", 3), **kw)
+
+
+def test_non_finite_features_fall_back_to_the_best_static_rule_and_are_counted(synth, fitted):
+    _, split, cost, ex = synth
+    rule = _rule(fitted["hgb"][0], cost)
+    rows = ex.of("test", "plan").X[:8].copy()
+    before = rule.fallbacks
+    rule.plan({"draft": rows}, 100)
+    assert rule.fallbacks == before  # unknown confidence (NaN by design) is not a broken feature
+    rows[2, FEATURE_NAMES.index("load")] = np.nan
+    assert rule.plan({"draft": rows}, 100) == ("draft", 3)
+    row = ex.of("test", "known").X[0].copy()
+    row[FEATURE_NAMES.index("log_context_len")] = np.inf
+    from sacpolicy.runtime.rule import Block
+
+    block = Block("draft", 100, 8)
+    assert [rule.stop(block, row, rows[1]) for _ in range(3)] == [False, False, True]  # static k=3
+    assert rule.fallbacks == before + 4
+
+
+def test_bad_input_is_refused_with_the_fix(synth, fitted, tiny_target):
+    _, _, cost, _ = synth
+    pred = fitted["logreg"][0]
+    old = dataclasses.replace(pred, meta={**pred.meta, "features": {**feature_spec(), "version": 1}})
+    with pytest.raises(RuleError, match="feature spec"):
+        _rule(old, cost)
+    with pytest.raises(ValueError, match="trained on drafters"):
+        SpeculativeDecoder(tiny_target.model, [NgramDrafter(name="ngram")], LearnedPolicy(_rule(pred, cost)))
+    with pytest.raises(RuleError, match="mode"):
+        _rule(pred, cost, mode="sometimes")
+
+
+def test_learned_policy_decodes_live_losslessly(synth, fitted, tiny_target, tiny_draft):
+    """Live, with a real model drafter: the decisions vary and the output is the target's own greedy output."""
+    _, _, cost, _ = synth
+    prompt = [5, 6, 7, 8] * 6
+    ar = SpeculativeDecoder(tiny_target.model, [], Autoregressive(), stop_token_ids=[]).generate(prompt, 24)
+    for mode in ("stop", "k"):
+        policy = LearnedPolicy(_rule(fitted["mlp"][0], cost, mode=mode))
+        dec = SpeculativeDecoder(tiny_target.model, [ModelDrafter(tiny_draft.model, name="draft")], policy,
+                                 stop_token_ids=[])
+        out = dec.generate(prompt, 24)
+        assert out.tokens == ar.tokens
+        assert policy.policy_s > 0 and all(s.drafted <= 8 for s in out.steps)
+
+
+def test_bandit_learns_the_better_arm_online(synth):
+    """Replayed over traces where drafting pays, the bandit ends up drafting and beats autoregressive decoding."""
+    grouped, _, cost, _ = synth
+    bandit = Bandit(ks=(1, 2, 4), cost=cost, discount=1.0)
+    res = simulate(bandit, grouped, cost, vocab_size=V)
+    ar = simulate(Autoregressive(), grouped, cost, vocab_size=V)
+    assert res.tokens_per_s > ar.tokens_per_s
+    pulls = dict(zip(bandit.arms, bandit.n))
+    assert max(pulls, key=pulls.get) != (None, 0)
+    with pytest.raises(ValueError, match="ks"):
+        Bandit(ks=())
