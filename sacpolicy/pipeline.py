@@ -70,10 +70,14 @@ def validate(cfg: DictConfig) -> None:
 
 
 def find(cfg: DictConfig, out_dir: Path, rel: str) -> Path | None:
-    """An artifact of this run, else of ``from_run``, else None."""
-    for base in (out_dir, Path(cfg.from_run) if cfg.get("from_run") else None):
-        if base is not None and (base / rel).exists():
+    """An artifact of this run, else of ``from_run``, else of the run that one reused from (and so on), else None."""
+    seen, base, src = set(), out_dir, cfg.get("from_run")
+    while base is not None and base.resolve() not in seen:
+        if (base / rel).exists():
             return base / rel
+        seen.add(base.resolve())
+        base = Path(src) if src else None
+        src = OmegaConf.load(base / "config.yaml").get("from_run") if base and (base / "config.yaml").is_file() else None
     return None
 
 
@@ -141,7 +145,9 @@ def load_split(cfg: DictConfig, target: LoadedModel, split: str | None = None):
     return split_prompts(prompts)[split or cfg.run.split]
 
 
-def _take(rows, n) -> list:
+def _take(rows, n, seed: int) -> list:
+    """n prompts drawn at random (seeded) from a split, so a sample mixes its sources and categories."""
+    rows = rows.shuffle(seed=seed) if hasattr(rows, "shuffle") else rows
     return [rows[i] for i in range(len(rows) if n is None else min(n, len(rows)))]
 
 
@@ -178,7 +184,7 @@ def stage_collect(cfg: DictConfig, out_dir: Path, tracker) -> dict:
     if not drafters:
         raise PipelineError("collect needs at least one drafter (draft=pool, or a distill stage); got none")
     prompts = split_prompts(instantiate(cfg.data)(tokenizer=target.tokenizer))
-    chosen = {s: _take(prompts[s], c.num_prompts[s]) for s in SPLITS}
+    chosen = {s: _take(prompts[s], c.num_prompts[s], cfg.seed) for s in SPLITS}
     cost_path = out_dir / "cost.json"
     if not cost_path.exists():
         logger.info("profiling the cost model on %s", target.device)
@@ -192,7 +198,7 @@ def stage_collect(cfg: DictConfig, out_dir: Path, tracker) -> dict:
                            shard=c.shard, chunk_size=c.chunk_size)
     tf_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    live = _take(chosen["val"], c.live_prompts)
+    live = chosen["val"][: c.live_prompts]
     if live:
         collect_live(build_decoder(cfg, target, drafters), live, out_dir / "traces" / "live",
                      max_new_tokens=c.max_new_tokens, meta=meta, shard=c.shard, chunk_size=c.chunk_size)
@@ -268,7 +274,7 @@ def stage_evaluate(cfg: DictConfig, out_dir: Path, tracker) -> dict:
     if [d.name for d in drafters] != order:
         raise PipelineError(f"the traces were collected with drafters {order} but this run builds "
                             f"{[d.name for d in drafters]}; use the same draft= setting (and distilled draft)")
-    test = [r for r in load_split(cfg, target, "test") if r["prompt_id"] in by_split["test"]]
+    test = [r for r in _take(load_split(cfg, target, "test"), None, cfg.seed) if r["prompt_id"] in by_split["test"]]
     e = cfg.eval
     settings = EvalSettings(ks=tuple(e.ks), k_max=e.k_max, live_prompts=e.live_prompts,
                             max_new_tokens=e.max_new_tokens, price_per_hour=e.price_per_hour,
@@ -289,7 +295,13 @@ def stage_evaluate(cfg: DictConfig, out_dir: Path, tracker) -> dict:
 
 
 def stage_export(cfg: DictConfig, out_dir: Path, tracker) -> dict:
+    """Per policy: vLLM's speculative_config and, when the policy has a model drafter, the transformers
+    generation_config settings for stock assisted generation (copy them into the draft's directory)."""
+    import shutil
+
+    from sacpolicy.export.hf import export_generation_config
     from sacpolicy.export.vllm import write_vllm_config
+    from sacpolicy.runtime.artifact import ArtifactError
 
     out = {}
     for name in cfg.predictor:
@@ -297,13 +309,20 @@ def stage_export(cfg: DictConfig, out_dir: Path, tracker) -> dict:
         dest = out_dir / "export" / name
         dest.mkdir(parents=True, exist_ok=True)
         out[name] = {"runtime": str(policy_dir), "vllm": str(write_vllm_config(policy_dir, dest / "vllm.json"))}
+        draft_dir = find(cfg, out_dir, "distill/draft")
+        if draft_dir is not None and (draft_dir / "generation_config.json").is_file():
+            shutil.copyfile(draft_dir / "generation_config.json", dest / "generation_config.json")
+        try:
+            out[name]["transformers"] = export_generation_config(policy_dir, dest)
+        except ArtifactError as exc:  # no model drafter among the policy's drafters
+            logger.info("no transformers export for %s: %s", name, exc)
     return out
 
 
 def stage_decode(cfg: DictConfig, out_dir: Path, tracker) -> dict:
     target = build_target(cfg)
     drafters = build_drafters(cfg, target, out_dir)
-    prompts = _take(load_split(cfg, target), cfg.run.num_prompts)
+    prompts = _take(load_split(cfg, target), cfg.run.num_prompts, cfg.seed)
     decoders = {
         "ar": build_decoder(cfg, target, [], Autoregressive()),
         "policy": build_decoder(cfg, target, drafters),

@@ -8,25 +8,15 @@ over test traces and live side by side; writes eval.json, eval.md, plots and rep
 Same configuration as scripts/train.py (conf/evaluate.yaml = conf/train.yaml with stages=[evaluate]).
 """
 
-import logging
-
 import hydra
 from omegaconf import DictConfig
 
-from sacpolicy import pipeline
-from train import print_eval_table
+from train import run_and_print
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    logging.getLogger("sacpolicy").setLevel(logging.INFO)
-    try:
-        outputs = pipeline.run(cfg)
-    except pipeline.PipelineError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    print_eval_table(outputs["evaluate"]["eval"])
-    print(f"report: {outputs['report']}")
-    return outputs["metric"]
+    return run_and_print(cfg)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ def print_decode_table(summary: dict) -> None:
     Console().print(table)
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def run_and_print(cfg: DictConfig) -> float:
+    """Run the configured stages, print the summary tables, return the metric a sweep optimizes."""
     logging.getLogger("sacpolicy").setLevel(logging.INFO)
     try:
         outputs = pipeline.run(cfg)
@@ -58,6 +58,11 @@ def main(cfg: DictConfig) -> float:
         print_eval_table(outputs["evaluate"]["eval"])
         print(f"report: {outputs['report']}")
     return outputs["metric"]
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    return run_and_print(cfg)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from sacpolicy.export.hf import export_generation_config, generate_with_policy
 from sacpolicy.export.vllm import (
     PolicyNgramProposer,
     draft_length,
+    ngram_match,
     ngram_proposal,
     speculative_config,
     write_vllm_config,
@@ -34,6 +35,7 @@ from sacpolicy.runtime import (
     Block,
     DecisionRule,
     FEATURE_NAMES,
+    FEATURE_VERSION,
     Predictor,
     feature_spec,
     load_artifact,
@@ -256,7 +258,8 @@ def test_bad_artifacts_are_refused_with_the_fix(fitted, tmp_path):
 
     with pytest.raises(ArtifactError, match="format version 99; this runtime reads format version 1.*upgrade"):
         load_policy(edited("newer", lambda m: m.update(format_version=99)))
-    with pytest.raises(ArtifactError, match="feature spec version 1 .*this runtime computes version 2"):
+    newer = f"feature spec version 1 .*this runtime computes version {FEATURE_VERSION}"
+    with pytest.raises(ArtifactError, match=newer):
         load_policy(edited("features", lambda m: m["feature"].update(version=1)))
     with pytest.raises(ArtifactError, match="re-export"):
         load_policy(edited("broken", lambda m: m["rule"].pop("k_max")))
@@ -374,8 +377,8 @@ def test_vllm_speculative_config(fitted, draft_dir, tmp_path):
     rule = load_policy(path)
     for drafter in DRAFTERS:
         cfg = speculative_config(path, drafter=drafter)
-        k = static_k(rule, drafter)
-        assert cfg["num_speculative_tokens"] == k and isinstance(k, int) and k >= 1
+        k = max(1, static_k(rule, drafter))  # vLLM needs at least one speculative token
+        assert cfg["num_speculative_tokens"] == k and isinstance(k, int)
         if drafter == rule.fallback[0]:
             assert k == rule.fallback[1]
         if drafter == "draft":
@@ -416,7 +419,9 @@ def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch):
         tokens[i, :n] = np.tile(rng.integers(0, 50, 4), 16)[:n]  # repetitive: the n-gram lookup finds spans
     drafts = proposer.propose([[1]] * 4, lens, tokens)
     for i, n in enumerate(lens):
-        k = draft_length(rule, "ngram", int(n), min(6, 64 - int(n) - 1))
+        m = ngram_match(tokens[i, :n])
+        conf = (m[1] / 3, 0.0, m[1] / 3)  # the n-gram drafter's peek: its match length
+        k = draft_length(rule, "ngram", int(n), min(6, 64 - int(n) - 1), confidence=conf)
         assert drafts[i] == (ngram_proposal(tokens[i, :n], k) if k else [])
     rows = np.array([reference_row(rule, "ngram", j, 40) for j in range(6)])
     assert draft_length(rule, "ngram", 40, 6) == rule.plan({"ngram": rows}, 40, 6)[1]

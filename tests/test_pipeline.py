@@ -62,8 +62,15 @@ def test_rerun_in_the_same_directory_skips_finished_stages_and_from_run_reuses_t
     res = train(f"hydra.run.dir={out}", "stages=[fit,evaluate]")
     assert res.returncode == 0 and "already finished" in res.stderr + res.stdout
     assert (out / "eval.json").stat().st_mtime == before
-    res = train(f"hydra.run.dir={tmp_path}", f"from_run={out}", "stages=[evaluate]", "eval.live_prompts=0")
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/evaluate.py"), "experiment=smoke", f"from_run={out}",
+                          f"hydra.run.dir={tmp_path}", "eval.live_prompts=0"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "learned-hgb" in res.stdout and not (tmp_path / "fit.json").exists()
+    chained = tmp_path / "chained"  # from_run follows the chain: this run reads the policies of the first one
+    res = train(f"hydra.run.dir={chained}", f"from_run={tmp_path}", "stages=[export]")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (chained / "export" / "hgb" / "vllm.json").is_file()
     assert all(r["mode"] == "simulated" for r in json.loads((tmp_path / "eval.json").read_text())["rows"])
 
 

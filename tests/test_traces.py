@@ -16,7 +16,7 @@ from sacpolicy.policy import Confidence, Heuristic, Static
 from sacpolicy.policy.cost import CostModel, PiecewiseLinear
 from sacpolicy.policy.features import FEATURE_NAMES, token_features
 from sacpolicy.traces.collect import collect_live, collect_teacher_forced, resolve_shard
-from sacpolicy.traces.schema import TraceError, load_traces, write_meta
+from sacpolicy.traces.schema import SCHEMA_VERSION, TraceError, load_traces, write_meta
 from sacpolicy.traces.simulate import Oracle, best_static, group_traces, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_teacher_forced_records(setup):
         assert 0 <= r["p_target"] <= 1 and 0 <= r["beta"] <= 1 + 1e-5 and 0 <= r["run_len"] <= 8
         assert r["match"] == (r["draft_token"] == r["target_token"])
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["schema_version"] == 1 and meta["drafters"] == ["skip2", "self", "ngram"]
+    assert meta["schema_version"] == SCHEMA_VERSION == 2 and meta["drafters"] == ["skip2", "self", "ngram"]
     assert meta["target"] == "tiny:llama-4l" and meta["dtype"] == "torch.float32" and meta["device"] == "cpu"
     assert meta["package_version"] and meta["sampling"]["temperature"] == 0.0
 
@@ -95,21 +95,45 @@ def test_features_live_equal_features_from_traces(tiny_target, setup):
         def observe(self, record):
             self.prev = None
 
+    seen = {}
+    for drafter in ("skip2",):
+        for row in prompts:
+            live_pol, sim_pol = Recording(2e-4, k=5, drafter=drafter), Recording(2e-4, k=5, drafter=drafter)
+            live_pol.log, sim_pol.log = [], []
+            SpeculativeDecoder(tiny_target.model, drafters, live_pol, stop_token_ids=[]).generate(
+                row["input_ids"], N_NEW, category=row["category"])
+            simulate(sim_pol, {row["prompt_id"]: grouped[row["prompt_id"]]},
+                     cost_model(["skip2", "self", "ngram"]), vocab_size=V)
+            runs = grouped[row["prompt_id"]]["drafters"][drafter]["run_len"]
+            # positions drafted on the target's own prefix (up to the first mismatch) are the ones traces describe
+            valid = lambda log: [(g, j, f) for g, j, f in log if j <= runs[g]]  # noqa: E731
+            a, b = valid(live_pol.log), valid(sim_pol.log)
+            assert [(g, j) for g, j, _ in a] == [(g, j) for g, j, _ in b]
+            for (_, _, fa), (_, _, fb) in zip(a, b):
+                assert len(fa) == len(FEATURE_NAMES)
+                assert fa == pytest.approx(fb, rel=1e-4, abs=1e-5)
+            seen.setdefault(drafter, []).extend(f for _, _, f in a)
+    assert len(seen["skip2"]) > 20
+
+
+def test_ngram_confidence_is_the_match_length_live_and_replayed(tiny_target, setup):
+    """The n-gram drafter's block is one copied span: every token carries the span's matched length / max_ngram,
+    live and in replay alike."""
+    prompts, drafters, _, traces = setup
+    grouped = group_traces(traces)
+    drafted = 0
     for row in prompts:
-        live_pol, sim_pol = Recording(2e-4, k=5, drafter="skip2"), Recording(2e-4, k=5, drafter="skip2")
-        live_pol.log, sim_pol.log = [], []
-        SpeculativeDecoder(tiny_target.model, drafters, live_pol, stop_token_ids=[]).generate(
-            row["input_ids"], N_NEW, category=row["category"])
-        simulate(sim_pol, {row["prompt_id"]: grouped[row["prompt_id"]]}, cost_model(["skip2", "self", "ngram"]),
-                 vocab_size=V)
-        runs = grouped[row["prompt_id"]]["drafters"]["skip2"]["run_len"]
-        # positions drafted on the target's own prefix (up to the first mismatch) are the ones traces describe
-        valid = lambda log: [(g, j, f) for g, j, f in log if j <= runs[g]]  # noqa: E731
-        a, b = valid(live_pol.log), valid(sim_pol.log)
-        assert [(g, j) for g, j, _ in a] == [(g, j) for g, j, _ in b] and a
-        for (_, _, fa), (_, _, fb) in zip(a, b):
-            assert len(fa) == len(FEATURE_NAMES)
-            assert fa == pytest.approx(fb, rel=1e-4, abs=1e-5)
+        live = SpeculativeDecoder(tiny_target.model, drafters, Static(4, "ngram"), stop_token_ids=[]).generate(
+            row["input_ids"], N_NEW)
+        sim = simulate(Static(4, "ngram"), {row["prompt_id"]: grouped[row["prompt_id"]]},
+                       cost_model(["skip2", "self", "ngram"]), vocab_size=V).results[0][1]
+        flat = lambda steps: [t for s in steps for t in s.top1]  # noqa: E731
+        assert [s.drafted for s in live.steps] == [s.drafted for s in sim.steps]
+        assert flat(live.steps) == pytest.approx(flat(sim.steps))
+        for s in live.steps:
+            drafted += s.drafted
+            assert len(set(s.top1)) <= 1 and all(round(t * 3) in (1, 2, 3) for t in s.top1)
+    assert drafted > 0
 
 
 def test_oracle_and_best_static(setup):
@@ -147,7 +171,7 @@ def test_bad_trace_directories(tiny_target, setup, tmp_path):
     write_meta(bad, {"kind": "live"})
     meta = json.loads((bad / "meta.json").read_text())
     (bad / "meta.json").write_text(json.dumps({**meta, "schema_version": 0}))
-    with pytest.raises(TraceError, match="schema version 0.*reads version 1"):
+    with pytest.raises(TraceError, match=f"schema version 0.*reads version {SCHEMA_VERSION}"):
         load_traces(bad)
     empty = tmp_path / "empty"
     write_meta(empty, {"kind": "live"})

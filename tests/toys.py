@@ -58,5 +58,6 @@ def synthetic_traces(n_prompts: int = 60, length: int = 48, drafters=("draft", "
                     "match": bool(match[g]), "top1": float(top1[g]), "entropy": float(entropy[g]),
                     "margin": float(margin[g]), "p_target": 0.5, "q_target": float(top1[g]) if match[g] else 0.0,
                     "beta": float(top1[g]), "run_len": int(run[g]), "proposal_len": int(plen[g]),
+                    "proposal": d > 0,
                 })
     return rows

@@ -146,10 +146,12 @@ class SpeculativeDecoder:
             q = self._draft_probs(block, _T1)
         else:
             p, q = pq
-        if block.logits is None:
-            conf = torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(k, 3)
-        else:
+        if block.logits is not None:
             conf = draft_stats(block.logits)
+        elif block.confidence is not None:
+            conf = block.confidence.to(self.device, torch.float32)
+        else:
+            conf = torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(k, 3)
         return torch.cat([conf, acceptance_stats(p, q, block.tokens)], dim=-1)
 
     def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
@@ -226,6 +228,9 @@ class SpeculativeDecoder:
             run.cooldown -= 1
             decision = Decision.autoregressive()
         else:
+            if self.policy.uses_peeks:
+                state.peeks = {d: self.drafters[d].peek(run.buf[:n]) for d in state.drafters
+                               if callable(getattr(self.drafters[d], "peek", None))}
             decision = self.policy.decide(state)
             self._check_decision(decision)
         name = decision.drafter if decision.drafter in state.drafters else None

@@ -27,6 +27,9 @@ StopFn = Callable[[int, torch.Tensor], bool]
 class DraftBlock:
     tokens: torch.Tensor  # [k] long, on the target's device
     logits: torch.Tensor | None  # [k, V] raw draft logits the tokens were chosen from; None = deterministic proposal
+    # deterministic proposals only: [k, 3] confidence in the draft_stats layout (top-1, entropy, margin) the drafter
+    # assigns its tokens; None = certain ([1, 0, 1])
+    confidence: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -57,6 +60,9 @@ class Drafter(Protocol):
 
     def accept(self, n_accepted: int) -> None:
         """The target accepted the first n_accepted tokens of the last proposal."""
+
+    # Optional, for drafters whose proposal is a cheap lookup (n-gram): ``peek(context)`` returns the confidence
+    # (top-1, entropy, margin) of the proposal ``propose`` would make now, or None when it would propose nothing.
 
 
 class ModelDrafter:
@@ -189,7 +195,11 @@ class LayerSkipDrafter(ModelDrafter):
 
 class NgramDrafter:
     """Prompt lookup decoding: find the most recent earlier occurrence of the context's last n tokens (longest n
-    first, ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it."""
+    first, ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
+
+    Its confidence in a proposal is the matched length: top-1 = margin = n / max_ngram, entropy 0 (a longer matched
+    suffix predicts the continuation better), reported to ``stop`` for each token so a policy may cut the block.
+    """
 
     vocab_size = None
 
@@ -197,21 +207,44 @@ class NgramDrafter:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
+        self._peeked = None  # (context length, match) of the last peek, reused by the proposal that follows
 
     def reset(self) -> None:
-        pass
+        self._peeked = None
 
-    @torch.inference_mode()
-    def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
+    def _match(self, context) -> tuple[int, int] | None:
+        """(start of the copied span, matched length n) of the longest, most recent match; None without one."""
         L = context.shape[0]
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             # windows of context[:-1] so every match has at least one following token
             windows = context[: L - 1].unfold(0, n, 1)
             hits = (windows == context[L - n :]).all(-1).nonzero()
             if hits.numel():
-                start = int(hits[-1, 0]) + n
-                return DraftBlock(context[start : start + k].clone(), None)
-        return DraftBlock.empty(context.device)
+                return int(hits[-1, 0]) + n, n
+        return None
+
+    @torch.inference_mode()
+    def peek(self, context) -> tuple[float, float, float] | None:
+        """The confidence of the proposal ``propose`` would make now, None when it would propose nothing: a lookup
+        as cheap as the proposal, so a policy may choose between drafting and not before it drafts."""
+        m = self._match(context)
+        self._peeked = (context.shape[0], m)
+        return None if m is None else (m[1] / self.max_ngram, 0.0, m[1] / self.max_ngram)
+
+    @torch.inference_mode()
+    def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
+        peeked, self._peeked = self._peeked, None
+        m = peeked[1] if peeked is not None and peeked[0] == context.shape[0] else self._match(context)
+        if m is None:
+            return DraftBlock.empty(context.device)
+        start, n = m
+        tokens = context[start : start + k].clone()
+        stats = torch.tensor([n / self.max_ngram, 0.0, n / self.max_ngram])
+        for i in range(tokens.shape[0] - 1):
+            if stop is not None and stop(i, stats):
+                tokens = tokens[: i + 1]
+                break
+        return DraftBlock(tokens, None, stats.to(context.device).expand(tokens.shape[0], 3))
 
     def accept(self, n_accepted: int) -> None:
         pass

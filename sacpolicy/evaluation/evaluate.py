@@ -36,7 +36,7 @@ class Timed(Policy):
 
     def __init__(self, inner: Policy):
         self.inner, self.name, self.seconds = inner, inner.name, 0.0
-        self.needs_token_feedback = inner.needs_token_feedback
+        self.needs_token_feedback, self.uses_peeks = inner.needs_token_feedback, inner.uses_peeks
 
     def _call(self, fn, *args):
         t0 = time.perf_counter()

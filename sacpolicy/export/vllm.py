@@ -61,27 +61,35 @@ def write_vllm_config(artifact_dir, out_path, draft_dir=None) -> Path:
 
 
 def draft_length(rule: DecisionRule, drafter: str, context_len: int, k_cap: int, *, load: float = 0.0,
-                 category: str | None = None) -> int:
-    """The rule's k for one request about to draft on top of ``context_len`` tokens (0: decode without drafts)."""
+                 category: str | None = None, confidence: tuple[float, float, float] | None = None) -> int:
+    """The rule's k for one request about to draft on top of ``context_len`` tokens (0: decode without drafts).
+    ``confidence``: the peeked proposal's (top-1, entropy, margin), shared by all its tokens (n-gram match length)."""
     k_cap = min(k_cap, rule.k_max)
     if k_cap < 1:
         return 0
+    top1, entropy, margin = confidence or (None, None, None)
     rows = np.array([feature_vector(position=j, context_len=context_len, drafter_index=rule.drafters.index(drafter),
+                                    top1=top1, entropy=entropy, margin=margin, prev_top1=top1 if j else None,
                                     load=load, category=category) for j in range(k_cap)])
     return rule.plan({drafter: rows}, context_len, k_cap)[1]
 
 
-def ngram_proposal(context: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """sacpolicy's ``NgramDrafter`` in numpy: the tokens after the most recent earlier occurrence of the context's
-    last n tokens, longest n first."""
+def ngram_match(context: np.ndarray, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, int] | None:
+    """sacpolicy's ``NgramDrafter`` lookup in numpy: (start of the tokens after the most recent earlier occurrence of
+    the context's last n tokens, n), longest n first; None without a match."""
     L = len(context)
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(context[: L - 1], n)
         hits = np.flatnonzero((windows == context[L - n :]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            return context[start : start + k].tolist()
-    return []
+            return int(hits[-1]) + n, n
+    return None
+
+
+def ngram_proposal(context: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """The n-gram drafter's proposal of at most k tokens (empty without a match)."""
+    m = ngram_match(context, max_ngram, min_ngram)
+    return [] if m is None else context[m[0] : m[0] + k].tolist()
 
 
 class PolicyNgramProposer:
@@ -102,8 +110,14 @@ class PolicyNgramProposer:
         out = []
         for i in range(len(sampled_token_ids)):
             n = int(num_tokens_no_spec[i])
-            k = draft_length(self.rule, self.drafter, n, min(self.k_cap, self.max_model_len - n - 1))
-            out.append(ngram_proposal(np.asarray(token_ids_cpu[i, :n]), k, self.max_ngram, self.min_ngram) if k else [])
+            context = np.asarray(token_ids_cpu[i, :n])
+            m = ngram_match(context, self.max_ngram, self.min_ngram)
+            if m is None:
+                out.append([])
+                continue
+            conf = (m[1] / self.max_ngram, 0.0, m[1] / self.max_ngram)  # the drafter's peek: match length
+            k = draft_length(self.rule, self.drafter, n, min(self.k_cap, self.max_model_len - n - 1), confidence=conf)
+            out.append(context[m[0] : m[0] + k].tolist())
         return out
 
     def load_model(self, *args, **kwargs) -> None:

@@ -39,6 +39,9 @@ class DecodeState:
     last: StepRecord | None = None
     accept_ema: dict[str, float] = field(default_factory=dict)  # per drafter, EMA of accepted / drafted
     drafter: str | None = None  # while drafting: the drafter in use
+    # before deciding, for policies that ask (``uses_peeks``): drafters that can tell cheaply what they would propose
+    # (n-gram) -> its confidence (top-1, entropy, margin), or None when they would propose nothing
+    peeks: dict[str, tuple[float, float, float] | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Policy:
 
     name: str = "policy"
     needs_token_feedback: bool = False
+    uses_peeks: bool = False  # fill DecodeState.peeks before each decision (one lookup per peekable drafter)
 
     def validate(self, drafters: tuple[str, ...], max_k: int) -> None:
         """Fail before decoding if this policy cannot run with these drafters and this k limit."""

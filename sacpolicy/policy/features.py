@@ -23,9 +23,14 @@ from sacpolicy.runtime.features import (  # noqa: F401 - the public names live h
 def token_features(state: DecodeState, token: DraftToken | None, prev_top1: float | None, *,
                    drafter: str | None = None, position: int | None = None) -> list[float]:
     """The feature vector of ``token`` (drafted at ``token.position`` of the block by ``state.drafter``), or, with
-    ``token=None``, of a token still to be drafted at ``position`` by ``drafter``."""
+    ``token=None``, of a token still to be drafted at ``position`` by ``drafter``: its confidence is unknown, unless
+    the drafter peeked (``state.peeks``), whose one proposal gives every token of the block the same confidence."""
     drafter = drafter if drafter is not None else state.drafter
     drafters = state.request.drafters
+    if token is None and state.peeks.get(drafter) is not None:
+        conf = state.peeks[drafter]
+        token = DraftToken(position, *conf)
+        prev_top1 = conf[0] if position > 0 else None
     return feature_vector(
         position=token.position if token is not None else position,
         context_len=state.context_len,

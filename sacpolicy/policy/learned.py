@@ -22,6 +22,7 @@ class LearnedPolicy(Policy):
             raise ValueError(f"select must be 'step' or 'request', got {select!r}")
         self.rule, self.name, self.select = rule, name, select
         self.needs_token_feedback = rule.mode == "stop"
+        self.uses_peeks = True  # an n-gram drafter's match length is known before drafting
         self.block: Block | None = None
         self.prev_top1: float | None = None
         self.request_drafter: str | None = None
@@ -44,7 +45,8 @@ class LearnedPolicy(Policy):
         t0 = time.perf_counter()
         k_cap = min(self.rule.k_max, state.remaining - 1)
         names = state.drafters if self.request_drafter is None else (self.request_drafter,)
-        names = tuple(n for n in names if n in state.drafters)
+        # a drafter that peeked and found nothing to propose is no option this step
+        names = tuple(n for n in names if n in state.drafters and not (n in state.peeks and state.peeks[n] is None))
         rows = {n: np.array([token_features(state, None, None, drafter=n, position=j) for j in range(k_cap)])
                 for n in names} if k_cap > 0 else {}
         name, k = self.rule.plan(rows, state.context_len, k_cap)

@@ -3,16 +3,16 @@ here (``sacpolicy.policy.features.token_features`` reads a ``DecodeState`` into 
 the same numbers wherever it runs. numpy-free plain Python: production decoders call it per drafted token.
 
 A token's draft confidence (top-1 probability, entropy, top-1/top-2 margin) is known once it is drafted. Before
-drafting (choosing k or the drafter) it is not: pass ``top1=None`` and the three confidence features are NaN with
-``conf_known = 0``; predictors are trained on both forms of every example, so one predictor serves the stop rule and
-the planner.
+drafting (choosing k or the drafter) it is not, unless the drafter can peek at its proposal (the n-gram drafter's
+match length): pass ``top1=None`` and the three confidence features are NaN with ``conf_known = 0``; predictors are
+trained on both forms of every example, so one predictor serves the stop rule and the planner.
 """
 
 from __future__ import annotations
 
 import math
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3  # 3: a peeked proposal's confidence is known before drafting
 FEATURE_NAMES = (
     "top1", "entropy", "margin", "conf_known", "prev_top1", "position", "log_context_len", "accept_ema",
     "has_accept_ema", "drafter_index", "load", "category_index",

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sacpolicy.runtime.features import FEATURE_NAMES
+
+DRAFTER_INDEX = FEATURE_NAMES.index("drafter_index")
+
 KINDS = ("trees", "linear", "mlp")
 # arrays each kind needs (mlp: plus w0, b0, w1, b1, ... one pair per layer)
 _REQUIRED = {
@@ -61,9 +65,19 @@ class Predictor:
         return getattr(self, f"_{self.kind}")(X)
 
     def predict(self, X) -> np.ndarray:
-        p = self.raw(X)
+        """Calibrated probabilities: each row through its drafter's isotonic map (``calib_x_d<i>``/``calib_y_d<i>``,
+        drafter index i) when it has one, else through the shared map (``calib_x``/``calib_y``)."""
+        X = np.asarray(X, dtype=np.float64)
+        raw = self.raw(X)
+        p = raw
         if "calib_x" in self.arrays:
-            p = np.interp(p, self.arrays["calib_x"], self.arrays["calib_y"])
+            p = np.interp(raw, self.arrays["calib_x"], self.arrays["calib_y"])
+            drafter = X[:, DRAFTER_INDEX]
+            for i in np.unique(drafter):
+                key = f"_d{int(i)}"
+                if f"calib_x{key}" in self.arrays:
+                    rows = drafter == i
+                    p[rows] = np.interp(raw[rows], self.arrays[f"calib_x{key}"], self.arrays[f"calib_y{key}"])
         return np.clip(p, 0.0, 1.0)
 
     def _trees(self, X: np.ndarray) -> np.ndarray:

@@ -123,7 +123,10 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
                 match.append(r > 0)
                 run.append(r)
                 plen.append(len(toks))
-                st.append([1.0, 0.0, 1.0] if toks else [0.0, 0.0, 0.0])
+                if not toks:
+                    st.append([0.0, 0.0, 0.0])
+                else:
+                    st.append([1.0, 0.0, 1.0] if block.confidence is None else block.confidence[0].tolist())
                 q_target.append(1.0 if r > 0 else 0.0)
                 beta.append(float(p[g, toks[0]]) if toks else 0.0)
             stats, q_target, beta = torch.tensor(st), torch.tensor(q_target), torch.tensor(beta)
@@ -134,7 +137,7 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
                 "position": g, "target_token": generated[g], "draft_token": int(draft[g]), "match": bool(match[g]),
                 "top1": stats[g][0], "entropy": stats[g][1], "margin": stats[g][2], "p_target": float(p_target[g]),
                 "q_target": float(q_target[g]), "beta": float(beta[g]), "run_len": int(run[g]),
-                "proposal_len": int(plen[g]),
+                "proposal_len": int(plen[g]), "proposal": not isinstance(d, ModelDrafter),
             })
     return out
 

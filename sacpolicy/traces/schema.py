@@ -21,7 +21,7 @@ from sacpolicy.io import write_json
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: teacher-forced rows say whether the drafter's block is one proposal (``proposal``)
 META_FILE = "meta.json"
 KINDS = ("live", "teacher_forced")
 
@@ -42,6 +42,9 @@ SCHEMAS = {
         ("p_target", pa.float32()), ("q_target", pa.float32()), ("beta", pa.float32()),
         ("run_len", pa.int32()),  # consecutive accepted tokens when drafting from here (capped at k_max)
         ("proposal_len", pa.int32()),  # tokens the drafter can propose from here (n-gram: the copied span)
+        # True: a block from here is one proposal (n-gram), whose tokens all carry this row's confidence; False: each
+        # drafted token has its own (model drafters: this row's confidence is the token predicted here)
+        ("proposal", pa.bool_()),
     ]),
 }
 

@@ -57,6 +57,14 @@ class ReplayDrafter:
 
     def __init__(self, name: str, rows: dict, prompt_len: int, vocab_size: int):
         self.name, self.rows, self.L, self.V = name, rows, prompt_len, vocab_size
+        if not rows["proposal"][0]:  # only one-proposal drafters (n-gram) can peek
+            self.peek = None
+
+    def peek(self, context):
+        g = context.shape[0] - self.L
+        if g >= len(self.rows["proposal_len"]) or self.rows["proposal_len"][g] == 0:
+            return None
+        return tuple(confidence(self.rows, g, 0))
 
     def reset(self):
         pass
@@ -69,14 +77,23 @@ class ReplayDrafter:
         G = len(self.rows["target_token"])
         k = min(k, self.rows["proposal_len"][g], G - g)
         run = self.rows["run_len"][g]
-        tokens = []
+        tokens, conf = [], []
         for j in range(k):
             t = self.rows["target_token"][g + j]
             tokens.append(t if j < run else (t + 1) % self.V)  # a wrong token from the first mismatch on
-            stats = torch.tensor([self.rows[c][g + j] for c in ("top1", "entropy", "margin")])
-            if stop is not None and j + 1 < k and stop(j, stats):
+            conf.append(confidence(self.rows, g, j))
+            if stop is not None and j + 1 < k and stop(j, torch.tensor(conf[-1])):
                 break
-        return DraftBlock(torch.tensor(tokens, dtype=torch.long), None)
+        if not tokens:
+            return DraftBlock(torch.empty(0, dtype=torch.long), None)
+        return DraftBlock(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(conf))
+
+
+def confidence(rows: dict, g: int, j: int) -> list[float]:
+    """(top-1, entropy, margin) of the j-th token of a block drafted from position g: its own row's for a model
+    drafter, the block's first row's for a one-proposal drafter (the n-gram drafter copies one span)."""
+    i = g if rows["proposal"][g] else g + j
+    return [rows["top1"][i], rows["entropy"][i], rows["margin"][i]]
 
 
 def group_traces(traces) -> dict:
@@ -86,7 +103,8 @@ def group_traces(traces) -> dict:
     for r in sorted(traces, key=lambda r: (r["prompt_id"], r["position"])):  # stable: keeps the drafter order
         p = out.setdefault(r["prompt_id"], {"prompt_len": r["prompt_len"], "category": r["category"], "drafters": {}})
         cols = p["drafters"].setdefault(r["drafter"], defaultdict(list))
-        for c in ("target_token", "draft_token", "top1", "entropy", "margin", "run_len", "proposal_len", "beta"):
+        for c in ("target_token", "draft_token", "top1", "entropy", "margin", "run_len", "proposal_len", "beta",
+                  "proposal"):
             cols[c].append(r[c])
     return out
 

@@ -24,6 +24,7 @@ from sacpolicy.policy.base import DecodeState, Decision, DraftToken
 from sacpolicy.policy.features import feature_spec, token_features
 from sacpolicy.policy.rules import Static
 from sacpolicy.runtime.predictors import Predictor, PredictorError
+from sacpolicy.traces.simulate import confidence
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Examples:
 class _Recorder(Static):
     """Drafts k tokens a block with one drafter and records each relevant drafted position's features and label."""
 
+    uses_peeks = True  # features before drafting see what the learned policy will see
+
     def __init__(self, k: int, drafter: str, soft: bool):
         super().__init__(k, drafter)
         self.soft, self.current, self.rows, self._snap = soft, None, [], None
@@ -79,10 +82,9 @@ class _Recorder(Static):
         state, g = self._snap, self._snap.generated
         cols = self.current["drafters"][record.drafter]
         for j in range(min(record.accepted + 1, record.drafted)):
-            i = g + j
-            token = DraftToken(j, cols["top1"][i], cols["entropy"][i], cols["margin"][i])
-            prev = cols["top1"][i - 1] if j else None
-            label = cols["beta"][i] if self.soft else float(j < record.accepted)
+            token = DraftToken(j, *confidence(cols, g, j))
+            prev = confidence(cols, g, j - 1)[0] if j else None
+            label = cols["beta"][g + j] if self.soft else float(j < record.accepted)
             for form, feats in zip(FORMS, (token_features(state, token, prev),
                                            token_features(state, None, prev, position=j),
                                            token_features(state, None, None, position=j))):
@@ -163,14 +165,26 @@ def fit_sklearn(estimator, train: Examples) -> Predictor:
                          "LogisticRegression (predictor=hgb or predictor=logreg), or the Lightning MLP (predictor=mlp)")
 
 
-def with_calibration(pred: Predictor, val: Examples) -> Predictor:
-    """An isotonic map from raw score to observed acceptance, fitted on validation rows (never training rows)."""
+def with_calibration(pred: Predictor, val: Examples, min_rows: int = 200) -> Predictor:
+    """Isotonic maps from raw score to observed acceptance, fitted on validation rows (never training rows): one
+    shared map, and one per drafter with at least ``min_rows`` validation rows of both outcomes. Per-drafter maps
+    correct a shift the features cannot see, such as a distilled draft that agrees more on its own training prompts
+    than on new ones."""
     from sklearn.isotonic import IsotonicRegression
 
-    X, y, w = val.classifier_arrays()
-    iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(pred.raw(X), y, sample_weight=w)
-    arrays = dict(pred.arrays, calib_x=iso.X_thresholds_.astype(np.float64),
-                  calib_y=iso.y_thresholds_.astype(np.float64))
+    from sacpolicy.runtime.predictors import DRAFTER_INDEX
+
+    def fit(ex):
+        X, y, w = ex.classifier_arrays()
+        iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(pred.raw(X), y, sample_weight=w)
+        return iso.X_thresholds_.astype(np.float64), iso.y_thresholds_.astype(np.float64)
+
+    arrays = {k: v for k, v in pred.arrays.items() if not k.startswith("calib_")}
+    arrays["calib_x"], arrays["calib_y"] = fit(val)
+    for i in np.unique(val.X[:, DRAFTER_INDEX]):
+        rows = val.take(val.X[:, DRAFTER_INDEX] == i)
+        if len(rows) >= min_rows and len(set(rows.classifier_arrays()[1].tolist())) == 2:
+            arrays[f"calib_x_d{int(i)}"], arrays[f"calib_y_d{int(i)}"] = fit(rows)
     return Predictor(pred.kind, arrays, dict(pred.meta))
 
 
@@ -254,7 +268,7 @@ def fit_predictor(name: str, spec: dict, ex: Examples, out_dir=None, logger=None
 
 
 # ---------------------------------------------------------------------- predictor -> decision rule
-OPTIMISM_GRID = (0.5, 0.75, 1.0, 1.5, 2.0)
+OPTIMISM_GRID = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
 def tune_rule(pred: Predictor, cost, val_grouped: dict, *, vocab_size: int, k_max: int, config=None,
