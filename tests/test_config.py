@@ -1,7 +1,5 @@
 """The Hydra configuration: every group option composes and builds its object; presets validate; bad names fail."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -10,7 +10,7 @@ vector with the confidence unknown (what a k or drafter choice can see).
 from __future__ import annotations
 
 from sacpolicy.policy.base import DecodeState, DraftToken
-from sacpolicy.runtime.features import (  # noqa: F401 - the public names live here too
+from sacpolicy.runtime.features import (
     CATEGORIES,
     FEATURE_NAMES,
     FEATURE_VERSION,
@@ -18,6 +18,9 @@ from sacpolicy.runtime.features import (  # noqa: F401 - the public names live h
     feature_spec,
     feature_vector,
 )
+
+__all__ = ["CATEGORIES", "FEATURE_NAMES", "FEATURE_VERSION", "category_index", "feature_spec", "feature_vector",
+           "token_features"]
 
 
 def token_features(state: DecodeState, token: DraftToken | None, prev_top1: float | None, *,
