@@ -7,14 +7,19 @@ import os
 from pathlib import Path
 
 
-def write_json(path: str | Path, payload, **dump_kwargs) -> Path:
-    """Write ``payload`` as JSON to a temporary sibling, then rename it over ``path``."""
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to a temporary sibling, then rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(payload, indent=2, **({"default": str} | dump_kwargs)))
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_json(path: str | Path, payload, **dump_kwargs) -> Path:
+    """Write ``payload`` as JSON, atomically (``write_text``)."""
+    return write_text(path, json.dumps(payload, indent=2, **({"default": str} | dump_kwargs)))

@@ -169,8 +169,7 @@ def stage_distill(cfg: DictConfig, out_dir: Path, tracker) -> dict:
         fixed = load_prompt_mix(settings.fixed_text, tokenizer=target.tokenizer, chat=False,
                                 max_prompt_tokens=cfg.data.max_prompt_tokens)
     dm = DistillDataModule(target, train, val, fixed_text=fixed, seed=cfg.seed, **settings.data)
-    lightning_logger = instantiate(cfg.logger) if cfg.get("logger") else None
-    metrics = train_draft(target, dm, settings, instantiate(cfg.trainer), out_dir / "distill", lightning_logger)
+    metrics = train_draft(target, dm, settings, instantiate(cfg.trainer), out_dir / "distill", _lightning_logger(cfg))
     return {"target": target.spec, "draft_dir": str(out_dir / "distill" / "draft"), **metrics}
 
 
@@ -217,7 +216,7 @@ def _grouped(cfg: DictConfig, out_dir: Path, stage: str):
     by_split = {s: {} for s in SPLITS}
     for pid, p in grouped.items():
         by_split[assign_split(pid)][pid] = p
-    return grouped, by_split, read_meta(tf_dir)
+    return grouped, by_split, tf_dir, read_meta(tf_dir)
 
 
 def stage_fit(cfg: DictConfig, out_dir: Path, tracker) -> dict:
@@ -226,7 +225,7 @@ def stage_fit(cfg: DictConfig, out_dir: Path, tracker) -> dict:
     from sacpolicy.runtime.artifact import save_policy
     from sacpolicy.training.predictor import acceptance_examples, fit_predictor, tune_rule
 
-    grouped, by_split, meta = _grouped(cfg, out_dir, "fit")
+    grouped, by_split, tf_dir, meta = _grouped(cfg, out_dir, "fit")
     cost = CostModel.from_json(need(cfg, out_dir, "cost.json", "fit"))
     vocab = _vocab(cfg)
     soft = float(meta["sampling"].get("temperature", 0.0)) > 0.0
@@ -243,7 +242,7 @@ def stage_fit(cfg: DictConfig, out_dir: Path, tracker) -> dict:
         if missing:
             raise PipelineError(f"traces hold drafters {missing} this run cannot rebuild; configure them in draft=")
         save_policy(out_dir / "policies" / name, rule, drafters={d: specs[d] for d in rule.drafters},
-                    provenance={"target": cfg.target.spec, "traces": str(need(cfg, out_dir, "traces/tf", "fit")),
+                    provenance={"target": cfg.target.spec, "traces": str(tf_dir),
                                 "command": _command()},
                     metrics={"predictor": metrics, "tuning": tuning})
         test = ex.of("test", "known")
@@ -265,7 +264,7 @@ def stage_evaluate(cfg: DictConfig, out_dir: Path, tracker) -> dict:
     from sacpolicy.policy.cost import CostModel
     from sacpolicy.runtime.artifact import load_policy
 
-    _, by_split, _ = _grouped(cfg, out_dir, "evaluate")
+    _, by_split, _, _ = _grouped(cfg, out_dir, "evaluate")
     cost = CostModel.from_json(need(cfg, out_dir, "cost.json", "evaluate"))
     rules = {name: load_policy(need(cfg, out_dir, f"policies/{name}", "evaluate")) for name in cfg.predictor}
     target = build_target(cfg)

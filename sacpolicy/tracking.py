@@ -33,7 +33,7 @@ class Tracker:
             return
         path = self.out_dir / "tables" / f"{name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
-        cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
+        cols = _columns(rows)
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, cols, extrasaction="ignore")
             w.writeheader()
@@ -71,7 +71,7 @@ class WandbTracker(Tracker):
     def table(self, name: str, rows: list[dict]) -> None:
         super().table(name, rows)
         if rows:
-            cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
+            cols = _columns(rows)
             self.run.log({name: self.wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])})
 
     def image(self, name: str, path) -> None:
@@ -83,6 +83,11 @@ class WandbTracker(Tracker):
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    """Scalar columns of table rows, in first-seen order (nested histograms and per-category dicts stay out)."""
+    return list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
 
 
 def _has_credentials() -> bool:

@@ -9,6 +9,7 @@ from sklearn.linear_model import LogisticRegression
 
 from sacpolicy.data import assign_split
 from sacpolicy.decoding import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from sacpolicy.evaluation.evaluate import Timed
 from sacpolicy.policy import Autoregressive, Bandit, Static
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
@@ -117,12 +118,12 @@ def test_learned_policy_decodes_live_losslessly(synth, fitted, tiny_target, tiny
     prompt = [5, 6, 7, 8] * 6
     ar = SpeculativeDecoder(tiny_target.model, [], Autoregressive(), stop_token_ids=[]).generate(prompt, 24)
     for mode in ("stop", "k"):
-        policy = LearnedPolicy(_rule(fitted["mlp"][0], cost, mode=mode))
+        policy = Timed(LearnedPolicy(_rule(fitted["mlp"][0], cost, mode=mode)))
         dec = SpeculativeDecoder(tiny_target.model, [ModelDrafter(tiny_draft.model, name="draft")], policy,
                                  stop_token_ids=[])
         out = dec.generate(prompt, 24)
         assert out.tokens == ar.tokens
-        assert policy.policy_s > 0 and all(s.drafted <= 8 for s in out.steps)
+        assert policy.seconds > 0 and all(s.drafted <= 8 for s in out.steps)
 
 
 def test_bandit_learns_the_better_arm_online(synth):

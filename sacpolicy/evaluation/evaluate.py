@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sacpolicy.evaluation.metrics import add_speedups, row_from_results
 from sacpolicy.policy import Autoregressive, Bandit, Confidence, Heuristic, Policy, SeedRule, Static
@@ -72,15 +72,20 @@ def tune_confidence(val_grouped, cost, drafter: str, k: int, grid, *, vocab_size
     return max(scores, key=scores.get)
 
 
-def policy_factories(settings: EvalSettings, val_grouped, cost, rules: dict, *, vocab_size: int, config=None,
-                     live: bool) -> tuple[dict, dict]:
-    """{row name: () -> Policy} and what was chosen on val (best static, tuned threshold)."""
+def choose_on_val(settings: EvalSettings, val_grouped, cost, *, vocab_size: int, config=None) -> dict:
+    """What the baselines take from validation traces: the best static (drafter, k) and the tuned threshold."""
     from sacpolicy.traces.simulate import best_static
 
     best = best_static(val_grouped, cost, vocab_size=vocab_size, k_max=settings.k_max)["all"]
-    d, k_best = best["drafter"], best["k"]
-    threshold = tune_confidence(val_grouped, cost, d, settings.k_max, settings.confidence_grid,
+    threshold = tune_confidence(val_grouped, cost, best["drafter"], settings.k_max, settings.confidence_grid,
                                 vocab_size=vocab_size, config=config)
+    return {"best_static": best, "confidence_threshold": threshold}
+
+
+def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *, live: bool) -> dict:
+    """{row name: () -> Policy}, every policy fresh (its own counters), from what was chosen on val."""
+    d, k_best = chosen["best_static"]["drafter"], chosen["best_static"]["k"]
+    threshold = chosen["confidence_threshold"]
     make = {"ar": Autoregressive}
     for k in settings.ks:
         make[f"static-k{k}"] = lambda k=k: Static(k, d)
@@ -93,10 +98,10 @@ def policy_factories(settings: EvalSettings, val_grouped, cost, rules: dict, *, 
         # live steps are timed; replayed ones are priced by the cost model
         "bandit": lambda: Bandit(ks=tuple(k for k in settings.ks if k <= settings.k_max), cost=None if live else cost),
     }
-    for name, rule in rules.items():
-        make[f"learned-{name}"] = lambda rule=rule, name=name: LearnedPolicy(rule, name=f"learned-{name}")
-    chosen = {"best_static": best, "confidence_threshold": threshold}
-    return make, chosen
+    for name, rule in rules.items():  # a copy of the rule per policy: fallback counts stay per row
+        make[f"learned-{name}"] = lambda rule=rule, name=name: LearnedPolicy(replace(rule, fallbacks=0),
+                                                                             name=f"learned-{name}")
+    return make
 
 
 def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: dict, test_prompts: list,
@@ -109,8 +114,8 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
 
     vocab = int(target.model.get_output_embeddings().out_features)
     rows = []
-    sim_make, chosen = policy_factories(settings, val_grouped, cost, rules, vocab_size=vocab, config=decoder_config,
-                                        live=False)
+    chosen = choose_on_val(settings, val_grouped, cost, vocab_size=vocab, config=decoder_config)
+    sim_make = policy_factories(settings, chosen, cost, rules, live=False)
     sim_make["oracle"] = lambda: Oracle(cost, k_max=settings.k_max)
     for name, make in tqdm(sim_make.items(), desc="simulated rows", disable=not progress):
         policy = make()
@@ -122,8 +127,7 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
 
     n_live = len(test_prompts) if settings.live_prompts is None else min(settings.live_prompts, len(test_prompts))
     if n_live:
-        live_make, _ = policy_factories(settings, val_grouped, cost, rules, vocab_size=vocab, config=decoder_config,
-                                        live=True)
+        live_make = policy_factories(settings, chosen, cost, rules, live=True)
         decoders = {name: SpeculativeDecoder(target.model, drafters, Timed(make()), sampling=sampling,
                                              config=decoder_config, stop_token_ids=target.eos_token_ids)
                     for name, make in live_make.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sacpolicy.io import write_json
+from sacpolicy.io import write_json, write_text
 
 _COLUMNS = [  # (header, row key, format)
     ("name", "name", "{}"), ("mode", "mode", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
@@ -35,7 +35,7 @@ def write_eval(out_dir, rows: list[dict], meta: dict) -> Path:
     """Write eval.json (``{"rows", "meta"}``) and eval.md (the tables) into ``out_dir``; return the JSON path."""
     out_dir = Path(out_dir)
     path = write_json(out_dir / "eval.json", {"rows": rows, "meta": meta})
-    _write_text(out_dir / "eval.md", "# Evaluation\n\n" + _eval_markdown({"rows": rows, "meta": meta}))
+    write_text(out_dir / "eval.md", "# Evaluation\n\n" + _eval_markdown({"rows": rows, "meta": meta}))
     return path
 
 
@@ -51,7 +51,7 @@ def write_report(out_dir, eval: dict, *, command: str, sections: dict[str, str] 
     parts += [f"## {heading}\n\n{body.strip()}" for heading, body in sections.items()]
     if plots:
         parts.append("## Plots\n\n" + "\n\n".join(f"![{Path(p).stem}]({Path(p).as_posix()})" for p in plots))
-    md = _write_text(out_dir / "report.md", "\n\n".join(parts) + "\n")
+    md = write_text(out_dir / "report.md", "\n\n".join(parts) + "\n")
     js = write_json(out_dir / "report.json", {"eval": eval, "command": command, "sections": sections, "plots": plots})
     return md, js
 
@@ -70,15 +70,3 @@ def _table(header: list[str], body: list[list[str]]) -> str:
 
 def _fmt(fmt: str, value) -> str:
     return "-" if value is None else fmt.format(value)
-
-
-def _write_text(path: Path, text: str) -> Path:
-    """Atomic like sacpolicy.io.write_json: write a temporary sibling, then rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path

@@ -4,8 +4,6 @@ runtime decides exactly as it does."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from sacpolicy.policy.base import DecodeState, Decision, DraftToken, Policy, RequestInfo, check_k
@@ -15,7 +13,7 @@ from sacpolicy.runtime.rule import Block, DecisionRule
 
 class LearnedPolicy(Policy):
     """``select="step"`` picks the drafter every step; ``"request"`` keeps the first step's choice for the request.
-    ``timing`` accumulates the policy's own seconds in ``policy_s`` (the overhead a benchmark reports)."""
+    (``sacpolicy.evaluation.evaluate.Timed`` measures the seconds it costs, as for any policy.)"""
 
     def __init__(self, rule: DecisionRule, name: str = "learned", select: str = "step"):
         if select not in ("step", "request"):
@@ -26,7 +24,6 @@ class LearnedPolicy(Policy):
         self.block: Block | None = None
         self.prev_top1: float | None = None
         self.request_drafter: str | None = None
-        self.policy_s = 0.0
 
     def validate(self, drafters: tuple[str, ...], max_k: int) -> None:
         check_k(self.rule.k_max, max_k, repr(self))
@@ -42,7 +39,6 @@ class LearnedPolicy(Policy):
         self.block, self.prev_top1 = None, None
 
     def decide(self, state: DecodeState) -> Decision:
-        t0 = time.perf_counter()
         k_cap = min(self.rule.k_max, state.remaining - 1)
         names = state.drafters if self.request_drafter is None else (self.request_drafter,)
         # a drafter that peeked and found nothing to propose is no option this step
@@ -54,17 +50,13 @@ class LearnedPolicy(Policy):
             self.request_drafter = name
         self.block = Block(name, state.context_len, k) if name is not None else None
         self.prev_top1 = None
-        self.policy_s += time.perf_counter() - t0
         return Decision(name, k) if name is not None else Decision.autoregressive()
 
     def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
-        t0 = time.perf_counter()
         row = token_features(state, token, self.prev_top1)
         nxt = token_features(state, None, token.top1, position=token.position + 1)
         self.prev_top1 = token.top1
-        stop = self.rule.stop(self.block, np.array(row), np.array(nxt))
-        self.policy_s += time.perf_counter() - t0
-        return stop
+        return self.rule.stop(self.block, np.array(row), np.array(nxt))
 
     @property
     def fallbacks(self) -> int:
