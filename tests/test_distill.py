@@ -221,3 +221,52 @@ def test_fixed_text_is_distilled_verbatim(tiny_target, tiny_data, tmp_path):
     assert len(dm.train) == len(tiny_data.train) + 2 and len(text_rows) == 2
     row = text_rows[0]
     assert row["input_ids"] == fixed[0]["input_ids"] and len(row["topk_ids"]) == len(row["input_ids"]) - 1
+
+
+def test_synthetic_prompts_are_requests_the_target_writes(tiny_target, monkeypatch):
+    from sacpolicy.data import apply_template
+    from sacpolicy.training import distill_data
+
+    tok, eos = tiny_target.tokenizer, tiny_target.eos_token_ids[0]
+    prefix = distill_data.user_turn_prefix(tok)
+    templated = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False)
+    assert tok.decode(prefix) == templated.split("Hello there")[0]  # system prompt and user header, nothing more
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    bread, rivers = ids("How do I bake bread?"), ids("Name three rivers in Europe.")
+    width = 16
+    sampled = [bread + [eos], bread + [eos], rivers + [eos, eos], ids("Hi") + [eos], (rivers * 4)[:width]]
+    calls = []
+
+    def fake_generate(input_ids, **kw):
+        calls.append(kw)
+        assert input_ids.tolist() == [prefix] * input_ids.shape[0]  # sampling starts at the user's turn
+        rows = [r + [eos] * (width - len(r)) for r in sampled[: input_ids.shape[0]]]
+        return torch.cat([input_ids, torch.tensor(rows)], 1)
+
+    monkeypatch.setattr(tiny_target.model, "generate", fake_generate)
+    ps = distill_data.synthetic_prompts(tiny_target, 5, max_tokens=width, progress=False)
+    assert calls[0]["do_sample"] and calls[0]["max_new_tokens"] == width
+    # a duplicate, a too-short request and an unfinished one are dropped
+    assert [m[0]["content"] for m in ps["messages"]] == ["How do I bake bread?", "Name three rivers in Europe."]
+    assert ps["prompt_id"] == ["synthetic/0", "synthetic/1"] and set(ps["category"]) == {"synthetic"}
+    assert ps[1]["input_ids"] == apply_template(ps[1]["messages"], tok)
+
+
+def test_synthetic_prompts_join_the_training_data(tiny_target, tiny_data, monkeypatch):
+    from sacpolicy.training import distill_data
+
+    own = tiny_data.val_prompts.map(lambda r, i: {"prompt_id": f"synthetic/{i}"}, with_indices=True)
+    asked = []
+    monkeypatch.setattr(distill_data, "synthetic_prompts", lambda target, count, **kw: asked.append(count) or own)
+    dm = DistillDataModule(tiny_target, tiny_data.train_prompts, tiny_data.val_prompts, max_new_tokens=10, samples=1,
+                           temperature=0.8, topk=16, batch_size=4, synthetic={"count": 2})
+    dm.prepare_data()
+    rows = [r for r in dm.train if r["prompt_id"].startswith("synthetic/")]
+    assert asked == [2] and len(dm.train) == len(tiny_data.train) + 2 and len(rows) == 2
+    for r in rows:  # greedy continuations: the teacher's top-1 is the token that follows
+        assert [t[0] for t in r["topk_ids"]] == r["input_ids"][r["prompt_len"]:]
+    with pytest.raises(ValueError, match="unknown distill.data.synthetic keys"):
+        DistillDataModule(tiny_target, tiny_data.train_prompts, tiny_data.val_prompts, synthetic={"n": 2})

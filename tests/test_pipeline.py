@@ -56,6 +56,19 @@ def test_smoke_experiment_runs_every_stage_and_reports(smoke_run):
     assert (out / "metrics.jsonl").is_file() and (out / "tables" / "eval" / "rows.csv").is_file()
 
 
+def test_oracle_gap_benchmark_decomposes_the_oracles_gain(smoke_run, tmp_path):
+    out, _ = smoke_run
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_oracle_gap.py"), "--run", str(out),
+                          "--out", str(tmp_path / "gap.json")], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "gap.json").read_text())["rows"]}
+    assert set(rows) == {"best-static", "per-prompt-static", "oracle", "learned-hgb", "learned-hgb-in-sample"}
+    # the same outputs under every policy: per-prompt hindsight can only save seconds over one global choice
+    assert rows["per-prompt-static"]["tokens_per_s"] >= rows["best-static"]["tokens_per_s"] * (1 - 1e-9)
+    assert rows["best-static"]["oracle_gain_captured"] in (0.0, None) and "| oracle |" in res.stdout
+
+
 def test_rerun_in_the_same_directory_skips_finished_stages_and_from_run_reuses_them(smoke_run, tmp_path):
     out, _ = smoke_run
     before = (out / "eval.json").stat().st_mtime

@@ -36,7 +36,7 @@ class DistillSettings:
     beta: float = 0.5
     temperature: float = 1.0
     ce_weight: float = 0.0
-    lr: float = 5e-4
+    lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
     on_policy_fraction: float = 0.0

@@ -4,6 +4,10 @@ Sequence-level KD (DistillSpec, GKD): the draft learns the target's distribution
 the continuations and the teacher's top-k are computed once and cached as ``datasets`` on disk (keyed by everything
 that determines them), so reruns, resumed runs and other losses reuse them. Fixed text (any prompt source whose rows
 are used verbatim) needs no generation: only one teacher-forced target pass.
+
+A few hundred benchmark prompts are too few: a draft trained on them agrees with the target twice as often on those
+prompts as on new ones. ``synthetic_prompts`` writes more with the target itself (Magpie): given only its chat
+template up to the user's turn, an instruction-tuned model samples a plausible user request.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def cached_dataset(name: str, key: str, build) -> datasets.Dataset:
     if path.is_dir():
         return datasets.load_from_disk(str(path))
     ds = build()
+    if not len(ds):  # datasets cannot load an empty dataset back from disk; an empty result is cheap to rebuild
+        return ds
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     ds.save_to_disk(str(tmp))
@@ -105,6 +111,66 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
             rows["topk_ids"].append(top.indices[i, : len(cont)].int().tolist())
             rows["topk_logp"].append(top.values[i, : len(cont)].half().tolist())
     return datasets.Dataset.from_dict(rows, features=FEATURES)
+
+
+SENTINEL = "\x00sacpolicy-user-turn\x00"
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's message begins (system prompt included)."""
+    from sacpolicy.data import PromptSetError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptSetError("synthetic prompts need a chat model: the target's tokenizer has no chat template; "
+                             "set distill.data.synthetic.count=0")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False)
+    if SENTINEL not in text:
+        raise PromptSetError("the chat template does not place the user's message verbatim; set distill.data.synthetic.count=0")
+    return tokenizer(text.split(SENTINEL)[0], add_special_tokens=False)["input_ids"]
+
+
+@torch.inference_mode()
+def synthetic_prompts(target: LoadedModel, count: int, *, max_tokens: int = 64, temperature: float = 1.0,
+                      batch_size: int = 48, seed: int = 0, progress: bool = True) -> datasets.Dataset:
+    """``count`` user requests sampled from the target given its template up to the user's turn (Magpie, Xu et al.
+    2024), as a prompt set (prompt_id ``synthetic/<i>``, category ``synthetic``, messages, input_ids). Requests that
+    do not end within ``max_tokens``, near-empty ones and duplicates are dropped, so fewer than ``count`` may come back.
+    """
+    from tqdm.auto import tqdm
+
+    from sacpolicy.data import apply_template, prompt_features
+
+    if count < 1 or max_tokens < 1 or temperature <= 0:
+        raise ValueError("synthetic prompts need count >= 1, max_tokens >= 1 and temperature > 0")
+    tok, model = target.tokenizer, target.model.eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+    prefix = torch.tensor([user_turn_prefix(tok)], device=target.device)
+    stops = set(target.eos_token_ids)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    seen, rows = set(), {"prompt_id": [], "category": [], "messages": [], "input_ids": []}
+    for start in tqdm(range(0, count, batch_size), desc="synthetic prompts", disable=not progress):
+        n = min(batch_size, count - start)
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        ids = prefix.expand(n, -1)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=True,
+                             temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad,
+                             eos_token_id=target.eos_token_ids)
+        for row in out[:, prefix.shape[1]:].tolist():
+            end = next((j for j, t in enumerate(row) if t in stops), None)
+            if end is None:
+                continue  # unfinished: not a whole request
+            text = tok.decode(row[:end], skip_special_tokens=True).strip()
+            if len(text) < 8 or text in seen:
+                continue
+            seen.add(text)
+            messages = [{"role": "user", "content": text}]
+            rows["prompt_id"].append(f"synthetic/{len(rows['prompt_id'])}")
+            rows["category"].append("synthetic")
+            rows["messages"].append(messages)
+            rows["input_ids"].append(apply_template(messages, tok))
+    logger.info("synthetic prompts: kept %d of %d sampled requests", len(rows["prompt_id"]), count)
+    return datasets.Dataset.from_dict(rows, features=prompt_features(with_input_ids=True))
 
 
 @torch.inference_mode()
@@ -169,20 +235,25 @@ def collate(rows: list[dict]) -> dict:
 class DistillDataModule(L.LightningDataModule):
     """Train/val sequences with cached teacher top-k. Built once in ``prepare_data`` (rank 0), read in ``setup``.
 
-    Train: greedy and/or ``samples`` sampled target continuations of the training prompts, plus optional fixed text.
+    Train: greedy and/or ``samples`` sampled target continuations of the training prompts; the target's greedy
+    continuations of ``synthetic["count"]`` requests it wrote itself (``synthetic_prompts``); optional fixed text.
     Val: the target's greedy continuations of held-out prompts, on which greedy match rate is measured.
     """
 
     def __init__(self, target: LoadedModel, train_prompts: datasets.Dataset, val_prompts: datasets.Dataset, *,
                  max_new_tokens: int = 192, samples: int = 1, temperature: float = 0.0, greedy_too: bool = True,
-                 fixed_text: datasets.Dataset | None = None, topk: int = 64, batch_size: int = 8,
-                 gen_batch_size: int = 16, seed: int = 0):
+                 fixed_text: datasets.Dataset | None = None, synthetic: dict | None = None, topk: int = 64,
+                 batch_size: int = 8, gen_batch_size: int = 16, seed: int = 0):
         super().__init__()
         if samples < 0 or (samples == 0 and not greedy_too):
             raise ValueError("distillation data needs greedy continuations (greedy_too) or samples >= 1")
         self.target, self.train_prompts, self.val_prompts, self.fixed_text = target, train_prompts, val_prompts, fixed_text
         self.settings = dict(max_new_tokens=max_new_tokens, samples=samples, temperature=temperature,
                              greedy_too=greedy_too, topk=topk, seed=seed)
+        self.synthetic = {"count": 0, "max_tokens": 64, "temperature": 1.0, **(synthetic or {})}
+        unknown = set(self.synthetic) - {"count", "max_tokens", "temperature"}
+        if unknown:
+            raise ValueError(f"unknown distill.data.synthetic keys {sorted(unknown)}; use count, max_tokens, temperature")
         self.batch_size, self.gen_batch_size = batch_size, gen_batch_size
         self.train = self.val = None
 
@@ -209,6 +280,22 @@ class DistillDataModule(L.LightningDataModule):
             return
         self.train = cached_dataset("train", self._key(self.train_prompts),
                                     lambda: self._generate(self.train_prompts, sampled=True))
+        if self.synthetic["count"]:
+            syn = self.synthetic
+            key = cache_key(format=DATA_FORMAT, target=self.target.spec, dtype=str(self.target.dtype), seed=self.settings["seed"],
+                            batch=self.gen_batch_size, **syn)
+            prompts = cached_dataset("synthetic-prompts", key, lambda: synthetic_prompts(
+                self.target, syn["count"], max_tokens=syn["max_tokens"], temperature=syn["temperature"],
+                batch_size=self.gen_batch_size, seed=self.settings["seed"]))
+            common = dict(max_new_tokens=self.settings["max_new_tokens"], batch_size=self.gen_batch_size,
+                          topk=self.settings["topk"])
+            if len(prompts):
+                continuations = cached_dataset("synthetic", self._key(prompts, kind="synthetic-greedy"),
+                                               lambda: generate_continuations(self.target, prompts, **common))
+                self.train = datasets.concatenate_datasets([self.train, continuations])
+            else:
+                logger.warning("the target finished none of its %d synthetic requests within %d tokens (not a chat "
+                               "model?); training on the other data only", syn["count"], syn["max_tokens"])
         if self.fixed_text is not None:
             rows = [{"prompt_id": r["prompt_id"], "input_ids": r["input_ids"], "prompt_len": 1} for r in self.fixed_text]
             fixed = cached_dataset("text", self._key(self.fixed_text, kind="text"),
