@@ -206,7 +206,8 @@ def stage_collect(cfg: DictConfig, out_dir: Path, tracker) -> dict:
             "cost_model": str(cost_path), "verify_s_k0_ctx256": cost.verify_time(0, 256)}
 
 
-def _grouped(cfg: DictConfig, out_dir: Path, stage: str):
+def split_traces(cfg: DictConfig, out_dir: Path, stage: str):
+    """The run's teacher-forced traces (or from_run's): (grouped by prompt, {split: grouped}, trace dir, meta)."""
     from sacpolicy.data import assign_split
     from sacpolicy.traces.schema import load_traces, read_meta
     from sacpolicy.traces.simulate import group_traces
@@ -219,16 +220,21 @@ def _grouped(cfg: DictConfig, out_dir: Path, stage: str):
     return grouped, by_split, tf_dir, read_meta(tf_dir)
 
 
+def soft_labels(meta: dict) -> bool:
+    """Traces of sampled decoding label a drafted token with its acceptance probability beta, not accepted or not."""
+    return float(meta["sampling"].get("temperature", 0.0)) > 0.0
+
+
 def stage_fit(cfg: DictConfig, out_dir: Path, tracker) -> dict:
     from sacpolicy.evaluation.plots import calibration_plot
     from sacpolicy.policy.cost import CostModel
     from sacpolicy.runtime.artifact import save_policy
     from sacpolicy.training.predictor import acceptance_examples, fit_predictor, tune_rule
 
-    grouped, by_split, tf_dir, meta = _grouped(cfg, out_dir, "fit")
+    grouped, by_split, tf_dir, meta = split_traces(cfg, out_dir, "fit")
     cost = CostModel.from_json(need(cfg, out_dir, "cost.json", "fit"))
-    vocab = _vocab(cfg)
-    soft = float(meta["sampling"].get("temperature", 0.0)) > 0.0
+    vocab = target_vocab(cfg)
+    soft = soft_labels(meta)
     ex = acceptance_examples(grouped, cost, vocab_size=vocab, k=cfg.fit.k, soft=soft)
     summary = {"examples": {s: int((ex.split == s).sum()) for s in SPLITS}, "soft_labels": soft, "predictors": {}}
     specs = drafter_specs(cfg, out_dir)
@@ -264,7 +270,7 @@ def stage_evaluate(cfg: DictConfig, out_dir: Path, tracker) -> dict:
     from sacpolicy.policy.cost import CostModel
     from sacpolicy.runtime.artifact import load_policy
 
-    _, by_split, _, _ = _grouped(cfg, out_dir, "evaluate")
+    _, by_split, _, _ = split_traces(cfg, out_dir, "evaluate")
     cost = CostModel.from_json(need(cfg, out_dir, "cost.json", "evaluate"))
     rules = {name: load_policy(need(cfg, out_dir, f"policies/{name}", "evaluate")) for name in cfg.predictor}
     target = build_target(cfg)
@@ -350,7 +356,8 @@ _RUN = {"distill": stage_distill, "collect": stage_collect, "fit": stage_fit, "e
 
 
 # ---------------------------------------------------------------------- the run
-def _vocab(cfg: DictConfig) -> int:
+def target_vocab(cfg: DictConfig) -> int:
+    """The target's vocabulary size (its LM head's rows), which feature vectors and replays are sized by."""
     return int(build_target(cfg).model.get_output_embeddings().out_features)
 
 

@@ -9,8 +9,8 @@ On the run's held-out test traces, each row below is simulated with the run's co
   per-request choice could ever win;
 - ``learned-hgb``: the pipeline's recipe (fit on train, calibrate and tune on val), on test;
 - ``learned-hgb-in-sample``: the same predictor fitted, calibrated and tuned on the test traces themselves: it has
-  seen the answers statistically (not step by step), which no deployable policy has, so it bounds what better
-  training of these features can bring;
+  seen the answers statistically (not step by step), which no deployable policy has, so it estimates a ceiling
+  for this predictor on these features;
 - ``oracle``.
 "captured" is (row - best-static) / (oracle - best-static). Prints a Markdown table and writes bench_oracle_gap.json.
 """
@@ -25,14 +25,12 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from sacpolicy.data import assign_split
+from sacpolicy import pipeline
 from sacpolicy.io import write_json
-from sacpolicy.models import load_model
 from sacpolicy.policy.cost import CostModel
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.policy.rules import Static
-from sacpolicy.traces.schema import load_traces, read_meta
-from sacpolicy.traces.simulate import Oracle, best_static, group_traces, simulate
+from sacpolicy.traces.simulate import Oracle, best_static, simulate
 from sacpolicy.training.predictor import Examples, acceptance_examples, fit_predictor, tune_rule
 
 
@@ -47,16 +45,17 @@ def concat(*parts: Examples) -> Examples:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a pipeline run directory whose collect stage is done")
-    ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--k-max", type=int, default=None, help="longest block (default: the run's fit.k_max)")
     ap.add_argument("--out", default="bench_oracle_gap.json")
     args = ap.parse_args(argv)
 
     run = Path(args.run)
     cfg = OmegaConf.load(run / "config.yaml")
-    vocab = int(load_model(cfg.target.spec, device="cpu", dtype="float32").model.get_output_embeddings().out_features)
-    cost = CostModel.from_json(run / "cost.json")
-    grouped = group_traces(load_traces(run / "traces" / "tf", kind="teacher_forced", target=cfg.target.spec))
-    by_split = {s: {p: g for p, g in grouped.items() if assign_split(p) == s} for s in ("train", "val", "test")}
+    k_max = args.k_max or cfg.fit.k_max
+    # the run's traces, cost model, vocabulary and labels exactly as its fit stage read them (from_run included)
+    grouped, by_split, _, meta = pipeline.split_traces(cfg, run, "bench_oracle_gap")
+    cost = CostModel.from_json(pipeline.need(cfg, run, "cost.json", "bench_oracle_gap"))
+    vocab = pipeline.target_vocab(cfg)
     test = by_split["test"]
     drafters = list(next(iter(test.values()))["drafters"])
 
@@ -64,35 +63,34 @@ def main(argv=None):
         return simulate(policy, prompts, cost, vocab_size=vocab).tokens_per_s
 
     rows = {}
-    static = best_static(test, cost, vocab_size=vocab, k_max=args.k_max)["all"]
+    static = best_static(test, cost, vocab_size=vocab, k_max=k_max)["all"]
     rows["best-static"] = static["tokens_per_s"]
     # per prompt, in hindsight: simulate each prompt alone and add up tokens and seconds
     tokens = seconds = 0.0
     for pid, p in test.items():
         best = max((simulate(Static(k, d), {pid: p}, cost, vocab_size=vocab, drafters=[d])
-                    for d in drafters for k in range(1, args.k_max + 1)), key=lambda s: s.tokens_per_s)
+                    for d in drafters for k in range(1, k_max + 1)), key=lambda s: s.tokens_per_s)
         tokens += best.tokens
         seconds += best.predicted_s
     rows["per-prompt-static"] = tokens / seconds
-    rows["oracle"] = tps(Oracle(cost, k_max=args.k_max))
+    rows["oracle"] = tps(Oracle(cost, k_max=k_max))
 
-    soft = float(read_meta(run / "traces" / "tf")["sampling"].get("temperature", 0.0)) > 0.0  # as the fit stage
-    ex = acceptance_examples(grouped, cost, vocab_size=vocab, k=cfg.fit.k, soft=soft)
+    ex = acceptance_examples(grouped, cost, vocab_size=vocab, k=cfg.fit.k, soft=pipeline.soft_labels(meta))
     spec = instantiate(cfg.predictor.hgb, _convert_="all")  # the run's own hgb settings
     pred, _ = fit_predictor("hgb", spec, ex)
-    rule, _ = tune_rule(pred, cost, by_split["val"], vocab_size=vocab, k_max=args.k_max)
+    rule, _ = tune_rule(pred, cost, by_split["val"], vocab_size=vocab, k_max=k_max)
     rows["learned-hgb"] = tps(LearnedPolicy(rule))
     t = ex.of("test")
     pred_in, _ = fit_predictor("hgb", spec, concat(relabel(t, "train"), relabel(t, "val"), t))
-    rule_in, _ = tune_rule(pred_in, cost, test, vocab_size=vocab, k_max=args.k_max)
+    rule_in, _ = tune_rule(pred_in, cost, test, vocab_size=vocab, k_max=k_max)
     rows["learned-hgb-in-sample"] = tps(LearnedPolicy(rule_in))
 
     gain = rows["oracle"] - rows["best-static"]
     table = [{"name": n, "tokens_per_s": v, "vs_best_static": v / rows["best-static"],
               "oracle_gain_captured": (v - rows["best-static"]) / gain if gain > 0 else None} for n, v in rows.items()]
-    meta = {"run": str(run), "test_prompts": len(test), "drafters": drafters, "best_static": static,
+    info = {"run": str(run), "test_prompts": len(test), "drafters": drafters, "k_max": k_max, "best_static": static,
             "examples": {"train": int((ex.split == "train").sum()), "test": len(t)}}
-    write_json(args.out, {"rows": table, "meta": meta})
+    write_json(args.out, {"rows": table, "meta": info})
     print(f"held-out test traces of {run} ({len(test)} prompts; drafters {drafters}), simulated with its cost model\n")
     print("| row | tokens/s | vs best static | share of the oracle's gain |\n|---|---|---|---|")
     for r in table:

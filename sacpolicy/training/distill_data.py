@@ -63,6 +63,11 @@ def cached_dataset(name: str, key: str, build) -> datasets.Dataset:
     return datasets.load_from_disk(str(path))
 
 
+def _pad_id(target: LoadedModel) -> int:
+    """Padding for batched generation: the tokenizer's pad token, else the first stop token."""
+    return target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.eos_token_ids[0]
+
+
 @torch.inference_mode()
 def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, max_new_tokens: int = 192,
                            samples: int = 1, temperature: float = 0.0, batch_size: int = 16, seed: int = 0,
@@ -75,8 +80,7 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
     """
     from tqdm.auto import tqdm
 
-    tok = target.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+    pad = _pad_id(target)
     model = target.model.eval()
     jobs = [(row["prompt_id"], s, row["input_ids"]) for row in prompts for s in range(samples)]
     jobs.sort(key=lambda j: len(j[2]))  # similar lengths per batch: less padding
@@ -126,7 +130,8 @@ def user_turn_prefix(tokenizer) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
                                          add_generation_prompt=False)
     if SENTINEL not in text:
-        raise PromptSetError("the chat template does not place the user's message verbatim; set distill.data.synthetic.count=0")
+        raise PromptSetError("the chat template does not place the user's message verbatim; "
+                             "set distill.data.synthetic.count=0")
     return tokenizer(text.split(SENTINEL)[0], add_special_tokens=False)["input_ids"]
 
 
@@ -143,8 +148,7 @@ def synthetic_prompts(target: LoadedModel, count: int, *, max_tokens: int = 64, 
 
     if count < 1 or max_tokens < 1 or temperature <= 0:
         raise ValueError("synthetic prompts need count >= 1, max_tokens >= 1 and temperature > 0")
-    tok, model = target.tokenizer, target.model.eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+    tok, model, pad = target.tokenizer, target.model.eval(), _pad_id(target)
     prefix = torch.tensor([user_turn_prefix(tok)], device=target.device)
     stops = set(target.eos_token_ids)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -257,9 +261,13 @@ class DistillDataModule(L.LightningDataModule):
         self.batch_size, self.gen_batch_size = batch_size, gen_batch_size
         self.train = self.val = None
 
+    def _model_key(self, **parts) -> str:
+        return cache_key(format=DATA_FORMAT, target=self.target.spec, dtype=str(self.target.dtype), **parts)
+
     def _key(self, prompts: datasets.Dataset, **extra) -> str:
-        return cache_key(format=DATA_FORMAT, target=self.target.spec, dtype=str(self.target.dtype),
-                         ids=prompts["prompt_id"], lens=[len(x) for x in prompts["input_ids"]], **self.settings, **extra)
+        """A set generated from ``prompts``: depends on them and on every generation setting."""
+        return self._model_key(ids=prompts["prompt_id"], lens=[len(x) for x in prompts["input_ids"]], **self.settings,
+                               **extra)
 
     def _generate(self, prompts: datasets.Dataset, sampled: bool) -> datasets.Dataset:
         s = self.settings
@@ -281,17 +289,14 @@ class DistillDataModule(L.LightningDataModule):
         self.train = cached_dataset("train", self._key(self.train_prompts),
                                     lambda: self._generate(self.train_prompts, sampled=True))
         if self.synthetic["count"]:
-            syn = self.synthetic
-            key = cache_key(format=DATA_FORMAT, target=self.target.spec, dtype=str(self.target.dtype), seed=self.settings["seed"],
-                            batch=self.gen_batch_size, **syn)
+            syn, seed = self.synthetic, self.settings["seed"]
+            key = self._model_key(seed=seed, batch=self.gen_batch_size, **syn)  # not the answers' settings
             prompts = cached_dataset("synthetic-prompts", key, lambda: synthetic_prompts(
                 self.target, syn["count"], max_tokens=syn["max_tokens"], temperature=syn["temperature"],
-                batch_size=self.gen_batch_size, seed=self.settings["seed"]))
-            common = dict(max_new_tokens=self.settings["max_new_tokens"], batch_size=self.gen_batch_size,
-                          topk=self.settings["topk"])
+                batch_size=self.gen_batch_size, seed=seed))
             if len(prompts):
                 continuations = cached_dataset("synthetic", self._key(prompts, kind="synthetic-greedy"),
-                                               lambda: generate_continuations(self.target, prompts, **common))
+                                               lambda: self._generate(prompts, sampled=False))
                 self.train = datasets.concatenate_datasets([self.train, continuations])
             else:
                 logger.warning("the target finished none of its %d synthetic requests within %d tokens (not a chat "
