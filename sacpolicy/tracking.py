@@ -97,9 +97,10 @@ def _has_credentials() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-def make_tracker(kind: str, out_dir, config: dict | None = None, **kwargs) -> Tracker:
-    if kind == "wandb":
-        return WandbTracker(out_dir, config, **kwargs)
-    if kind == "csv":
+def make_tracker(tracker_cfg, out_dir, config: dict | None = None) -> Tracker:
+    """The tracker the config's ``tracker`` node names (the logger group picks it: ``logger=wandb`` -> W&B)."""
+    from hydra.utils import instantiate
+
+    if tracker_cfg is None:
         return Tracker(out_dir, config)
-    raise ValueError(f"unknown tracker {kind!r}; use logger=wandb or logger=csv")
+    return instantiate(tracker_cfg)(out_dir, config)

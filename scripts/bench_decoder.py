@@ -11,7 +11,8 @@ output is checked to be the target's own greedy output. Prints a Markdown table 
 Drafts: ``layerskip`` = the target's first L layers sharing its weights; ``model`` = a separate draft model, the one
 both we and transformers' assisted generation use: ``--draft DIR`` (e.g. a distilled draft; we draft with its
 trimmed vocabulary when it has one, transformers with its full head) or, without it, a copy of the target's first L
-layers; ``ngram`` = prompt lookup (max n-gram 2, transformers' default).
+layers; ``ngram`` = prompt lookup (max n-gram 2, transformers' default); ``feature`` (with ``--head DIR``) = an
+EAGLE-3 head over the target's hidden states (no transformers counterpart).
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sacpolicy.build import model_drafter
 from sacpolicy.data import load_prompts
+from sacpolicy.decoding import (
+    LayerSkipDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SpeculativeDecoder,
+)
+from sacpolicy.decoding.drafters import truncated_view
 from sacpolicy.io import write_json
-from sacpolicy.decoding import LayerSkipDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
-from sacpolicy.decoding.drafters import model_drafter, truncated_view
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Confidence, Heuristic, Static
 
@@ -82,7 +89,7 @@ class Row:
             "name": self.name,
             "tokens_per_s": tps,
             "speedup_vs_ar": tps / ar_tps if ar_tps else None,
-            "mean_accepted": self.tokens / self.target_calls if self.target_calls else None,
+            "tokens_per_call": self.tokens / self.target_calls if self.target_calls else None,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "draft_share": self.draft_s / spent if spent else None,
             "verify_share": self.verify_s / spent if spent else None,
@@ -162,6 +169,12 @@ def build_rows(args, lm, eos, warm):
         "model": lambda: ours_draft,
         "ngram": lambda: NgramDrafter(max_ngram=2, name="ngram"),
     }
+    if args.head:  # an EAGLE-3 feature head over the target's hidden states
+        from sacpolicy.decoding.feature import load_feature_drafter
+
+        head = load_feature_drafter(lm, args.head, name="feature")
+        drafters["feature"] = lambda: head
+        args.drafters = args.drafters + ["feature"]
     if args.draft:  # the same draft with its full-vocabulary head, as transformers runs it
         full = model_drafter(lm, args.draft, name="modelfull", trim=False)
         drafters["modelfull"] = lambda: full
@@ -204,6 +217,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=4, help="layers of the layer-skip / first-layers draft")
     ap.add_argument("--drafters", default="layerskip,model,ngram")
     ap.add_argument("--draft", default=None, help="a draft model directory (e.g. a distilled draft) for the model rows")
+    ap.add_argument("--head", default=None, help="an EAGLE-3 head directory (e.g. <run>/head/head): feature rows")
     ap.add_argument("--only", default="", help="comma-separated row-name prefixes to keep (ar rows always run)")
     ap.add_argument("--out", default="bench_decoder.json")
     args = ap.parse_args(argv)
@@ -286,7 +300,7 @@ def markdown(rows, meta) -> str:
     for r in rows:
         share = "-" if r["draft_share"] is None else f"{r['draft_share']:.2f} / {r['verify_share']:.2f}"
         lines.append(
-            f"| {r['name']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'])}x | {fmt(r['mean_accepted'])} | "
+            f"| {r['name']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'])}x | {fmt(r['tokens_per_call'])} | "
             f"{fmt(r['acceptance_rate'])} | {share} | {r['peak_rss_mb']:.0f} | {'yes' if r['lossless'] else 'NO'} |"
         )
     lines += ["", "| ours / transformers (same draft, same k) | ratio |", "|---|---|"]

@@ -27,15 +27,19 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from sacpolicy.build import model_drafter
 from sacpolicy.data import load_prompt_mix, split_prompts
 from sacpolicy.decoding import ModelDrafter, SpeculativeDecoder
 from sacpolicy.io import write_json
-from sacpolicy.decoding.drafters import model_drafter
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Static
 from sacpolicy.traces.collect import teacher_forced_rows
 from sacpolicy.training.distill import DistillSettings, train_draft
-from sacpolicy.training.distill_data import DistillDataModule, generate_continuations, token_counts
+from sacpolicy.training.distill_data import (
+    DistillDataModule,
+    generate_continuations,
+    token_counts,
+)
 from sacpolicy.training.drafts import build_draft
 
 

@@ -25,13 +25,17 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from sacpolicy import pipeline
 from sacpolicy.io import write_json
-from sacpolicy.policy.cost import CostModel
+from sacpolicy.pipeline.context import RunContext
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.policy.rules import Static
 from sacpolicy.traces.simulate import Oracle, best_static, simulate
-from sacpolicy.training.predictor import Examples, acceptance_examples, fit_predictor, tune_rule
+from sacpolicy.training.predictor import (
+    Examples,
+    acceptance_examples,
+    fit_predictor,
+    tune_rule,
+)
 
 
 def relabel(ex: Examples, split: str) -> Examples:
@@ -53,9 +57,9 @@ def main(argv=None):
     cfg = OmegaConf.load(run / "config.yaml")
     k_max = args.k_max or cfg.fit.k_max
     # the run's traces, cost model, vocabulary and labels exactly as its fit stage read them (from_run included)
-    grouped, by_split, _, meta = pipeline.split_traces(cfg, run, "bench_oracle_gap")
-    cost = CostModel.from_json(pipeline.need(cfg, run, "cost.json", "bench_oracle_gap"))
-    vocab = pipeline.target_vocab(cfg)
+    ctx = RunContext(cfg, run)
+    grouped, by_split, _, _ = ctx.traces
+    cost, vocab = ctx.cost, ctx.vocab_size
     test = by_split["test"]
     drafters = list(next(iter(test.values()))["drafters"])
 
@@ -75,14 +79,15 @@ def main(argv=None):
     rows["per-prompt-static"] = tokens / seconds
     rows["oracle"] = tps(Oracle(cost, k_max=k_max))
 
-    ex = acceptance_examples(grouped, cost, vocab_size=vocab, k=cfg.fit.k, soft=pipeline.soft_labels(meta))
+    ex = acceptance_examples(grouped, cost, vocab_size=vocab, k=cfg.fit.k, soft=ctx.soft_labels)
     spec = instantiate(cfg.predictor.hgb, _convert_="all")  # the run's own hgb settings
     pred, _ = fit_predictor("hgb", spec, ex)
-    rule, _ = tune_rule(pred, cost, by_split["val"], vocab_size=vocab, k_max=k_max)
+    rule, _ = tune_rule(pred, cost, by_split["val"], best_static(by_split["val"], cost, vocab_size=vocab,
+                                                                 k_max=k_max)["all"], vocab_size=vocab, k_max=k_max)
     rows["learned-hgb"] = tps(LearnedPolicy(rule))
     t = ex.of("test")
     pred_in, _ = fit_predictor("hgb", spec, concat(relabel(t, "train"), relabel(t, "val"), t))
-    rule_in, _ = tune_rule(pred_in, cost, test, vocab_size=vocab, k_max=k_max)
+    rule_in, _ = tune_rule(pred_in, cost, test, static, vocab_size=vocab, k_max=k_max)
     rows["learned-hgb-in-sample"] = tps(LearnedPolicy(rule_in))
 
     gain = rows["oracle"] - rows["best-static"]

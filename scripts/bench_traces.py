@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import time
 
+from sacpolicy.build import model_drafter
 from sacpolicy.data import load_prompts, split_prompts
 from sacpolicy.decoding import LayerSkipDrafter, NgramDrafter, SpeculativeDecoder
-from sacpolicy.decoding.drafters import model_drafter
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Heuristic, Static
-from sacpolicy.policy.cost import profile
+from sacpolicy.profiling import profile
 from sacpolicy.traces.collect import teacher_forced_rows
 from sacpolicy.traces.simulate import group_traces, simulate
 

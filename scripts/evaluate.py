@@ -10,7 +10,6 @@ Same configuration as scripts/train.py (conf/evaluate.yaml = conf/train.yaml wit
 
 import hydra
 from omegaconf import DictConfig
-
 from train import run_and_print
 
 

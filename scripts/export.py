@@ -7,6 +7,13 @@
     python scripts/export.py policy_dir=out/run/policies/hgb format=vllm [draft_dir=/models/draft] [out=vllm.json]
         write vLLM's speculative_config (default out: <policy_dir>.vllm.json)
 
+    python scripts/export.py head_dir=out/run/head/head format=speculators out=deploy/eagle3 [policy_dir=...]
+        an EAGLE-3 head in vLLM's speculators format (``speculative_tokens``: the policy's static k for its feature
+        drafter when policy_dir= is given, else 3; ``verifier=`` the target's hub id or directory, default: the
+        embedded target's cached directory)
+    python scripts/export.py head_dir=out/run/head/head format=sglang out=deploy/eagle3-sglang
+        the same head in SGLang's EAGLE-3 layout (``LlamaForCausalLMEagle3``, ``midlayer.*``)
+
 Optional for transformers and vllm: drafter=<name> (which of the policy's drafters to export). Arguments are
 ``key=value`` pairs, as with the Hydra scripts.
 """
@@ -17,8 +24,9 @@ import json
 import sys
 from pathlib import Path
 
-FORMATS = ("runtime", "transformers", "vllm")
-KEYS = ("policy_dir", "format", "draft_dir", "out", "drafter")
+FORMATS = ("runtime", "transformers", "vllm", "speculators", "sglang")
+HEAD_FORMATS = ("speculators", "sglang")
+KEYS = ("policy_dir", "format", "draft_dir", "out", "drafter", "head_dir", "verifier")
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -28,15 +36,51 @@ def parse(argv: list[str]) -> dict[str, str]:
         if not eq or key not in KEYS:
             raise SystemExit(f"export: bad argument {a!r}; pass key=value with keys {list(KEYS)}")
         args[key] = value
-    if "policy_dir" not in args:
-        raise SystemExit("export: policy_dir= is required: the policy artifact directory (save_policy's output)")
     if args.get("format") not in FORMATS:
         raise SystemExit(f"export: unknown format {args.get('format')!r}; format= one of {list(FORMATS)}")
+    if args["format"] in HEAD_FORMATS:
+        if "head_dir" not in args or "out" not in args:
+            raise SystemExit(f"export: format={args['format']} needs head_dir= (an EAGLE-3 head directory, e.g. "
+                             "<run>/head/head) and out= (the directory to write)")
+    elif "policy_dir" not in args:
+        raise SystemExit("export: policy_dir= is required: the policy artifact directory (save_policy's output)")
     return args
+
+
+def export_head(args: dict) -> None:
+    from sacpolicy.export.speculators import export_sglang, export_speculators
+
+    if args["format"] == "sglang":
+        print(f"wrote {export_sglang(args['head_dir'], args['out'])}")
+        return
+    k = 3
+    if "policy_dir" in args:
+        from sacpolicy.export import static_k
+        from sacpolicy.runtime import load_artifact
+
+        art = load_artifact(args["policy_dir"])
+        feature = [n for n, spec in art.drafters.items() if spec.kind == "feature"]
+        if not feature:
+            raise SystemExit(f"export: the policy at {args['policy_dir']} has no feature drafter; drop policy_dir= "
+                             "or pass a policy trained with the head")
+        k = max(1, static_k(art.rule, feature[0]))
+    verifier = args.get("verifier")
+    if verifier is None:
+        from sacpolicy.models import EMBEDDED_TARGET, _local_model_dir, _parse_spec
+
+        verifier = str(_local_model_dir(*_parse_spec(EMBEDDED_TARGET)))
+    print(f"wrote {export_speculators(args['head_dir'], args['out'], verifier, num_speculative_tokens=k)} "
+          f"(speculative_tokens={k})")
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args["format"] in HEAD_FORMATS:
+        try:
+            export_head(args)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"export: {e}") from e
+        return 0
     from sacpolicy.runtime import load_artifact, save_policy
 
     policy_dir = Path(args["policy_dir"])

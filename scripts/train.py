@@ -30,7 +30,7 @@ def print_eval_table(eval_path: str) -> None:
         table.add_column(col, justify="left" if col in ("policy", "mode") else "right", no_wrap=True)
     for r in sorted(ev["rows"], key=lambda r: (r["mode"], -r["tokens_per_s"])):
         table.add_row(r["name"], r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x",
-                      f"{r['mean_accepted']:.2f}", f"{r['latency_p50_ms']:.1f}", f"{100 * r['policy_fraction']:.2f}")
+                      f"{r['tokens_per_call']:.2f}", f"{r['latency_p50_ms']:.1f}", f"{100 * r['policy_fraction']:.2f}")
     Console().print(table)
 
 
@@ -41,7 +41,7 @@ def print_decode_table(summary: dict) -> None:
         table.add_column(col)
     for name, r in summary["rows"].items():
         table.add_row(name, r["policy"], f"{r['tokens_per_s']:.1f}", f"{r.get('speedup_vs_ar', 1.0):.2f}x",
-                      f"{r['mean_accepted']:.2f}")
+                      f"{r['tokens_per_call']:.2f}")
     Console().print(table)
 
 

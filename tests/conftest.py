@@ -21,3 +21,17 @@ def tiny_target():
 def tiny_draft():
     """Random-init 1-layer Llama sharing the embedded tokenizer, a different seed from tiny_target."""
     return load_model("tiny:llama-1l", device="cpu", dtype="float32", seed=1)
+
+
+def tiny_head_dir(target, out_dir, vocab: int = 256, seed: int = 0):
+    """An EAGLE-3 head for ``target`` (untrained: the target's own layer and rows, as training starts) saved to
+    ``out_dir/head``; aux layers 0, 1, 2 (a 4-layer target has no room for the default [2, L // 2, L - 3])."""
+    import torch
+
+    from sacpolicy.decoding.eagle3 import Eagle3Config, vocab_hash
+    from sacpolicy.training.eagle3 import init_head, save_head
+
+    config = Eagle3Config.from_target(target.model.config, vocab, aux_layer_ids=[0, 1, 2], verifier=target.spec,
+                                      vocab_hash=vocab_hash(target.tokenizer))
+    head = init_head(target, config, torch.arange(vocab) * 7 + 3, seed=seed)
+    return save_head(head, out_dir / "head", {"test": "untrained"})

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from conftest import tiny_head_dir
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
@@ -10,6 +11,8 @@ from hydra.utils import instantiate
 from omegaconf import open_dict
 
 from sacpolicy import pipeline
+from sacpolicy.decoding import Decision, DecoderConfig, DecodeState, RequestInfo
+from sacpolicy.training.predictor import fit_mlp, fit_sklearn
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -39,7 +42,7 @@ def test_default_is_the_embedded_cpu_experiment():
 def test_every_experiment_composes_and_validates(experiment):
     cfg = cfg_for(f"experiment={experiment}")
     if experiment.startswith("gpu_"):
-        assert cfg.target.device == "cuda" and "/" in cfg.target.spec and cfg.draft.draft.spec
+        assert cfg.target.device == "cuda" and "/" in cfg.target.spec and cfg.draft.draft.path
         try:
             import torch
 
@@ -55,16 +58,24 @@ def test_every_experiment_composes_and_validates(experiment):
 
 def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(tmp_path):
     cfg = cfg_for("experiment=smoke", tmp_path=tmp_path)
+    state = DecodeState(RequestInfo(prompt_len=8, max_new_tokens=32, drafters=("ngram", "layerskip")), context_len=8,
+                        remaining=32, drafters=("ngram", "layerskip"))
     for opt in options("policy"):
-        assert instantiate(cfg_for(f"policy={opt}").policy).decide is not None
-    assert instantiate(cfg.decoder).max_k >= 1
+        policy = instantiate(cfg_for(f"policy={opt}").policy)
+        policy.validate(state.drafters, 16)
+        policy.reset(state.request)
+        d = policy.decide(state)
+        assert isinstance(d, Decision) and 0 <= d.k <= 16 and d.drafter in (None, *state.drafters)
+        if opt in ("ar", "static", "heuristic", "seed_rule", "confidence"):  # the bandit explores, k = 0 included
+            assert (d.k == 0) == (opt == "ar"), opt
+    assert instantiate(cfg.decoder) == DecoderConfig()  # the dataclass is the one home of the decoder's defaults
     assert instantiate(cfg_for().sampling).greedy and not instantiate(cfg.sampling).greedy  # smoke samples
     assert set(cfg.predictor) == set(options("predictor"))  # the default fits every predictor
     for opt in options("predictor"):
-        spec = instantiate(cfg_for(f"predictor=[{opt}]").predictor)
-        assert list(spec) == [opt] and spec[opt]["kind"] in ("sklearn", "mlp")
-        if spec[opt]["kind"] == "sklearn":
-            assert hasattr(spec[opt]["estimator"], "fit") and hasattr(spec[opt]["estimator"], "predict_proba")
+        spec = instantiate(cfg_for(f"predictor=[{opt}]").predictor, _convert_="all")
+        assert list(spec) == [opt] and spec[opt].func in (fit_sklearn, fit_mlp)
+        if spec[opt].func is fit_sklearn:
+            assert hasattr(spec[opt].keywords["estimator"], "predict_proba")
     for opt in options("distill"):
         settings = instantiate(cfg_for(f"distill={opt}").distill)
         assert settings.loss == opt and settings.data["topk"] > 0
@@ -77,9 +88,11 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
 
 def test_every_draft_and_data_option_builds_on_the_tiny_target(tiny_target, tmp_path):
     for opt in options("draft"):
-        cfg = cfg_for("experiment=smoke", f"draft={opt}")
+        cfg = cfg_for("experiment=smoke", f"draft=[{opt}]")
         if opt == "model":
-            cfg.draft.draft.spec = "tiny:llama-1l"
+            cfg.draft.draft.path = "tiny:llama-1l"
+        if opt == "feature":
+            cfg.draft.feature.path = str(tiny_head_dir(tiny_target, tmp_path))
         drafters = pipeline.build_drafters(cfg, tiny_target, tmp_path)
         assert [d.name for d in drafters] == list(cfg.draft or {})
     for opt in options("data"):

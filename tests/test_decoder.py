@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from toys import Markov
 from transformers import LlamaConfig
 
 from sacpolicy.decoding import (
@@ -15,11 +16,11 @@ from sacpolicy.decoding import (
     LayerSkipDrafter,
     ModelDrafter,
     NgramDrafter,
+    RequestInfo,
     SamplingConfig,
     SpeculativeDecoder,
 )
 from sacpolicy.policy import Autoregressive, Confidence, Heuristic, SeedRule, Static
-from toys import Markov
 
 
 def hf_greedy(model, prompt, n, eos=None):
@@ -144,7 +145,7 @@ def test_drafter_that_raises_is_dropped_and_output_stays_exact(tiny_target, tiny
 
 def test_low_acceptance_falls_back_to_autoregressive(tiny_target, tiny_draft, tiny_prompts):
     target = tiny_target.model
-    cfg = DecoderConfig(fallback_floor=0.5, fallback_cooldown=4, fallback_min_steps=2)
+    cfg = DecoderConfig(cooldown_floor=0.5, cooldown_steps=4, cooldown_min_steps=2)
 
     class Zeros(NgramDrafter):  # proposes token 0, which the target never emits here: acceptance 0
         def propose(self, context, k, *args, **kwargs):
@@ -156,17 +157,17 @@ def test_low_acceptance_falls_back_to_autoregressive(tiny_target, tiny_draft, ti
     dec = SpeculativeDecoder(target, [Zeros(name="zeros")], Static(4), config=cfg, stop_token_ids=[])
     res = dec.generate(prompt, 30)
     assert res.tokens == ref
-    flags = [s.fallback for s in res.steps]
+    flags = [s.cooldown for s in res.steps]
     assert flags[:7] == [False, False, True, True, True, True, False]  # 2 steps observed, 4 of cooldown, retry
-    assert all(s.drafted == 0 for s in res.steps if s.fallback)
-    assert all(s.drafted > 0 and s.accepted == 0 for s in res.steps if not s.fallback)
-    assert all(s.drafted == 0 for s in res.steps if s.fallback)
+    assert all(s.drafted == 0 for s in res.steps if s.cooldown)
+    assert all(s.drafted > 0 and s.accepted == 0 for s in res.steps if not s.cooldown)
+    assert all(s.drafted == 0 for s in res.steps if s.cooldown)
 
 
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda t, d: SpeculativeDecoder(t, [ModelDrafter(t, name="x")], Static(20)), "max_k"),
+        (lambda t, d: SpeculativeDecoder(t, [ModelDrafter(t, name="x")], Static(20)), "k_max"),
         (lambda t, d: Static(-1), "k must be"),
         (lambda t, d: SpeculativeDecoder(t, [NgramDrafter()], Static(2, drafter="nope")), "not among"),
         (lambda t, d: SpeculativeDecoder(t, [], Static(2)), "needs at least one drafter"),
@@ -201,7 +202,7 @@ def test_decoder_sampling_matches_target_distribution():
     draws = 10_000
     counts = np.zeros((v, v))
     for i in range(draws):
-        toks = dec.generate([0], 3, seed=i).tokens
+        toks = dec.generate([0], 3, request=RequestInfo(seed=i)).tokens
         counts[toks[1], toks[2]] += 1  # tokens 2 and 3 come from draft + verify blocks
     # P(t2 = a, t3 = b) = sum_x P(x | 0) P(a | x) P(b | a)
     expected = ((P[0] @ P)[:, None] * P).double().numpy().ravel()

@@ -12,15 +12,27 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from toys import Markov
 
+from sacpolicy.build import model_drafter
 from sacpolicy.data import load_prompts
-from sacpolicy.decoding import ModelDrafter, SamplingConfig, SpeculativeDecoder
-from sacpolicy.decoding.drafters import model_drafter, trim_lm_head
+from sacpolicy.decoding import (
+    ModelDrafter,
+    RequestInfo,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
+from sacpolicy.decoding.drafters import trim_lm_head
 from sacpolicy.policy import Heuristic, Static
-from sacpolicy.training.distill import DistillModule, DistillSettings, divergence, teacher_logp, train_draft
+from sacpolicy.training.distill import (
+    DistillModule,
+    DistillSettings,
+    divergence,
+    teacher_logp,
+    train_draft,
+)
 from sacpolicy.training.distill_data import DistillDataModule, collate
 from sacpolicy.training.drafts import build_draft, select_vocab
-from toys import Markov
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +108,7 @@ def test_sampling_with_a_trimmed_draft_matches_the_target():
                              Heuristic(k0=2), sampling=SamplingConfig(temperature=1.0), stop_token_ids=[])
     draws, counts = 6000, np.zeros((v, v))
     for i in range(draws):
-        toks = dec.generate([0], 3, seed=i).tokens
+        toks = dec.generate([0], 3, request=RequestInfo(seed=i)).tokens
         counts[toks[1], toks[2]] += 1
     expected = ((P[0] @ P)[:, None] * P).double().numpy().ravel()
     _, pval = chisquare(counts.ravel(), expected / expected.sum() * draws)
@@ -165,7 +177,7 @@ def test_train_export_load_and_resume(tiny_target, tiny_data, tmp_path):
 
 def test_nan_loss_stops_with_step_and_batch(tiny_target, tiny_data):
     draft = build_draft(tiny_target, num_layers=1, vocab_size=None)
-    module = DistillModule(draft, 49152)
+    module = DistillModule(draft, 49152, DistillSettings())
     batch = collate([tiny_data.train[0]])
     batch["topk_logp"][:] = float("nan")
     with pytest.raises(FloatingPointError, match="step 0 .batch 7."):

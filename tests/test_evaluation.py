@@ -5,9 +5,19 @@ import json
 import numpy as np
 import pytest
 
-from sacpolicy.decoding.records import GenerationResult, StepRecord
-from sacpolicy.evaluation import (add_speedups, calibration_error, calibration_plot, category_table, make_plots,
-                                  markdown_table, row_from_results, speedup_vs_k_plot, write_eval, write_report)
+from sacpolicy.decoding.types import GenerationResult, StepRecord
+from sacpolicy.evaluation import (
+    add_speedups,
+    calibration_error,
+    calibration_plot,
+    category_table,
+    make_plots,
+    markdown_table,
+    row_from_results,
+    speedup_vs_k_plot,
+    write_eval,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -53,7 +63,7 @@ def test_row_counts_tokens_calls_and_cost():
     assert (row["name"], row["mode"], row["tokens"], row["seed"]) == ("learned", "live", 8, 0)
     assert row["seconds"] == pytest.approx(0.49)
     assert row["tokens_per_s"] == pytest.approx(8 / 0.49)
-    assert row["mean_accepted"] == pytest.approx(8 / 6)
+    assert row["tokens_per_call"] == pytest.approx(8 / 6)
     assert row["target_calls_per_token"] == pytest.approx(6 / 8)
     assert row["draft_calls_per_token"] == pytest.approx(7 / 8)
     assert row["acceptance_rate"] == pytest.approx(3 / 7)

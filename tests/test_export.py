@@ -14,47 +14,45 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from sklearn.ensemble import HistGradientBoostingClassifier
-from sklearn.linear_model import LogisticRegression
+from test_traces import cost_model
+from toys import PREDICTORS, synthetic_traces
 
 from sacpolicy.data import assign_split
-from sacpolicy.decoding import ModelDrafter, NgramDrafter
+from sacpolicy.decoding import DecodeState, ModelDrafter, NgramDrafter, RequestInfo
 from sacpolicy.decoding.sampling import SamplingConfig
-from sacpolicy.export import build_drafters, confidence_threshold, reference_row, static_k
+from sacpolicy.export import (
+    build_drafters,
+    confidence_threshold,
+    reference_row,
+    static_k,
+)
 from sacpolicy.export.hf import export_generation_config, generate_with_policy
 from sacpolicy.export.vllm import (
     PolicyNgramProposer,
     draft_length,
-    ngram_match,
-    ngram_proposal,
     speculative_config,
     write_vllm_config,
 )
+from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime import (
+    FEATURE_NAMES,
+    FEATURE_VERSION,
     ArtifactError,
     Block,
     DecisionRule,
-    FEATURE_NAMES,
-    FEATURE_VERSION,
     Predictor,
     feature_spec,
     load_artifact,
     load_policy,
     save_policy,
 )
-from sacpolicy.traces.simulate import group_traces
+from sacpolicy.runtime.ngram import ngram_proposal
+from sacpolicy.traces.simulate import best_static, group_traces
 from sacpolicy.training.predictor import acceptance_examples, fit_predictor, tune_rule
-from test_traces import cost_model
-from toys import synthetic_traces
 
 V, K_MAX, F = 1000, 8, len(FEATURE_NAMES)
 DRAFTERS = ("draft", "ngram")
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = {
-    "hgb": {"kind": "sklearn", "estimator": HistGradientBoostingClassifier(max_iter=50, max_depth=6, random_state=0)},
-    "logreg": {"kind": "sklearn", "estimator": LogisticRegression(max_iter=500)},
-    "mlp": {"kind": "mlp", "max_epochs": 4, "hidden": (32,), "trainer_kwargs": {"enable_progress_bar": False}},
-}
 
 # The decisions compared between the in-memory rule and the artifact loaded in a numpy-only process: plan() over
 # windows of test plan rows (varying caps), stop() over the test blocks in order, raw and calibrated predictions.
@@ -109,9 +107,10 @@ def fitted(synth, draft_dir, tmp_path_factory):
     """name -> (rule, predictor metrics, artifact dir) for hgb, logreg and mlp."""
     val, cost, ex = synth
     out = {}
-    for name, spec in SPECS.items():
+    for name, spec in PREDICTORS.items():
         pred, metrics = fit_predictor(name, spec, ex, out_dir=tmp_path_factory.mktemp(f"fit_{name}"))
-        rule, tuning = tune_rule(pred, cost, val, vocab_size=V, k_max=K_MAX)
+        rule, tuning = tune_rule(pred, cost, val, best_static(val, cost, vocab_size=V, k_max=K_MAX)["all"],
+                                 vocab_size=V, k_max=K_MAX)
         path = save_policy(tmp_path_factory.mktemp("policies") / name, rule,
                            drafters={"draft": {"kind": "model", "path": str(draft_dir)},
                                      "ngram": {"kind": "ngram", "max_ngram": 3}},
@@ -152,7 +151,7 @@ def test_artifact_layout(fitted, draft_dir):
         assert m["predictor"]["kind"] == rule.predictor.kind and m["predictor"]["meta"]["name"] == name
         assert m["rule"] == rule.config() and m["cost_model"] == rule.cost.to_dict()
         assert m["drafters"] == {"draft": {"kind": "model", "path": str(draft_dir.resolve())},
-                                 "ngram": {"kind": "ngram", "max_ngram": 3}}
+                                 "ngram": {"kind": "ngram", "max_ngram": 3, "min_ngram": 1}}
         assert {"target", "traces", "created", "sacpolicy", "git_commit", "command"} <= set(m["provenance"])
         assert m["metrics"]["predictor"]["test"]["n"] == metrics["test"]["n"]
         files = {f.name for f in path.iterdir()} - {"policy.json"}
@@ -162,10 +161,11 @@ def test_artifact_layout(fitted, draft_dir):
             assert m["checksums"][f] == hashlib.sha256((path / f).read_bytes()).hexdigest()
         assert [p.name for p in path.parent.iterdir()] == [name]  # no temporary siblings left
         art = load_artifact(path)
-        assert _same_rule(art.rule, rule) and art.drafters == m["drafters"] and art.provenance == m["provenance"]
+        assert _same_rule(art.rule, rule) and art.provenance == m["provenance"]
+        assert {n: s.to_dict() for n, s in art.drafters.items()} == m["drafters"]  # DrafterSpec round trip
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(PREDICTORS))
 def test_loaded_rule_decides_exactly_as_in_memory_without_torch(fitted, synth, name, tmp_path):
     rule, _, path = fitted[name]
     _, _, ex = synth
@@ -199,7 +199,7 @@ def test_compiled_hgb_matches_sklearn(fitted, synth):
     rule, _, _ = fitted["hgb"]
     X = synth[2].of("test").X
     assert np.isnan(X).any()  # missing values take sklearn's learned direction
-    expected = SPECS["hgb"]["estimator"].predict_proba(X)[:, 1]
+    expected = PREDICTORS["hgb"].keywords["estimator"].predict_proba(X)[:, 1]
     np.testing.assert_allclose(load_policy(fitted["hgb"][2]).predictor.raw(X), expected, rtol=0, atol=1e-9)
 
 
@@ -418,11 +418,18 @@ def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch):
     for i, n in enumerate(lens):
         tokens[i, :n] = np.tile(rng.integers(0, 50, 4), 16)[:n]  # repetitive: the n-gram lookup finds spans
     drafts = proposer.propose([[1]] * 4, lens, tokens)
+    # the same decision through the framework's own path: sacpolicy's NgramDrafter peeks, LearnedPolicy decides
+    # (the model drafter is absent, as in vLLM), the drafter proposes
     for i, n in enumerate(lens):
-        m = ngram_match(tokens[i, :n])
-        conf = (m[1] / 3, 0.0, m[1] / 3)  # the n-gram drafter's peek: its match length
-        k = draft_length(rule, "ngram", int(n), min(6, 64 - int(n) - 1), confidence=conf)
-        assert drafts[i] == (ngram_proposal(tokens[i, :n], k) if k else [])
+        context = torch.as_tensor(tokens[i, :n])
+        ngram, policy = NgramDrafter(), LearnedPolicy(rule)
+        request = RequestInfo(prompt_len=int(n), max_new_tokens=64 - int(n), drafters=rule.drafters)
+        state = DecodeState(request, context_len=int(n), remaining=min(6, 64 - int(n) - 1) + 1,
+                            drafters=("ngram",), peeks={"ngram": ngram.peek(context)})
+        policy.reset(request)
+        d = policy.decide(state)
+        expected = ngram.propose(context, d.k, SamplingConfig()).tokens.tolist() if d.drafter else []
+        assert drafts[i] == expected, i
     rows = np.array([reference_row(rule, "ngram", j, 40) for j in range(6)])
     assert draft_length(rule, "ngram", 40, 6) == rule.plan({"ngram": rows}, 40, 6)[1]
     assert draft_length(_constant_rule(-30.0, drafters=("ngram",)), "ngram", 40, 6) == 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
+from sacpolicy import gguf as gguf_module
 from sacpolicy import models
 from sacpolicy.models import (
     EMBEDDED_TARGET,
@@ -40,7 +41,7 @@ def _forbid_gguf_parsing(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("GGUF was parsed although a cached conversion exists")
 
-    monkeypatch.setattr(models, "_convert_gguf", boom)
+    monkeypatch.setattr(gguf_module, "_convert_gguf", boom)
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", boom)
 
 
@@ -101,7 +102,7 @@ def test_embedded_greedy_chat_answer(embedded):
 @pytest.mark.slow
 def test_embedded_cache_layout_and_reuse(embedded, monkeypatch):
     cache_dir = pathlib.Path(embedded.model.name_or_path)
-    assert cache_dir == models.gguf_cache_dir(_embedded_gguf(), "smollm2-135m-instruct")
+    assert cache_dir == gguf_module.gguf_cache_dir(_embedded_gguf(), "smollm2-135m-instruct")
     assert cache_dir.parent == cache_root() / "models" and cache_dir.name.startswith("smollm2-135m-instruct-")
     expected_files = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json")
     for name in (*expected_files, "sacpolicy-cache.json"):
@@ -140,8 +141,8 @@ def test_gguf_path_converts_once_into_isolated_cache(embedded, tmp_path, monkeyp
                 direct.append(model.eval())
             return model
 
-    monkeypatch.setattr(models, "AutoModelForCausalLM", SpyAuto)
-    with caplog.at_level(logging.INFO, logger="sacpolicy.models"):
+    monkeypatch.setattr(gguf_module, "AutoModelForCausalLM", SpyAuto)
+    with caplog.at_level(logging.INFO, logger="sacpolicy.gguf"):
         first = load_model(str(gguf), **CPU32)
     assert "Converting" in caplog.text and len(direct) == 1
     cache_dir = pathlib.Path(first.model.name_or_path)
@@ -171,33 +172,33 @@ def fake_gguf(tmp_path, monkeypatch):
         calls.append(out_dir)
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf_module, "_convert_gguf", fake_convert)
     return path, calls
 
 
 def test_conversion_is_cached_and_atomic(fake_gguf):
     path, calls = fake_gguf
-    final = models.ensure_gguf_converted(path)
+    final = gguf_module.ensure_gguf_converted(path)
     assert (final / "config.json").is_file() and (final / "sacpolicy-cache.json").is_file()
-    assert models.ensure_gguf_converted(path) == final and len(calls) == 1
+    assert gguf_module.ensure_gguf_converted(path) == final and len(calls) == 1
     assert calls[0] != final and calls[0].parent == final.parent  # built next to the final dir, then renamed
     assert [p.name for p in final.parent.iterdir()] == [final.name]
 
 
 def test_changed_gguf_gets_new_cache_dir(fake_gguf):
     path, _ = fake_gguf
-    before = models.gguf_cache_dir(path)
+    before = gguf_module.gguf_cache_dir(path)
     with open(path, "ab") as f:
         f.write(b"more tensors")
-    assert models.gguf_cache_dir(path) != before
+    assert gguf_module.gguf_cache_dir(path) != before
 
 
 def test_unmarked_cache_dir_is_rebuilt(fake_gguf):
     path, calls = fake_gguf
-    final = models.gguf_cache_dir(path)
+    final = gguf_module.gguf_cache_dir(path)
     final.mkdir(parents=True)
     (final / "config.json").write_text("half-written")
-    assert models.ensure_gguf_converted(path) == final and len(calls) == 1
+    assert gguf_module.ensure_gguf_converted(path) == final and len(calls) == 1
     assert (final / "config.json").read_text() == "{}"
 
 
@@ -208,10 +209,10 @@ def test_failed_conversion_leaves_nothing(fake_gguf, monkeypatch):
         (out_dir / "model.safetensors").write_bytes(b"partial")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models, "_convert_gguf", crash)
+    monkeypatch.setattr(gguf_module, "_convert_gguf", crash)
     with pytest.raises(RuntimeError, match="disk full"):
-        models.ensure_gguf_converted(path)
-    assert list(models.gguf_cache_dir(path).parent.iterdir()) == []
+        gguf_module.ensure_gguf_converted(path)
+    assert list(gguf_module.gguf_cache_dir(path).parent.iterdir()) == []
 
 
 # --- tiny presets ------------------------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def test_eos_token_ids_merges_and_dedupes():
     [
         ("foo:bar", ["Unrecognised model spec 'foo:bar'", "embedded:<name>", "tiny:<preset>", ".gguf", "hub id"]),
         ("", ["Empty model spec", "smollm2-135m-instruct", "tiny:<preset>"]),
-        ("tiny:nope", ["Unknown tiny preset 'nope'", "llama-1l", "llama-4l"]),
+        ("tiny:nope", ["Unknown tiny model 'nope'", "llama-1l", "llama-4l"]),
         ("embedded:nope", ["Unknown embedded model 'nope'", "smollm2-135m-instruct"]),
     ],
 )

@@ -1,6 +1,7 @@
 """The whole pipeline under Hydra: the smoke experiment end to end, a multirun, resume, from_run, W&B offline."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -9,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_config import cfg_for
 
 from sacpolicy import pipeline
-from test_config import cfg_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts/train.py")
@@ -69,22 +70,34 @@ def test_oracle_gap_benchmark_decomposes_the_oracles_gain(smoke_run, tmp_path):
     assert rows["best-static"]["oracle_gain_captured"] in (0.0, None) and "| oracle |" in res.stdout
 
 
-def test_rerun_in_the_same_directory_skips_finished_stages_and_from_run_reuses_them(smoke_run, tmp_path):
+def run_in_process(out_dir, *overrides) -> dict:
+    """``pipeline.run`` on the composed smoke config, in this process (what scripts/train.py does after Hydra)."""
+    return pipeline.run(cfg_for("experiment=smoke", *overrides, tmp_path=out_dir))
+
+
+def test_rerun_in_the_same_directory_skips_finished_stages_and_from_run_reuses_them(smoke_run, tmp_path, caplog):
     out, _ = smoke_run
     before = (out / "eval.json").stat().st_mtime
-    res = train(f"hydra.run.dir={out}", "stages=[fit,evaluate]")
-    assert res.returncode == 0 and "already finished" in res.stderr + res.stdout
+    with caplog.at_level(logging.INFO, logger="sacpolicy.pipeline"):
+        outputs = run_in_process(out, "stages=[fit,evaluate]")
+    assert "already finished" in caplog.text and outputs["metric"] > 0
     assert (out / "eval.json").stat().st_mtime == before
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/evaluate.py"), "experiment=smoke", f"from_run={out}",
-                          f"hydra.run.dir={tmp_path}", "eval.live_prompts=0"], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "learned-hgb" in res.stdout and not (tmp_path / "fit.json").exists()
+    outputs = run_in_process(tmp_path, f"from_run={out}", "stages=[evaluate]", "eval.live_prompts=0")
+    assert not (tmp_path / "fit.json").exists() and (tmp_path / "eval.json").is_file()
+    rows = json.loads((tmp_path / "eval.json").read_text())["rows"]
+    assert {"learned-hgb", "oracle"} <= {r["name"] for r in rows} and all(r["mode"] == "simulated" for r in rows)
     chained = tmp_path / "chained"  # from_run follows the chain: this run reads the policies of the first one
-    res = train(f"hydra.run.dir={chained}", f"from_run={tmp_path}", "stages=[export]")
-    assert res.returncode == 0, res.stderr[-3000:]
+    run_in_process(chained, f"from_run={tmp_path}", "stages=[export]")
     assert (chained / "export" / "hgb" / "vllm.json").is_file()
-    assert all(r["mode"] == "simulated" for r in json.loads((tmp_path / "eval.json").read_text())["rows"])
+
+
+def test_evaluate_script_runs_the_evaluate_stage(smoke_run, tmp_path):
+    out, _ = smoke_run
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/evaluate.py"), "experiment=smoke", f"from_run={out}",
+                          f"hydra.run.dir={tmp_path}", "eval.live_prompts=0", "predictor=[hgb]"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "learned-hgb" in res.stdout and (tmp_path / "report.md").is_file()
 
 
 def test_from_run_of_another_target_is_refused(smoke_run):
@@ -97,8 +110,8 @@ def test_from_run_of_another_target_is_refused(smoke_run):
 
 
 def test_a_stage_without_its_inputs_says_which_stage_makes_them(tmp_path):
-    res = train(f"hydra.run.dir={tmp_path}", "stages=[fit]")
-    assert res.returncode != 0 and "needs traces/tf" in res.stderr + res.stdout
+    with pytest.raises(pipeline.PipelineError, match="needs traces/tf"):
+        run_in_process(tmp_path, "stages=[fit]")
 
 
 def test_multirun_sweep_runs_two_jobs(tmp_path):
@@ -132,11 +145,12 @@ def test_an_interrupted_run_resumes_where_it_stopped(tmp_path):
     assert (tmp_path / "fit.json").is_file()
 
 
-def test_wandb_offline_run_holds_the_logged_summary(tmp_path):
-    res = train(f"hydra.run.dir={tmp_path}", "logger=wandb", "logger.offline=false", "stages=[decode]",
-                env={"WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc"), "WANDB_SILENT": "true"})
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "logging offline instead" in res.stderr + res.stdout  # online without credentials falls back
+def test_wandb_offline_run_holds_the_logged_summary(tmp_path, monkeypatch, caplog):
+    for key, value in {"WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc"), "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.WARNING):
+        run_in_process(tmp_path, "logger=wandb", "logger.offline=false", "stages=[decode]")
+    assert "logging offline instead" in caplog.text  # online without credentials falls back
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     # an offline run keeps its records in the binary transaction log that `wandb sync` uploads

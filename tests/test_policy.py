@@ -4,27 +4,26 @@ import dataclasses
 
 import numpy as np
 import pytest
-from sklearn.ensemble import HistGradientBoostingClassifier
-from sklearn.linear_model import LogisticRegression
+from test_traces import cost_model
+from toys import PREDICTORS, synthetic_traces
 
 from sacpolicy.data import assign_split
-from sacpolicy.decoding import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from sacpolicy.decoding import Decision, DecodeState, ModelDrafter, NgramDrafter, RequestInfo, SpeculativeDecoder
 from sacpolicy.evaluation.evaluate import Timed
-from sacpolicy.policy import Autoregressive, Bandit, Static
+from sacpolicy.policy import Autoregressive, Bandit, SeedRule, Static
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
+from sacpolicy.runtime.predictors import Predictor
 from sacpolicy.runtime.rule import DecisionRule, RuleError
 from sacpolicy.traces.simulate import Oracle, best_static, group_traces, simulate
-from sacpolicy.training.predictor import FORMS, acceptance_examples, fit_predictor, tune_rule
-from test_traces import cost_model
-from toys import synthetic_traces
+from sacpolicy.training.predictor import (
+    FORMS,
+    acceptance_examples,
+    fit_predictor,
+    tune_rule,
+)
 
 V = 1000
-SPECS = {
-    "hgb": {"kind": "sklearn", "estimator": HistGradientBoostingClassifier(max_iter=50, max_depth=6, random_state=0)},
-    "logreg": {"kind": "sklearn", "estimator": LogisticRegression(max_iter=500)},
-    "mlp": {"kind": "mlp", "max_epochs": 4, "hidden": (32,), "trainer_kwargs": {"enable_progress_bar": False}},
-}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def synth():
 @pytest.fixture(scope="module")
 def fitted(synth, tmp_path_factory):
     _, _, _, ex = synth
-    return {name: fit_predictor(name, spec, ex, out_dir=tmp_path_factory.mktemp(name)) for name, spec in SPECS.items()}
+    return {name: fit_predictor(name, spec, ex, out_dir=tmp_path_factory.mktemp(name)) for name, spec in PREDICTORS.items()}
 
 
 def test_examples_follow_the_replay_and_the_prompt_split(synth):
@@ -57,7 +56,7 @@ def test_examples_follow_the_replay_and_the_prompt_split(synth):
     assert set(np.unique(ex.y)) == {0.0, 1.0}
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(PREDICTORS))
 def test_predictors_learn_acceptance_and_are_calibrated(fitted, name):
     pred, metrics = fitted[name]
     for split in ("val", "test"):
@@ -69,7 +68,8 @@ def test_predictors_learn_acceptance_and_are_calibrated(fitted, name):
 def test_learned_policy_beats_best_static_and_trails_the_oracle(synth, fitted):
     _, split, cost, _ = synth
     pred, _ = fitted["hgb"]
-    rule, tuning = tune_rule(pred, cost, split["val"], vocab_size=V, k_max=8)
+    rule, tuning = tune_rule(pred, cost, split["val"], best_static(split["val"], cost, vocab_size=V, k_max=8)["all"],
+                             vocab_size=V, k_max=8)
     assert {r["mode"] for r in tuning["grid"]} == {"stop", "k"}
     best = best_static(split["val"], cost, vocab_size=V, k_max=8)["all"]
     learned = simulate(LearnedPolicy(rule), split["test"], cost, vocab_size=V).tokens_per_s
@@ -137,3 +137,45 @@ def test_bandit_learns_the_better_arm_online(synth):
     assert max(pulls, key=pulls.get) != (None, 0)
     with pytest.raises(ValueError, match="ks"):
         Bandit(ks=())
+
+
+def test_seed_rule_speculates_less_for_long_prompts_and_under_load():
+    rule = SeedRule(k_short=6, k_long=2, short_len=64, long_len=1024, load_weight=1.0)
+    assert rule.k_for(10, 0.0) == 6 and rule.k_for(5000, 0.0) == 2  # clamped at both ends
+    assert rule.k_for(256, 0.0) == 4  # log-linear: 256 is halfway between 64 and 1024 in log space
+    assert [rule.k_for(10, load) for load in (0.0, 0.5, 1.0)] == [6, 3, 0]  # load scales k down to autoregressive
+    rule.validate(("ngram",), 8)
+    rule.reset(RequestInfo(prompt_len=10, max_new_tokens=8, drafters=("ngram",), load=0.5))
+    state = DecodeState(RequestInfo(prompt_len=10, drafters=("ngram",)), drafters=("ngram",))
+    assert rule.decide(state) == Decision("ngram", 3)
+    with pytest.raises(ValueError, match="load must be in"):
+        rule.k_for(10, 1.5)
+
+
+def test_learned_policy_per_request_keeps_its_first_choice():
+    """select="request": the drafter chosen at the first step is kept for the whole request; "step" re-chooses."""
+
+    class Cheaper(Predictor):  # the better drafter changes: "b" (index 1) accepts 0.95 early, then "a" does
+        def __init__(self):
+            super().__init__("linear", {"mean": np.zeros(len(FEATURE_NAMES)), "scale": np.ones(len(FEATURE_NAMES)),
+                                        "coef": np.zeros(len(FEATURE_NAMES)), "intercept": np.zeros(1)},
+                             {"features": feature_spec()})
+
+        def predict(self, X):
+            X = np.asarray(X)
+            return np.where(X[:, FEATURE_NAMES.index("drafter_index")] == (1 if self.early else 0), 0.95, 0.8)
+
+    names = ("a", "b")
+    cost = cost_model(list(names))
+    pred = Cheaper()
+    rule = DecisionRule(pred, cost, names, 4, ("a", 2), mode="k")
+    for select, expected in (("request", ["b", "b"]), ("step", ["b", "a"])):
+        policy = LearnedPolicy(rule, select=select)
+        request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=names)
+        policy.validate(names, 8)
+        policy.reset(request)
+        chosen = []
+        for step, pred.early in ((0, True), (1, False)):
+            d = policy.decide(DecodeState(request, step=step, context_len=10 + step, remaining=20, drafters=names))
+            chosen.append(d.drafter)
+        assert chosen == expected, select

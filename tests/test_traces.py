@@ -11,10 +11,16 @@ from pathlib import Path
 import pytest
 
 from sacpolicy.data import load_prompts
-from sacpolicy.decoding import LayerSkipDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
+from sacpolicy.decoding import (
+    LayerSkipDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    RequestInfo,
+    SpeculativeDecoder,
+)
 from sacpolicy.policy import Confidence, Heuristic, Static
-from sacpolicy.policy.cost import CostModel, PiecewiseLinear
 from sacpolicy.policy.features import FEATURE_NAMES, token_features
+from sacpolicy.profiling import CostModel, PiecewiseLinear
 from sacpolicy.traces.collect import collect_live, collect_teacher_forced, resolve_shard
 from sacpolicy.traces.schema import SCHEMA_VERSION, TraceError, load_traces, write_meta
 from sacpolicy.traces.simulate import Oracle, best_static, group_traces, simulate
@@ -58,7 +64,7 @@ def test_teacher_forced_records(setup):
         assert 0 <= r["p_target"] <= 1 and 0 <= r["beta"] <= 1 + 1e-5 and 0 <= r["run_len"] <= 8
         assert r["match"] == (r["draft_token"] == r["target_token"])
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["schema_version"] == SCHEMA_VERSION == 2 and meta["drafters"] == ["skip2", "self", "ngram"]
+    assert meta["schema_version"] == SCHEMA_VERSION == 3 and meta["drafters"] == ["skip2", "self", "ngram"]
     assert meta["target"] == "tiny:llama-4l" and meta["dtype"] == "torch.float32" and meta["device"] == "cpu"
     assert meta["package_version"] and meta["sampling"]["temperature"] == 0.0
 
@@ -101,7 +107,7 @@ def test_features_live_equal_features_from_traces(tiny_target, setup):
             live_pol, sim_pol = Recording(2e-4, k=5, drafter=drafter), Recording(2e-4, k=5, drafter=drafter)
             live_pol.log, sim_pol.log = [], []
             SpeculativeDecoder(tiny_target.model, drafters, live_pol, stop_token_ids=[]).generate(
-                row["input_ids"], N_NEW, category=row["category"])
+                row["input_ids"], N_NEW, request=RequestInfo(category=row["category"]))
             simulate(sim_pol, {row["prompt_id"]: grouped[row["prompt_id"]]},
                      cost_model(["skip2", "self", "ngram"]), vocab_size=V)
             runs = grouped[row["prompt_id"]]["drafters"][drafter]["run_len"]

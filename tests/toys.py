@@ -1,7 +1,13 @@
 """Toy models behind the causal-LM interface the decoder uses, for exact distribution tests."""
 
+from functools import partial
+
 import torch
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.linear_model import LogisticRegression
 from transformers import LlamaConfig
+
+from sacpolicy.training.predictor import fit_mlp, fit_sklearn
 
 
 class Markov(torch.nn.Module):
@@ -61,3 +67,12 @@ def synthetic_traces(n_prompts: int = 60, length: int = 48, drafters=("draft", "
                     "proposal": d > 0,
                 })
     return rows
+
+
+# The three predictor kinds with small settings, as a conf/predictor option instantiates them (partials).
+PREDICTORS = {
+    "hgb": partial(fit_sklearn, estimator=HistGradientBoostingClassifier(max_iter=50, max_depth=6, random_state=0)),
+    "logreg": partial(fit_sklearn, estimator=LogisticRegression(max_iter=500)),
+    "mlp": partial(fit_mlp, max_epochs=4, hidden=(32,), lr=3e-3, weight_decay=1e-4, batch_size=512, patience=4,
+                   trainer_kwargs={"enable_progress_bar": False}),
+}

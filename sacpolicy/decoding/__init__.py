@@ -1,11 +1,11 @@
-"""Lossless speculative decoding: sampling/verification math, drafters and the decoder loop."""
+"""Lossless speculative decoding: sampling/verification math, drafters and the decoder loop. The lowest layer above
+``sacpolicy.models``: it imports nothing from policy, training, traces, evaluation, export or pipeline."""
 
+from sacpolicy.decoding import types
 from sacpolicy.decoding.decoder import DecoderConfig, SpeculativeDecoder
-from sacpolicy.decoding.drafters import DraftBlock, Drafter, LayerSkipDrafter, ModelDrafter, NgramDrafter
-from sacpolicy.decoding.records import GenerationResult, StepRecord
+from sacpolicy.decoding.drafters import LayerSkipDrafter, ModelDrafter, NgramDrafter
 from sacpolicy.decoding.sampling import SamplingConfig
+from sacpolicy.decoding.types import *  # noqa: F403 (the decoder's vocabulary: types.__all__)
 
-__all__ = [
-    "DecoderConfig", "DraftBlock", "Drafter", "GenerationResult", "LayerSkipDrafter", "ModelDrafter",
-    "NgramDrafter", "SamplingConfig", "SpeculativeDecoder", "StepRecord",
-]
+__all__ = ["DecoderConfig", "LayerSkipDrafter", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpeculativeDecoder",
+           *types.__all__]

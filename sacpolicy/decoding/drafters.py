@@ -1,71 +1,21 @@
-"""Drafters: propose up to k tokens after a committed context. One small protocol, three implementations.
-
-A drafter owns whatever state it keeps between steps (a KV cache, nothing at all) and is told, after verification,
-how many of its proposed tokens the target accepted, so it can roll that state back exactly.
+"""Drafters: propose up to k tokens after a committed context. The protocol is ``sacpolicy.decoding.types.Drafter``;
+here are the token-level implementations (a draft model, the target's own first layers, prompt lookup). Building
+them from configs lives in ``sacpolicy.build``.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
-from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from sacpolicy.decoding.sampling import SamplingConfig, draft_stats, select_token
-
-logger = logging.getLogger(__name__)
-
-# Called after each drafted token with (position in block, draft_stats of that position: [top-1 prob, entropy,
-# margin]); True stops the block after this token.
-StopFn = Callable[[int, torch.Tensor], bool]
+from sacpolicy.decoding.sampling import draft_stats, select_token
+from sacpolicy.decoding.types import DraftBlock, Drafter, TeacherForced
+from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
 
 
-@dataclass
-class DraftBlock:
-    tokens: torch.Tensor  # [k] long, on the target's device
-    logits: torch.Tensor | None  # [k, V] raw draft logits the tokens were chosen from; None = deterministic proposal
-    # deterministic proposals only: [k, 3] confidence in the draft_stats layout (top-1, entropy, margin) the drafter
-    # assigns its tokens; None = certain ([1, 0, 1])
-    confidence: torch.Tensor | None = None
-
-    @property
-    def k(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @classmethod
-    def empty(cls, device: torch.device) -> DraftBlock:
-        return cls(torch.empty(0, dtype=torch.long, device=device), None)
-
-
-@runtime_checkable
-class Drafter(Protocol):
-    name: str
-    vocab_size: int | None  # logits width; None for drafters without a distribution (n-gram)
-
-    def reset(self) -> None:
-        """Forget all per-request state; called before each request."""
-
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None = None,
-        stop: StopFn | None = None,
-    ) -> DraftBlock:
-        """context [L]: committed tokens (prompt + output so far). Return at most k tokens."""
-
-    def accept(self, n_accepted: int) -> None:
-        """The target accepted the first n_accepted tokens of the last proposal."""
-
-    # Optional, for drafters whose proposal is a cheap lookup (n-gram): ``peek(context)`` returns the confidence
-    # (top-1, entropy, margin) of the proposal ``propose`` would make now, or None when it would propose nothing.
-
-
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Any causal LM sharing the target's tokenizer, drafting autoregressively with its own KV cache.
 
     Cache invariant: after ``accept`` the cache holds exactly the first ``_valid`` committed tokens. A proposal feeds
@@ -139,6 +89,13 @@ class ModelDrafter:
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.d2t, logits)
 
+    @torch.inference_mode()
+    def teacher_force(self, ids, start, k_max, aux=None) -> TeacherForced:
+        """One batched pass over the true sequence: row g is the draft's next token after ``ids[:start + g]``."""
+        G = ids.shape[0] - start
+        logits = self.full_logits(self.model(input_ids=ids.view(1, -1), logits_to_keep=G + 1).logits[0, :-1].float())
+        return TeacherForced(logits.argmax(-1, keepdim=True), chained=False, logits=logits)
+
     def accept(self, n_accepted: int) -> None:
         keep = min(n_accepted, self._pending)
         if self._cache is not None and self._pending > keep:
@@ -193,7 +150,7 @@ class LayerSkipDrafter(ModelDrafter):
         self.num_layers = num_layers
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup decoding: find the most recent earlier occurrence of the context's last n tokens (longest n
     first, ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
 
@@ -202,8 +159,9 @@ class NgramDrafter:
     """
 
     vocab_size = None
+    peekable = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram"):
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM, name: str = "ngram"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
@@ -213,23 +171,14 @@ class NgramDrafter:
         self._peeked = None
 
     def _match(self, context) -> tuple[int, int] | None:
-        """(start of the copied span, matched length n) of the longest, most recent match; None without one."""
-        L = context.shape[0]
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            # windows of context[:-1] so every match has at least one following token
-            windows = context[: L - 1].unfold(0, n, 1)
-            hits = (windows == context[L - n :]).all(-1).nonzero()
-            if hits.numel():
-                return int(hits[-1, 0]) + n, n
-        return None
+        return ngram_match(context.cpu().numpy(), self.max_ngram, self.min_ngram)
 
-    @torch.inference_mode()
     def peek(self, context) -> tuple[float, float, float] | None:
         """The confidence of the proposal ``propose`` would make now, None when it would propose nothing: a lookup
         as cheap as the proposal, so a policy may choose between drafting and not before it drafts."""
         m = self._match(context)
         self._peeked = (context.shape[0], m)
-        return None if m is None else (m[1] / self.max_ngram, 0.0, m[1] / self.max_ngram)
+        return None if m is None else ngram_confidence(m[1], self.max_ngram)
 
     @torch.inference_mode()
     def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
@@ -239,7 +188,7 @@ class NgramDrafter:
             return DraftBlock.empty(context.device)
         start, n = m
         tokens = context[start : start + k].clone()
-        stats = torch.tensor([n / self.max_ngram, 0.0, n / self.max_ngram])
+        stats = torch.tensor(ngram_confidence(n, self.max_ngram))
         for i in range(tokens.shape[0] - 1):
             if stop is not None and stop(i, stats):
                 tokens = tokens[: i + 1]
@@ -248,24 +197,6 @@ class NgramDrafter:
 
     def accept(self, n_accepted: int) -> None:
         pass
-
-
-# ---------------------------------------------------------------- builders (Hydra: `_partial_: true`, called with the target)
-def _target_model(target) -> nn.Module:
-    from sacpolicy.models import LoadedModel
-
-    return target.model if isinstance(target, LoadedModel) else target
-
-
-def ngram_drafter(target=None, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> NgramDrafter:
-    return NgramDrafter(max_ngram, min_ngram, name=name)
-
-
-def layer_skip_drafter(target, num_layers: int, name: str | None = None) -> LayerSkipDrafter:
-    return LayerSkipDrafter(_target_model(target), num_layers, name=name)
-
-
-VOCAB_MAP_FILE = "vocab_map.safetensors"  # beside a draft's save_pretrained files when its vocabulary is trimmed
 
 
 def trim_lm_head(model: nn.Module, d2t: torch.Tensor) -> nn.Module:
@@ -280,27 +211,3 @@ def trim_lm_head(model: nn.Module, d2t: torch.Tensor) -> nn.Module:
     model.set_output_embeddings(new)
     model.config.tie_word_embeddings = False
     return model
-
-
-def load_vocab_map(model_dir) -> torch.Tensor | None:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    path = Path(model_dir) / VOCAB_MAP_FILE
-    return load_file(str(path))["d2t"].long() if path.is_file() else None
-
-
-def model_drafter(target, spec: str, name: str = "draft", seed: int = 0, trim: bool = True) -> ModelDrafter:
-    """Load a draft model from any model spec (see ``sacpolicy.models``) on the target's device and dtype, after
-    checking that it shares the target's tokenizer. A draft directory with a vocab map (a distilled draft with a
-    trimmed vocabulary) drafts with its trimmed head unless ``trim=False``."""
-    from sacpolicy.models import check_tokenizers_compatible, load_model
-
-    draft = load_model(spec, device=target.device, dtype=target.dtype, seed=seed)
-    check_tokenizers_compatible(target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=spec)
-    d2t = load_vocab_map(spec) if trim else None
-    if d2t is None:
-        return ModelDrafter(draft.model, name=name)
-    vocab = int(target.model.get_output_embeddings().out_features)
-    return ModelDrafter(trim_lm_head(draft.model, d2t), name=name, d2t=d2t, vocab_size=vocab)

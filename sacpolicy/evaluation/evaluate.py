@@ -12,8 +12,17 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from sacpolicy.decoding import RequestInfo
 from sacpolicy.evaluation.metrics import add_speedups, row_from_results
-from sacpolicy.policy import Autoregressive, Bandit, Confidence, Heuristic, Policy, SeedRule, Static
+from sacpolicy.policy import (
+    Autoregressive,
+    Bandit,
+    Confidence,
+    Heuristic,
+    Policy,
+    SeedRule,
+    Static,
+)
 from sacpolicy.policy.learned import LearnedPolicy
 
 logger = logging.getLogger(__name__)
@@ -21,13 +30,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EvalSettings:
-    ks: tuple[int, ...] = (1, 2, 4, 8)
-    k_max: int = 8  # largest static k searched on val, and the confidence rule's cap
-    live_prompts: int | None = 6  # test prompts decoded live (None = all; 0 = simulated rows only)
-    max_new_tokens: int = 64
-    price_per_hour: float = 0.10  # device price used for the cost per 1k tokens column
-    confidence_grid: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
-    warmup_tokens: int = 8
+    """The ``eval`` section of ``conf/train.yaml`` (its one home: the values and their comments are there)."""
+
+    ks: tuple[int, ...]
+    k_max: int
+    live_prompts: int | None
+    max_new_tokens: int
+    price_per_hour: float
+    confidence_grid: tuple[float, ...]
+    warmup_tokens: int = 8  # tokens each live decoder decodes once before timing (lazy initialisation)
     extra: dict = field(default_factory=dict)
 
 
@@ -44,8 +55,8 @@ class Timed(Policy):
         self.seconds += time.perf_counter() - t0
         return out
 
-    def validate(self, drafters, max_k):
-        self.inner.validate(drafters, max_k)
+    def validate(self, drafters, k_max):
+        self.inner.validate(drafters, k_max)
 
     def reset(self, request):
         self._call(self.inner.reset, request)
@@ -72,11 +83,9 @@ def tune_confidence(val_grouped, cost, drafter: str, k: int, grid, *, vocab_size
     return max(scores, key=scores.get)
 
 
-def choose_on_val(settings: EvalSettings, val_grouped, cost, *, vocab_size: int, config=None) -> dict:
-    """What the baselines take from validation traces: the best static (drafter, k) and the tuned threshold."""
-    from sacpolicy.traces.simulate import best_static
-
-    best = best_static(val_grouped, cost, vocab_size=vocab_size, k_max=settings.k_max)["all"]
+def choose_on_val(settings: EvalSettings, val_grouped, cost, best: dict, *, vocab_size: int, config=None) -> dict:
+    """What the baselines take from validation traces: the best static (drafter, k), computed once per run and
+    passed in, and the tuned confidence threshold."""
     threshold = tune_confidence(val_grouped, cost, best["drafter"], settings.k_max, settings.confidence_grid,
                                 vocab_size=vocab_size, config=config)
     return {"best_static": best, "confidence_threshold": threshold}
@@ -105,8 +114,10 @@ def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *,
 
 
 def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: dict, test_prompts: list,
-             rules: dict, settings: EvalSettings, sampling=None, decoder_config=None, progress: bool = True):
-    """-> (rows, meta). ``rules``: {predictor name: DecisionRule}; ``drafters`` in the order the traces hold them."""
+             rules: dict, settings: EvalSettings, best_static: dict, sampling=None, decoder_config=None,
+             progress: bool = True):
+    """-> (rows, meta). ``rules``: {predictor name: DecisionRule}; ``drafters`` in the order the traces hold them;
+    ``best_static``: the best static (drafter, k) on val traces (``traces.simulate.best_static``)."""
     from tqdm.auto import tqdm
 
     from sacpolicy.decoding import SpeculativeDecoder
@@ -114,7 +125,7 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
 
     vocab = int(target.model.get_output_embeddings().out_features)
     rows = []
-    chosen = choose_on_val(settings, val_grouped, cost, vocab_size=vocab, config=decoder_config)
+    chosen = choose_on_val(settings, val_grouped, cost, best_static, vocab_size=vocab, config=decoder_config)
     sim_make = policy_factories(settings, chosen, cost, rules, live=False)
     sim_make["oracle"] = lambda: Oracle(cost, k_max=settings.k_max)
     for name, make in tqdm(sim_make.items(), desc="simulated rows", disable=not progress):
@@ -137,7 +148,7 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
         results = {name: [] for name in decoders}
         for row in tqdm(test_prompts[:n_live], desc="live rows (prompt by prompt)", disable=not progress):
             for name, dec in decoders.items():
-                res = dec.generate(row["input_ids"], settings.max_new_tokens, category=row["category"])
+                res = dec.generate(row["input_ids"], settings.max_new_tokens, request=RequestInfo(category=row["category"]))
                 results[name].append((row["category"], res))
         for name, dec in decoders.items():
             rows.append(row_from_results(name, "live", results[name], price_per_hour=settings.price_per_hour,

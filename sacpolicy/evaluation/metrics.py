@@ -56,7 +56,7 @@ def row_from_results(name: str, mode: str, results: list[tuple[str | None, Gener
 
     row = {
         "name": name, "mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-        "mean_accepted": tokens / target_calls,
+        "tokens_per_call": tokens / target_calls,
         "target_calls_per_token": target_calls / tokens,
         "draft_calls_per_token": sum(s.drafted for s in steps if s.drafter is not None) / tokens,
         "acceptance_rate": sum(s.accepted for s in drafting) / drafted if drafted else 0.0,

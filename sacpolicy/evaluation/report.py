@@ -9,7 +9,7 @@ from sacpolicy.io import write_json, write_text
 
 _COLUMNS = [  # (header, row key, format)
     ("name", "name", "{}"), ("mode", "mode", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
-    ("speedup vs AR", "speedup_vs_ar", "{:.2f}x"), ("tokens/target call", "mean_accepted", "{:.2f}"),
+    ("speedup vs AR", "speedup_vs_ar", "{:.2f}x"), ("tokens/target call", "tokens_per_call", "{:.2f}"),
     ("target calls/token", "target_calls_per_token", "{:.3f}"),
     ("draft calls/token", "draft_calls_per_token", "{:.2f}"),
     ("$/1k tokens", "cost_per_1k_tokens", "{:.4f}"), ("p50 ms", "latency_p50_ms", "{:.1f}"),

@@ -14,13 +14,14 @@ import math
 import numpy as np
 
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
-from sacpolicy.runtime.features import feature_vector
+from sacpolicy.runtime.features import RowContext, feature_row
 from sacpolicy.runtime.rule import Block, DecisionRule
+from sacpolicy.runtime.spec import DrafterSpec
 
 REFERENCE_CONTEXT = 256
 
 
-def resolve(policy) -> tuple[DecisionRule, dict[str, dict] | None]:
+def resolve(policy) -> tuple[DecisionRule, dict[str, DrafterSpec] | None]:
     """(rule, drafter specs) of an artifact directory, a ``PolicyArtifact`` or a bare ``DecisionRule`` (no specs)."""
     if isinstance(policy, DecisionRule):
         return policy, None
@@ -28,7 +29,7 @@ def resolve(policy) -> tuple[DecisionRule, dict[str, dict] | None]:
     return art.rule, art.drafters
 
 
-def pick_drafter(rule: DecisionRule, specs: dict[str, dict] | None, drafter: str | None,
+def pick_drafter(rule: DecisionRule, specs: dict[str, DrafterSpec] | None, drafter: str | None,
                  kinds: tuple[str, ...]) -> str:
     """``drafter`` if given; else, among the rule's drafters of one of ``kinds``, its fallback drafter or the one
     fastest at the reference state. A bare rule (no specs, so no kinds) must have a single drafter or be told."""
@@ -38,14 +39,14 @@ def pick_drafter(rule: DecisionRule, specs: dict[str, dict] | None, drafter: str
                                 "the one to export (or pass the artifact, whose specs tell the drafter kinds)")
         drafter = rule.drafters[0]
     elif drafter is None:
-        fit = [d for d in rule.drafters if specs[d]["kind"] in kinds]
+        fit = [d for d in rule.drafters if specs[d].kind in kinds]
         if not fit:
             raise ArtifactError(f"the policy's drafters {specs} include none of kind {list(kinds)}, which this "
                                 "export needs; train a policy with such a drafter")
         drafter = rule.fallback[0] if rule.fallback[0] in fit else max(fit, key=lambda d: _reference_best(rule, d)[1])
     rule.check_drafter(drafter)
-    if specs is not None and specs[drafter]["kind"] not in kinds:
-        raise ArtifactError(f"drafter {drafter!r} is a {specs[drafter]['kind']} drafter; this export takes "
+    if specs is not None and specs[drafter].kind not in kinds:
+        raise ArtifactError(f"drafter {drafter!r} is a {specs[drafter].kind} drafter; this export takes "
                             f"{list(kinds)} drafters")
     return drafter
 
@@ -54,9 +55,8 @@ def reference_row(rule: DecisionRule, drafter: str, position: int, context_len: 
                   top1: float | None = None, prev_top1: float | None = None) -> list[float]:
     """The feature row of position ``position`` at the reference state; with ``top1``, the drafted token's confidence
     is that of the most peaked distribution with this top-1 probability (``peaked``)."""
-    entropy, margin = peaked(top1) if top1 is not None else (None, None)
-    return feature_vector(position=position, context_len=context_len, drafter_index=rule.drafters.index(drafter),
-                          top1=top1, entropy=entropy, margin=margin, prev_top1=prev_top1)
+    ctx = RowContext(context_len=context_len, drafter_index=rule.drafters.index(drafter))
+    return feature_row(ctx, position, None if top1 is None else (top1, *peaked(top1)), prev_top1)
 
 
 def peaked(top1: float) -> tuple[float, float]:
@@ -102,7 +102,7 @@ def build_drafters(policy, target, names=None) -> list:
     """sacpolicy drafters (in the rule's drafter order) rebuilt from an artifact's drafter specs, for
     ``SpeculativeDecoder(target, drafters, LearnedPolicy(rule))``. ``target``: the ``LoadedModel`` the policy was
     trained for; ``names``: a subset (default: all)."""
-    from sacpolicy.decoding.drafters import layer_skip_drafter, model_drafter, ngram_drafter
+    from sacpolicy.build import build_drafter
 
     art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
     names = list(art.rule.drafters if names is None else names)
@@ -110,13 +110,4 @@ def build_drafters(policy, target, names=None) -> list:
     if unknown:
         raise ArtifactError(f"policy artifact {art.path} has no drafter {unknown}; its drafters are "
                             f"{list(art.drafters)}. Build one of those, or re-export the policy with this drafter")
-    out = []
-    for name in sorted(names, key=art.rule.drafters.index):
-        spec = art.drafters[name]
-        if spec["kind"] == "model":
-            out.append(model_drafter(target, spec["path"], name=name))
-        elif spec["kind"] == "ngram":
-            out.append(ngram_drafter(target, name=name, **{k: v for k, v in spec.items() if k != "kind"}))
-        else:
-            out.append(layer_skip_drafter(target, spec["layers"], name=name))
-    return out
+    return [build_drafter(art.drafters[name], target) for name in sorted(names, key=art.rule.drafters.index)]

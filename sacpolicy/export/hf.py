@@ -7,7 +7,7 @@ round: before it, ``rule.plan`` chooses k (``num_assistant_tokens`` for the roun
 generator then returns no candidates and the target decodes one token alone, transformers' own path for an
 exhausted draft budget); while the assistant drafts, the rule's stop rule runs as a ``StoppingCriteria`` on the
 assistant's ``generate`` (mode "stop"), fed the draft's raw temperature-1 confidence read off its LM head. Every
-feature comes from ``sacpolicy.runtime.features.feature_vector``, as in sacpolicy's own decoder. transformers has no
+row comes from ``sacpolicy.runtime.features.feature_row``, as in sacpolicy's own decoder. transformers has no
 public hook to choose the candidate generator, so ``generate_with_policy`` overrides the model's
 ``_get_candidate_generator`` for the one call (not thread-safe on a shared model object).
 
@@ -25,11 +25,16 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from sacpolicy.decoding.decoder import DecoderConfig
 from sacpolicy.decoding.sampling import draft_stats
-from sacpolicy.export import REFERENCE_CONTEXT, confidence_threshold, pick_drafter, resolve, static_k
+from sacpolicy.export import (
+    REFERENCE_CONTEXT,
+    confidence_threshold,
+    pick_drafter,
+    resolve,
+    static_k,
+)
 from sacpolicy.io import write_json
-from sacpolicy.runtime.features import feature_vector
+from sacpolicy.runtime.features import ACCEPT_EMA, RowContext, feature_row, plan_rows
 from sacpolicy.runtime.rule import Block, DecisionRule
 
 MODEL_KINDS = ("model", "layer_skip")  # drafters an assistant model can stand for
@@ -37,13 +42,13 @@ MODEL_KINDS = ("model", "layer_skip")  # drafters an assistant model can stand f
 
 class PolicyCandidateGenerator(AssistedCandidateGenerator):
     """``rounds`` records every round: context length, the planned k (0 = autoregressive), tokens drafted and
-    accepted. ``ema``: weight of the newest round in the acceptance EMA feature (sacpolicy's decoder default)."""
+    accepted."""
 
     def __init__(self, *args, rule: DecisionRule, drafter: str, category: str | None = None, load: float = 0.0,
-                 ema: float = DecoderConfig.fallback_ema, **kwargs):
+                 **kwargs):
         super().__init__(*args, **kwargs)
         rule.check_drafter(drafter)
-        self.rule, self.drafter, self.category, self.load, self.ema = rule, drafter, category, load, ema
+        self.rule, self.drafter, self.category, self.load = rule, drafter, category, load
         self.generation_config.assistant_confidence_threshold = 0.0  # the rule, not a threshold, ends a block
         self.accept_ema: float | None = None
         self.rounds: list[dict] = []
@@ -51,17 +56,14 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         self._prev_top1: float | None = None
         self._logits: torch.Tensor | None = None  # the assistant's raw logits of the token it just drafted
 
-    def _row(self, context_len: int, position: int, stats=(None, None, None), prev_top1=None) -> list[float]:
-        top1, entropy, margin = stats
-        return feature_vector(position=position, context_len=context_len,
-                              drafter_index=self.rule.drafters.index(self.drafter), top1=top1, entropy=entropy,
-                              margin=margin, prev_top1=prev_top1, accept_ema=self.accept_ema, load=self.load,
-                              category=self.category)
+    def _ctx(self, context_len: int) -> RowContext:
+        return RowContext(context_len=context_len, drafter_index=self.rule.drafters.index(self.drafter),
+                          accept_ema=self.accept_ema, load=self.load, category=self.category)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         n = input_ids.shape[-1]
         k_cap = min(self.rule.k_max, self.main_model_max_length - n - 1)
-        rows = {self.drafter: np.array([self._row(n, j) for j in range(k_cap)])} if k_cap > 0 else {}
+        rows = {self.drafter: np.array(plan_rows(self._ctx(n), k_cap))} if k_cap > 0 else {}
         name, k = self.rule.plan(rows, n, k_cap)
         self.rounds.append({"context_len": n, "k": k, "drafted": 0, "accepted": 0})
         if name is None:
@@ -88,9 +90,9 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
     def should_stop(self) -> bool:
         """The stop rule after the token the assistant just drafted."""
         b = self._block
-        stats = draft_stats(self._logits).tolist()
-        row = self._row(b.context_len, b.n, stats, self._prev_top1)
-        nxt = self._row(b.context_len, b.n + 1, prev_top1=stats[0])
+        stats = tuple(draft_stats(self._logits).tolist())
+        ctx = self._ctx(b.context_len)
+        row, nxt = feature_row(ctx, b.n, stats, self._prev_top1), feature_row(ctx, b.n + 1, prev_top1=stats[0])
         self._prev_top1 = stats[0]
         return self.rule.stop(b, np.array(row), np.array(nxt))
 
@@ -99,7 +101,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         if r["drafted"]:
             r["accepted"] = int(num_matches)
             rate = r["accepted"] / r["drafted"]
-            self.accept_ema = rate if self.accept_ema is None else self.ema * rate + (1 - self.ema) * self.accept_ema
+            self.accept_ema = rate if self.accept_ema is None else ACCEPT_EMA * rate + (1 - ACCEPT_EMA) * self.accept_ema
 
 
 class _RuleStop(StoppingCriteria):

@@ -29,7 +29,8 @@ import numpy as np
 from sacpolicy.export import pick_drafter, static_k
 from sacpolicy.io import write_json
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
-from sacpolicy.runtime.features import feature_vector
+from sacpolicy.runtime.features import RowContext, plan_rows
+from sacpolicy.runtime.ngram import ngram_confidence, ngram_match
 from sacpolicy.runtime.rule import DecisionRule
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,10 @@ def speculative_config(artifact, draft_dir=None, *, drafter: str | None = None) 
         logger.warning("the policy at %s expects no speedup from drafter %r at any k; exporting the minimum k=1 "
                        "(consider serving without speculative decoding)", art.path, name)
         k = 1
-    if spec["kind"] == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.get("max_ngram", 3),
-                "prompt_lookup_min": spec.get("min_ngram", 1)}
-    return {"method": "draft_model", "model": str(draft_dir or spec["path"]), "num_speculative_tokens": k}
+    if spec.kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.max_ngram,
+                "prompt_lookup_min": spec.min_ngram}
+    return {"method": "draft_model", "model": str(draft_dir or spec.path), "num_speculative_tokens": k}
 
 
 def write_vllm_config(artifact_dir, out_path, draft_dir=None) -> Path:
@@ -67,29 +68,9 @@ def draft_length(rule: DecisionRule, drafter: str, context_len: int, k_cap: int,
     k_cap = min(k_cap, rule.k_max)
     if k_cap < 1:
         return 0
-    top1, entropy, margin = confidence or (None, None, None)
-    rows = np.array([feature_vector(position=j, context_len=context_len, drafter_index=rule.drafters.index(drafter),
-                                    top1=top1, entropy=entropy, margin=margin, prev_top1=top1 if j else None,
-                                    load=load, category=category) for j in range(k_cap)])
-    return rule.plan({drafter: rows}, context_len, k_cap)[1]
-
-
-def ngram_match(context: np.ndarray, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, int] | None:
-    """sacpolicy's ``NgramDrafter`` lookup in numpy: (start of the tokens after the most recent earlier occurrence of
-    the context's last n tokens, n), longest n first; None without a match."""
-    L = len(context)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(context[: L - 1], n)
-        hits = np.flatnonzero((windows == context[L - n :]).all(axis=1))
-        if hits.size:
-            return int(hits[-1]) + n, n
-    return None
-
-
-def ngram_proposal(context: np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """The n-gram drafter's proposal of at most k tokens (empty without a match)."""
-    m = ngram_match(context, max_ngram, min_ngram)
-    return [] if m is None else context[m[0] : m[0] + k].tolist()
+    ctx = RowContext(context_len=context_len, drafter_index=rule.drafters.index(drafter), load=load,
+                     category=category, peek=confidence)
+    return rule.plan({drafter: np.array(plan_rows(ctx, k_cap))}, context_len, k_cap)[1]
 
 
 class PolicyNgramProposer:
@@ -102,7 +83,7 @@ class PolicyNgramProposer:
         art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
         self.rule, self.drafter = art.rule, pick_drafter(art.rule, art.drafters, drafter, ("ngram",))
         spec = art.drafters[self.drafter]
-        self.max_ngram, self.min_ngram = spec.get("max_ngram", 3), spec.get("min_ngram", 1)
+        self.max_ngram, self.min_ngram = spec.max_ngram, spec.min_ngram
         self.k_cap = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
 
@@ -115,7 +96,7 @@ class PolicyNgramProposer:
             if m is None:
                 out.append([])
                 continue
-            conf = (m[1] / self.max_ngram, 0.0, m[1] / self.max_ngram)  # the drafter's peek: match length
+            conf = ngram_confidence(m[1], self.max_ngram)  # the drafter's peek: match length
             k = draft_length(self.rule, self.drafter, n, min(self.k_cap, self.max_model_len - n - 1), confidence=conf)
             out.append(context[m[0] : m[0] + k].tolist())
         return out

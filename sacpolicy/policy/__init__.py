@@ -1,7 +1,14 @@
 """Speculation policies: which drafter, how many tokens, when to stop drafting."""
 
-from sacpolicy.policy.base import DecodeState, Decision, DraftToken, Policy, RequestInfo
-from sacpolicy.policy.rules import Autoregressive, Bandit, Confidence, Heuristic, SeedRule, Static
+from sacpolicy.policy.base import Decision, DecodeState, DraftToken, Policy, RequestInfo
+from sacpolicy.policy.rules import (
+    Autoregressive,
+    Bandit,
+    Confidence,
+    Heuristic,
+    SeedRule,
+    Static,
+)
 
 __all__ = [
     "Autoregressive", "Bandit", "Confidence", "DecodeState", "Decision", "DraftToken", "Heuristic", "Policy",

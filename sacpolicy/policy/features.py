@@ -1,5 +1,5 @@
-"""THE feature function, read from the decoder's state: live decoding and trace replay call ``token_features``; it
-fills ``sacpolicy.runtime.features.feature_vector`` (the definition the exported runtime shares).
+"""The decoder's state read into THE feature row (``sacpolicy.runtime.features.feature_row``, which the exported
+runtime shares): live decoding and trace replay call ``token_features``.
 
 Features of a drafted token, known the moment it is drafted: the draft's confidence in it and in the previous
 drafted token of the block, its position in the block, the context length, the recent acceptance of this drafter,
@@ -9,40 +9,34 @@ vector with the confidence unknown (what a k or drafter choice can see).
 
 from __future__ import annotations
 
-from sacpolicy.policy.base import DecodeState, DraftToken
+from sacpolicy.decoding.types import DecodeState, DraftToken
 from sacpolicy.runtime.features import (
     CATEGORIES,
     FEATURE_NAMES,
     FEATURE_VERSION,
+    RowContext,
     category_index,
+    feature_row,
     feature_spec,
     feature_vector,
 )
 
 __all__ = ["CATEGORIES", "FEATURE_NAMES", "FEATURE_VERSION", "category_index", "feature_spec", "feature_vector",
-           "token_features"]
+           "row_context", "token_features"]
+
+
+def row_context(state: DecodeState, drafter: str | None) -> RowContext:
+    drafters = state.request.drafters
+    return RowContext(context_len=state.context_len, drafter_index=drafters.index(drafter) if drafter in drafters else -1,
+                      accept_ema=state.accept_ema.get(drafter) if drafter is not None else None,
+                      load=state.request.load, category=state.request.category, peek=state.peeks.get(drafter))
 
 
 def token_features(state: DecodeState, token: DraftToken | None, prev_top1: float | None, *,
                    drafter: str | None = None, position: int | None = None) -> list[float]:
     """The feature vector of ``token`` (drafted at ``token.position`` of the block by ``state.drafter``), or, with
-    ``token=None``, of a token still to be drafted at ``position`` by ``drafter``: its confidence is unknown, unless
-    the drafter peeked (``state.peeks``), whose one proposal gives every token of the block the same confidence."""
-    drafter = drafter if drafter is not None else state.drafter
-    drafters = state.request.drafters
-    if token is None and state.peeks.get(drafter) is not None:
-        conf = state.peeks[drafter]
-        token = DraftToken(position, *conf)
-        prev_top1 = conf[0] if position > 0 else None
-    return feature_vector(
-        position=token.position if token is not None else position,
-        context_len=state.context_len,
-        drafter_index=drafters.index(drafter) if drafter in drafters else -1,
-        top1=None if token is None else token.top1,
-        entropy=None if token is None else token.entropy,
-        margin=None if token is None else token.margin,
-        prev_top1=prev_top1,
-        accept_ema=state.accept_ema.get(drafter) if drafter is not None else None,
-        load=state.request.load,
-        category=state.request.category,
-    )
+    ``token=None``, of a token still to be drafted at ``position`` by ``drafter`` (see ``feature_row``)."""
+    ctx = row_context(state, drafter if drafter is not None else state.drafter)
+    if token is None:
+        return feature_row(ctx, position, None, prev_top1)
+    return feature_row(ctx, token.position, (token.top1, token.entropy, token.margin), prev_top1)

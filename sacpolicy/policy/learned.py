@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from sacpolicy.policy.base import DecodeState, Decision, DraftToken, Policy, RequestInfo, check_k
+from sacpolicy.policy.base import (
+    Decision,
+    DecodeState,
+    DraftToken,
+    Policy,
+    RequestInfo,
+    check_k,
+)
 from sacpolicy.policy.features import token_features
 from sacpolicy.runtime.rule import Block, DecisionRule
 
@@ -25,8 +32,8 @@ class LearnedPolicy(Policy):
         self.prev_top1: float | None = None
         self.request_drafter: str | None = None
 
-    def validate(self, drafters: tuple[str, ...], max_k: int) -> None:
-        check_k(self.rule.k_max, max_k, repr(self))
+    def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
+        check_k(self.rule.k_max, k_max, repr(self))
         for i, name in enumerate(drafters):
             self.rule.check_drafter(name)
             if self.rule.drafters.index(name) != i:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import math
 
-from sacpolicy.policy.base import DecodeState, Decision, DraftToken, Policy, RequestInfo, check_drafter, check_k
+from sacpolicy.policy.base import (
+    Decision,
+    DecodeState,
+    DraftToken,
+    Policy,
+    RequestInfo,
+    check_drafter,
+    check_k,
+)
 
 
 class Autoregressive(Policy):
@@ -22,7 +30,7 @@ class _OneDrafter(Policy):
     def __init__(self, drafter: str | None = None):
         self.drafter = drafter
 
-    def validate(self, drafters: tuple[str, ...], max_k: int) -> None:
+    def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
         if not drafters:
             raise ValueError(f"{self!r} needs at least one drafter; configure one or use the autoregressive policy")
         check_drafter(self.drafter, drafters, repr(self))
@@ -43,9 +51,9 @@ class Static(_OneDrafter):
         self.k = k
         self.name = f"static-k{k}"
 
-    def validate(self, drafters, max_k):
-        super().validate(drafters, max_k)
-        check_k(self.k, max_k, repr(self))
+    def validate(self, drafters, k_max):
+        super().validate(drafters, k_max)
+        check_k(self.k, k_max, repr(self))
 
     def decide(self, state: DecodeState) -> Decision:
         return self._pick(state, self.k)
@@ -65,10 +73,10 @@ class Heuristic(_OneDrafter):
         self.k = k0
         self.name = "heuristic"
 
-    def validate(self, drafters, max_k):
-        super().validate(drafters, max_k)
-        check_k(self.k0, max_k, repr(self))
-        self.k_max = min(self.k_max or max_k, max_k)
+    def validate(self, drafters, k_max):
+        super().validate(drafters, k_max)
+        check_k(self.k0, k_max, repr(self))
+        self.k_max = min(self.k_max or k_max, k_max)
 
     def reset(self, request: RequestInfo) -> None:
         if not self.carry_over:
@@ -78,7 +86,7 @@ class Heuristic(_OneDrafter):
         return self._pick(state, min(self.k, self.k_max or self.k))
 
     def observe(self, record) -> None:
-        if record.drafter is None or record.drafted == 0 or record.fallback:
+        if record.drafter is None or record.drafted == 0 or record.cooldown:
             return
         if record.accepted == record.drafted and record.drafted == record.k:
             self.k += 2
@@ -88,7 +96,7 @@ class Heuristic(_OneDrafter):
             self.k = min(self.k, self.k_max)
 
 
-class Confidence(_OneDrafter):
+class Confidence(Static):
     """Draft up to k tokens, stopping after a token whose draft top-1 probability is below ``threshold``
     (transformers' ``assistant_confidence_threshold``)."""
 
@@ -98,16 +106,9 @@ class Confidence(_OneDrafter):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"Confidence policy: threshold must be in [0, 1], got {threshold}")
         check_k(k, k, "Confidence policy")
-        super().__init__(drafter)
-        self.threshold, self.k = threshold, k
+        super().__init__(k, drafter)
+        self.threshold = threshold
         self.name = f"confidence-{threshold:g}"
-
-    def validate(self, drafters, max_k):
-        super().validate(drafters, max_k)
-        check_k(self.k, max_k, repr(self))
-
-    def decide(self, state: DecodeState) -> Decision:
-        return self._pick(state, self.k)
 
     def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
         return token.top1 < self.threshold
@@ -132,9 +133,9 @@ class SeedRule(_OneDrafter):
         self.name = "seed-rule"
         self._k = k_short
 
-    def validate(self, drafters, max_k):
-        super().validate(drafters, max_k)
-        check_k(max(self.k_short, self.k_long), max_k, repr(self))
+    def validate(self, drafters, k_max):
+        super().validate(drafters, k_max)
+        check_k(max(self.k_short, self.k_long), k_max, repr(self))
 
     def k_for(self, prompt_len: int, load: float) -> int:
         if not 0.0 <= load <= 1.0:
@@ -170,9 +171,9 @@ class Bandit(Policy):
         self.best = 0.0  # largest reward seen: rewards are scaled into [0, 1] by it
         self._arm = 0
 
-    def validate(self, drafters, max_k):
+    def validate(self, drafters, k_max):
         for k in self.ks:
-            check_k(k, max_k, repr(self))
+            check_k(k, k_max, repr(self))
         for d in self.only or ():
             check_drafter(d, drafters, repr(self))
         use = self.only or drafters
@@ -191,7 +192,7 @@ class Bandit(Policy):
         return Decision(d, k) if d is not None else Decision.autoregressive()
 
     def observe(self, record) -> None:
-        if record.fallback or not self.arms:
+        if record.cooldown or not self.arms:
             return
         if self.cost is not None:
             seconds = self.cost.step_time(record.drafter, record.drafted, record.context_len)

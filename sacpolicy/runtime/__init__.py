@@ -4,9 +4,20 @@ Production decoders import this package alone (no torch, scikit-learn or Lightni
 framework's own policies call the same code, so decisions match exactly.
 """
 
-from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact, load_policy, save_policy
+from sacpolicy.runtime.artifact import (
+    ArtifactError,
+    PolicyArtifact,
+    load_artifact,
+    load_policy,
+    save_policy,
+)
 from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
-from sacpolicy.runtime.features import FEATURE_NAMES, FEATURE_VERSION, feature_spec, feature_vector
+from sacpolicy.runtime.features import (
+    FEATURE_NAMES,
+    FEATURE_VERSION,
+    feature_spec,
+    feature_vector,
+)
 from sacpolicy.runtime.predictors import Predictor, PredictorError
 from sacpolicy.runtime.rule import Block, DecisionRule, RuleError
 

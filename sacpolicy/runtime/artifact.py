@@ -36,14 +36,12 @@ from sacpolicy.runtime.cost import CostModel
 from sacpolicy.runtime.features import feature_spec
 from sacpolicy.runtime.predictors import Predictor
 from sacpolicy.runtime.rule import DecisionRule
+from sacpolicy.runtime.spec import DrafterSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
 ARTIFACT_FORMAT = 1
 POLICY_FILE, PREDICTOR_FILE, ONNX_FILE = "policy.json", "predictor.safetensors", "predictor.onnx"
-# how each drafter kind is rebuilt: required keys (besides "kind") and optional ones
-DRAFTER_KINDS = {"model": ({"path"}, set()), "ngram": (set(), {"max_ngram", "min_ngram"}),
-                 "layer_skip": ({"layers"}, set())}
 
 
 class ArtifactError(ValueError):
@@ -54,14 +52,14 @@ class ArtifactError(ValueError):
 class PolicyArtifact:
     path: Path
     rule: DecisionRule
-    drafters: dict[str, dict]  # drafter name -> spec (see DRAFTER_KINDS); names and order follow rule.drafters
+    drafters: dict[str, DrafterSpec]  # names and order follow rule.drafters
     provenance: dict
     metrics: dict
     manifest: dict  # the whole policy.json
 
 
 # ---------------------------------------------------------------------- save
-def save_policy(out_dir, rule: DecisionRule, *, drafters: dict[str, dict], provenance: dict,
+def save_policy(out_dir, rule: DecisionRule, *, drafters: dict[str, DrafterSpec | dict], provenance: dict,
                 metrics: dict) -> Path:
     """Write ``rule`` as a policy artifact at ``out_dir`` (replacing an existing one only once the new one is
     complete). ``drafters``: how to rebuild each of the rule's drafters, e.g. ``{"kind": "model", "path": <draft
@@ -104,25 +102,21 @@ def save_policy(out_dir, rule: DecisionRule, *, drafters: dict[str, dict], prove
     return out_dir
 
 
-def _check_drafters(rule: DecisionRule, drafters: dict[str, dict]) -> dict[str, dict]:
+def _check_drafters(rule: DecisionRule, drafters: dict[str, DrafterSpec | dict]) -> dict[str, dict]:
+    """The specs' JSON form, one per drafter of the rule, local paths made absolute."""
     if set(drafters) != set(rule.drafters):
         raise ArtifactError(f"drafter specs name {sorted(drafters)} but the rule was trained on {list(rule.drafters)}; "
                             "pass exactly one spec per drafter of the rule")
-    out = {}
-    for name in rule.drafters:
-        spec = dict(drafters[name])
-        kind = spec.get("kind")
-        if kind not in DRAFTER_KINDS:
-            raise ArtifactError(f"drafter {name!r} has kind {kind!r}; kinds are {sorted(DRAFTER_KINDS)}")
-        required, optional = DRAFTER_KINDS[kind]
-        keys = set(spec) - {"kind"}
-        if not required <= keys or not keys <= required | optional:
-            raise ArtifactError(f"{kind} drafter {name!r} has keys {sorted(keys)}; it needs {sorted(required)}"
-                                + (f" and may have {sorted(optional)}" if optional else ""))
-        if kind == "model" and Path(spec["path"]).exists():  # a local draft dir; anything else is a model spec
-            spec["path"] = str(Path(spec["path"]).resolve())
-        out[name] = spec
-    return out
+    return {name: _spec(name, drafters[name]).resolved().to_dict() for name in rule.drafters}
+
+
+def _spec(name: str, spec: DrafterSpec | dict) -> DrafterSpec:
+    if isinstance(spec, DrafterSpec):
+        return spec
+    try:
+        return DrafterSpec.from_dict(name, spec)
+    except SpecError as exc:
+        raise ArtifactError(str(exc)) from None
 
 
 def _default_provenance() -> dict:
@@ -228,7 +222,7 @@ def load_artifact(path) -> PolicyArtifact:
                             CostModel.from_dict(m["cost_model"], source=str(manifest_path)), tuple(r["drafters"]),
                             int(r["k_max"]), (r["fallback"]["drafter"], r["fallback"]["k"]), r["mode"],
                             float(r["optimism"]))
-        drafters = {name: dict(m["drafters"][name]) for name in rule.drafters}
+        drafters = {name: _spec(name, m["drafters"][name]) for name in rule.drafters}
     except ArtifactError:
         raise
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # PredictorError, RuleError: ValueErrors

@@ -1,7 +1,7 @@
 """The cost model: how long a speculative step takes on one device, and the tokens/s it is expected to buy.
 
 One definition serves the policies (choose k), the simulator (replay traces at a profiled device's speed) and the
-exported runtime, so this module needs numpy only; ``sacpolicy.policy.cost.profile`` measures a device and returns one:
+exported runtime, so this module needs numpy only; ``sacpolicy.profiling.profile`` measures a device and returns one:
 
     cost = profile(target.model, [ModelDrafter(draft.model, name="draft"), NgramDrafter()])
     cost.to_json("cost.json")
@@ -150,7 +150,7 @@ class CostModel:
         found = d.get("format") if isinstance(d, Mapping) else None
         if found != COST_FORMAT:
             raise ValueError(f"{source} has cost format {found!r} but this sacpolicy reads cost format {COST_FORMAT}. "
-                             "Fix: re-profile this device with sacpolicy.policy.cost.profile() and save it again")
+                             "Fix: re-profile this device with sacpolicy.profiling.profile() and save it again")
         return cls(device=d["device"],
                    verify={"tokens": PiecewiseLinear(**d["verify"]["tokens"]),
                            "per_context": float(d["verify"]["per_context"])},

@@ -11,6 +11,7 @@ trained on both forms of every example, so one predictor serves the stop rule an
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 FEATURE_VERSION = 3  # 3: a peeked proposal's confidence is known before drafting
 FEATURE_NAMES = (
@@ -22,6 +23,7 @@ CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction"
 CONFIDENCE = slice(0, 3)  # columns that are NaN before the token is drafted
 PREV_TOP1 = FEATURE_NAMES.index("prev_top1")  # NaN when the previous drafted token is not drafted yet either
 _NAN = float("nan")
+ACCEPT_EMA = 0.5  # weight of the newest block in a drafter's ``accept_ema`` (exponential moving acceptance)
 
 
 def category_index(category: str | None) -> int:
@@ -30,7 +32,8 @@ def category_index(category: str | None) -> int:
 
 def feature_spec() -> dict:
     """What an exported predictor was trained on; the runtime refuses a predictor whose spec differs."""
-    return {"version": FEATURE_VERSION, "names": list(FEATURE_NAMES), "categories": list(CATEGORIES)}
+    return {"version": FEATURE_VERSION, "names": list(FEATURE_NAMES), "categories": list(CATEGORIES),
+            "accept_ema_weight": ACCEPT_EMA}
 
 
 def feature_vector(*, position: int, context_len: int, drafter_index: int, top1: float | None = None,
@@ -59,3 +62,34 @@ def feature_vector(*, position: int, context_len: int, drafter_index: int, top1:
         float(load),
         float(category_index(category)),
     ]
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What a decoder knows of a block before drafting it; ``feature_row`` turns it into feature rows. ``peek``: the
+    (top-1, entropy, margin) of the proposal a peekable drafter (n-gram) would make now, shared by all its tokens."""
+
+    context_len: int
+    drafter_index: int
+    accept_ema: float | None = None
+    load: float = 0.0
+    category: str | None = None
+    peek: tuple[float, float, float] | None = None
+
+
+def feature_row(ctx: RowContext, position: int, token: tuple[float, float, float] | None = None,
+                prev_top1: float | None = None) -> list[float]:
+    """THE row builder. The row of the token at ``position`` of the block: drafted (``token``: its (top-1, entropy,
+    margin)), or still to be drafted (``token=None``): then its confidence is the peeked proposal's when the drafter
+    peeked (every token of that one proposal, and so the previous one too, has it), else unknown."""
+    if token is None and ctx.peek is not None:
+        token, prev_top1 = ctx.peek, (ctx.peek[0] if position > 0 else None)
+    top1, entropy, margin = token if token is not None else (None, None, None)
+    return feature_vector(position=position, context_len=ctx.context_len, drafter_index=ctx.drafter_index, top1=top1,
+                          entropy=entropy, margin=margin, prev_top1=prev_top1, accept_ema=ctx.accept_ema,
+                          load=ctx.load, category=ctx.category)
+
+
+def plan_rows(ctx: RowContext, k: int) -> list[list[float]]:
+    """Rows of positions 0 .. k-1 of a block still to be drafted: what a planner choosing k and drafter reads."""
+    return [feature_row(ctx, j) for j in range(k)]

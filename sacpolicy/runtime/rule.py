@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sacpolicy.runtime.cost import CostModel
-from sacpolicy.runtime.features import CONFIDENCE, FEATURE_NAMES, PREV_TOP1, feature_spec
+from sacpolicy.runtime.features import (
+    CONFIDENCE,
+    FEATURE_NAMES,
+    PREV_TOP1,
+    feature_spec,
+)
 from sacpolicy.runtime.predictors import Predictor
 
 MODES = ("stop", "k")
@@ -78,7 +83,7 @@ class DecisionRule:
         missing = [d for d in self.drafters if d not in self.cost.draft]
         if missing:
             raise RuleError(f"the cost model has no timings for drafters {missing}; profile them with "
-                            "sacpolicy.policy.cost.profile")
+                            "sacpolicy.profiling.profile")
         if self.fallback[0] is not None and self.fallback[0] not in self.drafters:
             raise RuleError(f"fallback drafter {self.fallback[0]!r} is not among {list(self.drafters)}")
 

@@ -14,10 +14,16 @@ from typing import Sequence
 
 import torch
 
-from sacpolicy.decoding import ModelDrafter, SamplingConfig, SpeculativeDecoder
+from sacpolicy.decoding import RequestInfo, SamplingConfig, SpeculativeDecoder
+from sacpolicy.decoding.aux import aux_pass
 from sacpolicy.decoding.sampling import draft_stats, probs_from_logits
-from sacpolicy.policy import Autoregressive
-from sacpolicy.traces.schema import SCHEMA_VERSION, TraceError, read_meta, write_meta, write_shard
+from sacpolicy.traces.schema import (
+    SCHEMA_VERSION,
+    TraceError,
+    read_meta,
+    write_meta,
+    write_shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +76,7 @@ def collect_live(decoder: SpeculativeDecoder, prompts, out_dir, *, max_new_token
             continue
         rows = []
         for r in chunk:
-            res = decoder.generate(r["input_ids"], max_new_tokens, category=r["category"])
+            res = decoder.generate(r["input_ids"], max_new_tokens, request=RequestInfo(category=r["category"]))
             for s in res.steps:
                 rows.append({"prompt_id": r["prompt_id"], "category": r["category"], "prompt_len": res.prompt_len,
                              "policy": repr(decoder.policy), **s.to_dict()})
@@ -81,17 +87,19 @@ def collect_live(decoder: SpeculativeDecoder, prompts, out_dir, *, max_new_token
 @torch.inference_mode()
 def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[int], k_max: int,
                         target_logits: torch.Tensor | None = None) -> list[dict]:
-    """Per generated position and drafter: the draft's prediction given the target's own prefix (one batched pass
-    for model drafters; one proposal per position for the others) and the accepted run from there.
+    """Per generated position and drafter: the draft's proposal given the target's own prefix (each drafter
+    teacher-forces itself: ``Drafter.teacher_force``) and the accepted run from there.
 
     ``target_logits`` ([G, V]): the target's logits behind each generated token, as kept by the decode that produced
     them (``generate(keep_logits=True)``); without them the target runs one teacher-forced pass to recompute them."""
     prompt = list(row["input_ids"])
     L, G = len(prompt), len(generated)
-    ids = torch.tensor([prompt + generated], device=target.device)
-    if target_logits is None:
+    ids = torch.tensor(prompt + generated, device=target.device)
+    aux = None
+    if target_logits is None or any(d.aux_layers for d in drafters):
         # logits_to_keep: the LM head runs only where a generated token is predicted, not over the prompt
-        target_logits = target.model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1]
+        logits, aux = aux_pass(target.model, ids, G + 1, [i for d in drafters for i in d.aux_layers])
+        target_logits = logits[:-1] if target_logits is None else target_logits
     if target_logits.shape[0] != G:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {G} generated tokens")
     p = probs_from_logits(target_logits.float(), _T1)  # [G, V]
@@ -99,45 +107,36 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
     p_target = p.gather(-1, gen.view(-1, 1)).squeeze(-1)
     out = []
     for d in drafters:
-        if isinstance(d, ModelDrafter):
-            logits = d.full_logits(d.model(input_ids=ids, logits_to_keep=G + 1).logits[0, :-1].float())
+        tf = d.teacher_force(ids, L, k_max, aux.rows(d.aux_layers) if d.aux_layers else None)
+        first = tf.tokens[:, 0]
+        if tf.chained:  # row g is the whole block: its accepted run is its prefix that matches the target
+            ahead = torch.full((G, k_max), -2, dtype=torch.long, device=gen.device)
+            for j in range(min(k_max, G)):
+                ahead[: G - j, j] = gen[j:]
+            proposal = tf.tokens[:, :k_max]
+            run = torch.cumprod((proposal == ahead[:, : proposal.shape[1]]).long(), 1).sum(1).tolist()
+            plen = (proposal >= 0).sum(1).tolist()
+        else:  # one token a row: runs are read down the rows
+            run, plen = _runs((first == gen).tolist(), k_max), [k_max] * G
+        if tf.logits is not None:
+            logits = tf.logits.float()
             q = probs_from_logits(logits, _T1)
-            stats = draft_stats(logits)
-            draft = q.argmax(-1)
-            match = draft == gen
-            q_target = q.gather(-1, gen.view(-1, 1)).squeeze(-1)
-            beta = torch.minimum(p, q).sum(-1)
-            run = _runs(match.tolist(), k_max)
-            plen = [k_max] * G
-            draft, match = draft.tolist(), match.tolist()
-        else:  # any other drafter: ask it, position by position, what it would propose
-            draft, match, run, plen, st, q_target, beta = [], [], [], [], [], [], []
-            for g in range(G):
-                d.reset()
-                block = d.propose(ids[0, : L + g], k_max, SamplingConfig(), None)
-                toks = block.tokens.tolist()
-                r = 0
-                while r < len(toks) and g + r < G and toks[r] == generated[g + r]:
-                    r += 1
-                draft.append(toks[0] if toks else -1)
-                match.append(r > 0)
-                run.append(r)
-                plen.append(len(toks))
-                if not toks:
-                    st.append([0.0, 0.0, 0.0])
-                else:
-                    st.append([1.0, 0.0, 1.0] if block.confidence is None else block.confidence[0].tolist())
-                q_target.append(1.0 if r > 0 else 0.0)
-                beta.append(float(p[g, toks[0]]) if toks else 0.0)
-            stats, q_target, beta = torch.tensor(st), torch.tensor(q_target), torch.tensor(beta)
-        stats = stats.tolist()
+            stats = draft_stats(logits).tolist()
+            q_target = q.gather(-1, gen.view(-1, 1)).squeeze(-1).tolist()
+            beta = torch.minimum(p, q).sum(-1).tolist()
+        else:  # deterministic proposals: q is the one-hot of the proposed token
+            stats = tf.confidence.tolist()
+            q_target = [1.0 if r > 0 else 0.0 for r in run]
+            has = first >= 0
+            beta = torch.where(has, p.gather(-1, first.clamp_min(0).view(-1, 1)).squeeze(-1), 0.0).tolist()
+        first = first.tolist()
         for g in range(G):
             out.append({
                 "prompt_id": row["prompt_id"], "category": row["category"], "prompt_len": L, "drafter": d.name,
-                "position": g, "target_token": generated[g], "draft_token": int(draft[g]), "match": bool(match[g]),
+                "position": g, "target_token": generated[g], "draft_token": int(first[g]), "match": run[g] > 0,
                 "top1": stats[g][0], "entropy": stats[g][1], "margin": stats[g][2], "p_target": float(p_target[g]),
                 "q_target": float(q_target[g]), "beta": float(beta[g]), "run_len": int(run[g]),
-                "proposal_len": int(plen[g]), "proposal": not isinstance(d, ModelDrafter),
+                "proposal_len": int(plen[g]), "proposal": tf.logits is None,
             })
     return out
 
@@ -163,7 +162,7 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
     _prepare(out_dir, {**meta, "kind": "teacher_forced", "drafters": [d.name for d in drafters], "k_max": k_max,
                        "max_new_tokens": max_new_tokens, "sampling": vars(sampling), "device": str(target.device),
                        "dtype": str(target.dtype)})
-    decoder = SpeculativeDecoder(target.model, [], Autoregressive(), sampling=sampling,
+    decoder = SpeculativeDecoder(target.model, [], None, sampling=sampling,
                                  stop_token_ids=target.eos_token_ids)
     for name, chunk in tqdm(list(_chunks(prompts, shard, chunk_size)), desc="teacher-forced traces",
                             disable=not progress):
@@ -172,7 +171,7 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
         rows = []
         for r in chunk:
             seed = None if sampling.greedy else (sampling.seed or 0) + hash_id(r["prompt_id"])
-            res = decoder.generate(r["input_ids"], max_new_tokens, seed=seed, keep_logits=True)
+            res = decoder.generate(r["input_ids"], max_new_tokens, request=RequestInfo(seed=seed), keep_logits=True)
             rows += teacher_forced_rows(target, drafters, r, res.tokens, k_max, target_logits=res.logits)
         write_shard(rows, "teacher_forced", out_dir, name)
     return out_dir

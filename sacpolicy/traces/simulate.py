@@ -15,9 +15,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sacpolicy.decoding import DecoderConfig, DraftBlock, SpeculativeDecoder
+from sacpolicy.decoding import (
+    DecoderConfig,
+    DraftBlock,
+    Drafter,
+    RequestInfo,
+    SpeculativeDecoder,
+)
 from sacpolicy.policy import Decision, Policy, Static
-from sacpolicy.policy.cost import CostModel
+from sacpolicy.runtime.cost import CostModel
 
 
 class ReplayTarget(nn.Module):
@@ -50,27 +56,20 @@ class ReplayTarget(nn.Module):
         return Out
 
 
-class ReplayDrafter:
+class ReplayDrafter(Drafter):
     """Proposes what a drafter proposed from the target's prefix, with its recorded confidence."""
 
     vocab_size = None
 
     def __init__(self, name: str, rows: dict, prompt_len: int, vocab_size: int):
         self.name, self.rows, self.L, self.V = name, rows, prompt_len, vocab_size
-        if not rows["proposal"][0]:  # only one-proposal drafters (n-gram) can peek
-            self.peek = None
+        self.peekable = bool(rows["proposal"][0])  # only one-proposal drafters (n-gram) can peek
 
     def peek(self, context):
         g = context.shape[0] - self.L
         if g >= len(self.rows["proposal_len"]) or self.rows["proposal_len"][g] == 0:
             return None
         return tuple(confidence(self.rows, g, 0))
-
-    def reset(self):
-        pass
-
-    def accept(self, n_accepted):
-        pass
 
     def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
         g = context.shape[0] - self.L  # generated tokens so far = the position predicted next
@@ -139,7 +138,7 @@ def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
             policy.current = p
         dec = SpeculativeDecoder(ReplayTarget(seq, vocab_size), replay, policy, config=config or DecoderConfig(),
                                  stop_token_ids=[])
-        out = dec.generate(seq[: p["prompt_len"]], G, category=p["category"])
+        out = dec.generate(seq[: p["prompt_len"]], G, request=RequestInfo(category=p["category"]))
         out.prefill_s = cost.verify_time(p["prompt_len"] - 1, 0)
         for s in out.steps:
             s.draft_s = cost.draft_time(s.drafter, s.drafted, s.context_len)

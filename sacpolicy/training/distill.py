@@ -11,8 +11,6 @@ Each optionally mixed with cross-entropy on the target's own tokens (``ce_weight
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import random
@@ -21,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import lightning as L
 import torch
 
+from sacpolicy.training.common import WarmupAdamW, config_hash
 from sacpolicy.training.drafts import DraftModel
 
 logger = logging.getLogger(__name__)
@@ -30,31 +29,32 @@ LOSSES = ("fkl", "rkl", "jsd", "tvd")
 
 @dataclass
 class DistillSettings:
-    """Everything a distillation run depends on (conf/distill/*.yaml)."""
+    """Everything a distillation run depends on; the one home of its defaults (``conf/distill/fkl.yaml`` sets the data
+    settings and the seed, the other options only the loss)."""
 
-    loss: str = "fkl"
-    beta: float = 0.5
+    loss: str = "fkl"  # fkl | rkl | jsd | tvd
+    beta: float = 0.5  # generalized JSD weight (jsd only)
     temperature: float = 1.0
-    ce_weight: float = 0.0
-    lr: float = 2e-3
+    ce_weight: float = 0.0  # mix in cross-entropy on the target's tokens
+    lr: float = 2e-3  # 5e-4 reaches the same held-out match in twice the time (bench_distill)
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    on_policy_fraction: float = 0.0
+    on_policy_fraction: float = 0.0  # lambda: fraction of batches sampled from the draft, scored by the target
     on_policy_tokens: int = 64
-    arch: str = "truncate"
+    arch: str = "truncate"  # truncate (the target's first layers) | fresh (small random Llama) | pretrained (spec)
     num_layers: int = 2
     spec: str | None = None
     fresh: dict | None = None
-    vocab_size: int | None = 8192
+    vocab_size: int | None = 8192  # trimmed draft vocabulary (None = full): the head costs vocab_size / V of the full
     freeze_embeddings: bool = True
-    budget_minutes: float | None = 8.0
+    budget_minutes: float | None = 8.0  # training time budget (data preparation is cached and not counted)
     max_steps: int | None = None
     patience: int = 4
     val_check_interval: float = 0.5
     seed: int = 0
-    data: dict = field(default_factory=dict)  # DistillDataModule keyword arguments
+    data: dict = field(default_factory=dict)  # DistillDataModule keyword arguments (conf/distill/fkl.yaml)
     prompts: list = field(default_factory=lambda: [{"source": "mt_bench", "turns": "all"}, "humaneval"])  # train split
-    val_prompts: list = field(default_factory=lambda: ["mt_bench"])  # val split, first turns
+    val_prompts: list = field(default_factory=lambda: ["mt_bench"])  # early stopping: val split, first turns
     fixed_text: list | None = None  # prompt sources used verbatim (no chat template, no generation), e.g. text:<path>
 
     def __post_init__(self) -> None:
@@ -111,12 +111,16 @@ def divergence(kind: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float 
     raise ValueError(f"unknown distillation loss {kind!r}; choose one of {list(LOSSES)}")
 
 
-class DistillModule(L.LightningModule):
-    def __init__(self, draft: DraftModel, full_vocab: int, loss: str = "fkl", beta: float = 0.5,
-                 temperature: float = 1.0, ce_weight: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
-                 warmup_steps: int = 20, on_policy_fraction: float = 0.0, on_policy_tokens: int = 64,
-                 teacher=None, config_id: dict | None = None):
+class DistillModule(WarmupAdamW, L.LightningModule):
+    checkpoint_key, run_kind = "sacpolicy_distill_config", "distillation"
+
+    def __init__(self, draft: DraftModel, full_vocab: int, settings: DistillSettings, teacher=None,
+                 config_id: dict | None = None):
         super().__init__()
+        s = settings
+        loss, beta, temperature, ce_weight = s.loss, s.beta, s.temperature, s.ce_weight
+        lr, weight_decay, warmup_steps = s.lr, s.weight_decay, s.warmup_steps
+        on_policy_fraction, on_policy_tokens = s.on_policy_fraction, s.on_policy_tokens
         if loss not in LOSSES:
             raise ValueError(f"unknown distillation loss {loss!r}; choose one of {list(LOSSES)}")
         if not 0.0 <= on_policy_fraction <= 1.0:
@@ -136,7 +140,7 @@ class DistillModule(L.LightningModule):
         self.on_policy_fraction, self.on_policy_tokens = on_policy_fraction, on_policy_tokens
         self._teacher = [teacher]  # a list: the frozen target is not a submodule (not trained, saved or wrapped)
         self.config_id = config_id or {}
-        self.config_hash = hashlib.sha256(json.dumps(self.config_id, sort_keys=True, default=str).encode()).hexdigest()
+        self.config_hash = config_hash(self.config_id)
 
     # ------------------------------------------------------------------ loss
     def _positions(self, batch):
@@ -207,25 +211,6 @@ class DistillModule(L.LightningModule):
         scored = teacher_topk(teacher, seqs, k=batch["topk_ids"].shape[-1], progress=False)
         return {key: v.to(self.device) for key, v in collate(list(scored)).items()}
 
-    # ------------------------------------------------------------------ optimisation and checkpoints
-    def configure_optimizers(self):
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        warm = max(self.warmup_steps, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def on_save_checkpoint(self, checkpoint):
-        checkpoint["sacpolicy_distill_config"] = self.config_hash
-
-    def on_load_checkpoint(self, checkpoint):
-        saved = checkpoint.get("sacpolicy_distill_config")
-        if saved != self.config_hash:
-            raise ValueError(
-                "this checkpoint was written by a distillation run with a different configuration (target, draft "
-                "architecture, vocabulary or loss); start a fresh run directory or restore the original settings"
-            )
-
 
 # ---------------------------------------------------------------------- the whole stage
 def train_draft(target, datamodule, settings: DistillSettings, trainer_factory, out_dir, logger=None,
@@ -247,11 +232,7 @@ def train_draft(target, datamodule, settings: DistillSettings, trainer_factory, 
     counts = token_counts(datamodule.train, vocab) if s.vocab_size else None
     draft = build_draft(target, arch=s.arch, num_layers=s.num_layers, spec=s.spec, fresh=s.fresh,
                         vocab_size=s.vocab_size, token_counts=counts, freeze_embeddings=s.freeze_embeddings, seed=s.seed)
-    module = DistillModule(
-        draft, vocab, loss=s.loss, beta=s.beta, temperature=s.temperature, ce_weight=s.ce_weight, lr=s.lr,
-        weight_decay=s.weight_decay, warmup_steps=s.warmup_steps, on_policy_fraction=s.on_policy_fraction,
-        on_policy_tokens=s.on_policy_tokens, teacher=target, config_id={"target": target.spec, **s.identity()},
-    )
+    module = DistillModule(draft, vocab, s, teacher=target, config_id={"target": target.spec, **s.identity()})
     ckpt_dir = out_dir / "checkpoints"
     best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/match_rate", mode="max", save_last=True)
     callbacks = [best, EarlyStopping(monitor="val/match_rate", mode="max", patience=s.patience,

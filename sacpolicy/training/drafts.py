@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from sacpolicy.decoding.drafters import VOCAB_MAP_FILE, trim_lm_head, truncated_view
+from sacpolicy.build import VOCAB_MAP_FILE
+from sacpolicy.decoding.drafters import trim_lm_head, truncated_view
 from sacpolicy.models import LoadedModel, check_tokenizers_compatible, load_model
 
 logger = logging.getLogger(__name__)

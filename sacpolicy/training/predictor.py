@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from sacpolicy.data import assign_split
-from sacpolicy.policy.base import DecodeState, Decision, DraftToken
+from sacpolicy.policy.base import Decision, DecodeState, DraftToken
 from sacpolicy.policy.features import feature_spec, token_features
 from sacpolicy.policy.rules import Static
 from sacpolicy.runtime.predictors import Predictor, PredictorError
@@ -145,9 +145,9 @@ def _standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, np.where(scale > 1e-12, scale, 1.0)
 
 
-def fit_sklearn(estimator, train: Examples) -> Predictor:
+def fit_sklearn(train: Examples, val: Examples, *, estimator, out_dir=None, logger=None) -> Predictor:
     """Fit a HistGradientBoostingClassifier (on raw features, NaN = unknown) or a LogisticRegression (on
-    standardized features, unknown = the mean) and compile it."""
+    standardized features, unknown = the mean) on ``train`` and compile it (``val`` is for calibration, later)."""
     from sklearn.ensemble import HistGradientBoostingClassifier
     from sklearn.linear_model import LogisticRegression
 
@@ -206,10 +206,11 @@ def predictor_metrics(pred: Predictor, ex: Examples) -> dict:
 
 
 # ---------------------------------------------------------------------- Lightning MLP
-def fit_mlp(train: Examples, val: Examples, *, hidden=(64, 64), lr: float = 3e-3, weight_decay: float = 1e-4,
-            batch_size: int = 512, max_epochs: int = 30, patience: int = 4, seed: int = 0, out_dir=None,
-            trainer_kwargs: dict | None = None, logger=None) -> Predictor:
-    """A small MLP trained with Lightning (early stopping on validation loss, best checkpoint restored)."""
+def fit_mlp(train: Examples, val: Examples, *, hidden, lr: float, weight_decay: float, batch_size: int,
+            max_epochs: int, patience: int, seed: int = 0, out_dir=None, trainer_kwargs: dict | None = None,
+            logger=None) -> Predictor:
+    """A small MLP trained with Lightning (early stopping on validation loss, best checkpoint restored). Settings:
+    ``conf/predictor/mlp.yaml``."""
     import lightning as L
     import torch
 
@@ -240,9 +241,10 @@ def fit_mlp(train: Examples, val: Examples, *, hidden=(64, 64), lr: float = 3e-3
 
 
 # ---------------------------------------------------------------------- one entry point
-def fit_predictor(name: str, spec: dict, ex: Examples, out_dir=None, logger=None) -> tuple[Predictor, dict]:
-    """Fit the predictor ``spec`` (``{"kind": "sklearn", "estimator": <estimator>}`` or ``{"kind": "mlp", ...}``) on
-    the train split, calibrate on val, and report val and test metrics; the predictor's meta records all of it."""
+def fit_predictor(name: str, fit, ex: Examples, out_dir=None, logger=None) -> tuple[Predictor, dict]:
+    """Fit a predictor with ``fit(train, val, out_dir=, logger=) -> Predictor`` (``fit_sklearn`` or ``fit_mlp`` with
+    their settings bound: a ``conf/predictor`` option instantiated) on the train split, calibrate on val, and report
+    val and test metrics; the predictor's meta records all of it."""
     train, val = ex.of("train"), ex.of("val")
     if not len(train) or not len(val):
         raise PredictorError(f"need train and val examples, got {len(train)} and {len(val)}: collect traces over more "
@@ -252,15 +254,10 @@ def fit_predictor(name: str, spec: dict, ex: Examples, out_dir=None, logger=None
         raise PredictorError(f"every training example is {'accepted' if labels == {1} else 'rejected'}: there is "
                              "nothing to predict; collect traces over more prompts, with drafters that sometimes "
                              "disagree with the target (or sampled decoding)")
-    kind = spec.get("kind")
-    if kind == "sklearn":
-        pred = fit_sklearn(spec["estimator"], train)
-    elif kind == "mlp":
-        pred = fit_mlp(train, val, out_dir=out_dir, logger=logger,
-                       **{k: v for k, v in spec.items() if k not in ("kind",)})
-    else:
-        raise PredictorError(f"predictor {name!r} has kind {kind!r}; kinds are 'sklearn' and 'mlp'")
-    pred = with_calibration(pred, val)
+    if not callable(fit):
+        raise PredictorError(f"predictor {name!r} is {fit!r}, not a fitting function; a conf/predictor option names "
+                             "one with _target_ (sacpolicy.training.predictor.fit_sklearn or fit_mlp) and _partial_")
+    pred = with_calibration(fit(train, val, out_dir=out_dir, logger=logger), val)
     metrics = {split: predictor_metrics(pred, ex.of(split)) for split in ("val", "test")}
     pred.meta.update({"name": name, "features": feature_spec(), "metrics": metrics,
                       "examples": {s: int((ex.split == s).sum()) for s in ("train", "val", "test")}})
@@ -271,18 +268,18 @@ def fit_predictor(name: str, spec: dict, ex: Examples, out_dir=None, logger=None
 OPTIMISM_GRID = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
-def tune_rule(pred: Predictor, cost, val_grouped: dict, *, vocab_size: int, k_max: int, config=None,
+def tune_rule(pred: Predictor, cost, val_grouped: dict, static: dict, *, vocab_size: int, k_max: int, config=None,
               modes=("stop", "k"), optimism=OPTIMISM_GRID):
-    """The decision rule for ``pred``: its fallback is the best static (drafter, k) on the validation traces, and its
-    mode and stop-rule optimism are the ones the simulator finds fastest on them. Returns (rule, tuning table)."""
+    """The decision rule for ``pred``: its fallback is ``static``, the best static (drafter, k) on the validation
+    traces (``traces.simulate.best_static``), and its mode and stop-rule optimism are the ones the simulator finds
+    fastest on them. Returns (rule, tuning table)."""
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.rule import DecisionRule
-    from sacpolicy.traces.simulate import best_static, simulate
+    from sacpolicy.traces.simulate import simulate
 
     if not val_grouped:
         raise PredictorError("no validation traces to tune the decision rule on; collect traces over val prompts")
     drafters = tuple(next(iter(val_grouped.values()))["drafters"])
-    static = best_static(val_grouped, cost, vocab_size=vocab_size, k_max=k_max)["all"]
     table, best = [], None
     for mode in modes:
         for lam in optimism if mode == "stop" else (1.0,):

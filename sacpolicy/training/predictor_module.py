@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 class AcceptanceDataModule(L.LightningDataModule):
     """Standardized features (unknown = the training mean), labels and weights; soft labels are kept as targets."""
 
-    def __init__(self, train, val, mean: np.ndarray, scale: np.ndarray, batch_size: int = 512, seed: int = 0):
+    def __init__(self, train, val, mean: np.ndarray, scale: np.ndarray, batch_size: int, seed: int = 0):
         super().__init__()
         self.train_ex, self.val_ex, self.mean, self.scale = train, val, mean, scale
         self.batch_size, self.seed = batch_size, seed
@@ -36,8 +36,7 @@ class AcceptanceDataModule(L.LightningDataModule):
 class AcceptanceMLP(L.LightningModule):
     """Features -> logit of acceptance; binary cross-entropy against 0/1 labels or beta."""
 
-    def __init__(self, n_features: int, hidden: tuple[int, ...] = (64, 64), lr: float = 3e-3,
-                 weight_decay: float = 1e-4):
+    def __init__(self, n_features: int, hidden: tuple[int, ...], lr: float, weight_decay: float):
         super().__init__()
         self.save_hyperparameters()
         layers, width = [], n_features

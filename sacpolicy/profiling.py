@@ -97,6 +97,10 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
         logger.info("profiling context %d on %s", c, device)
         verify_rows += [(n, c, t) for n, t in _forward_times(target, c, feeds, device, gen, repeats, warmup).items()]
         for name, drafter in drafters.items():
+            if drafter.aux_layers:  # a feature head: one chain step per drafted token, on the target's features
+                draft_rows[name].append((c, _feature_step_time(target, drafter, c, k_max, device, gen, repeats,
+                                                               warmup)))
+                continue
             if per_token[name]:
                 if _fits(drafter.model, c, 1):
                     t = _forward_times(drafter.model, c, [1], device, gen, repeats, warmup)[1]
@@ -106,6 +110,22 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
             propose = functools.partial(drafter.propose, context, k_max, SamplingConfig())
             draft_rows[name].append((c, _median_time(propose, drafter.reset, device, repeats, warmup)))
     return verify_rows, draft_rows
+
+
+def _feature_step_time(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int) -> float:
+    """Seconds per drafted token of a feature drafter on top of c committed tokens (its cache already holds them):
+    a block of max(k_max, 2) tokens timed, divided by its length."""
+    from sacpolicy.decoding.aux import aux_pass
+    from sacpolicy.decoding.sampling import SamplingConfig
+
+    k = max(k_max, 2)
+    context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
+    _, capture = aux_pass(target, context, 1, drafter.aux_layers)
+    drafter.reset()
+    drafter.extend_features(capture.rows(drafter.aux_layers, c - 1))
+    drafter.propose(context, 1, SamplingConfig())  # feeds the context: the timed blocks draft from it
+    block = functools.partial(drafter.propose, context, k, SamplingConfig())
+    return _median_time(block, lambda: drafter.accept(0), device, repeats, warmup) / k
 
 
 def _fit_draft(name: str, rows: list[tuple[int, float]], per_token: bool) -> PiecewiseLinear:
@@ -124,7 +144,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     """Measure the target's verify pass and each drafter's step on the device the models live on; fit a CostModel.
 
     drafters: a list of drafters or {name: drafter}. A drafter with a `.model` (ModelDrafter, LayerSkipDrafter) is
-    timed as one single-token forward on its own KV cache; any other drafter as one propose() call on random tokens
+    timed as one single-token forward on its own KV cache, a feature drafter (EAGLE-3 head) per token of a drafted
+    chain on the target's hidden states; any other drafter as one propose() call on random tokens
     (for the n-gram drafter that is the no-match case, its slowest lookup). Each time is the median of `repeats`.
     """
     import transformers
@@ -142,7 +163,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
                          f"got ks={ks}, context_lens={context_lens}, repeats={repeats}")
     named = dict(drafters) if isinstance(drafters, Mapping) else {d.name: d for d in drafters}
     gen = torch.Generator().manual_seed(seed)  # CPU generator: same token ids on every device
-    per_token = {name: isinstance(getattr(d, "model", None), torch.nn.Module) for name, d in named.items()}
+    per_token = {name: isinstance(getattr(d, "model", None), torch.nn.Module) or bool(d.aux_layers)
+                 for name, d in named.items()}
     verify_rows, draft_rows = _measure(target, named, per_token, ks, context_lens, device, gen, repeats, warmup)
     if not verify_rows:
         raise ValueError(f"every context length in {tuple(context_lens)} exceeds the target's context window; "

@@ -1,0 +1,60 @@
+"""Drafter specs become drafters: the one place configs and artifacts turn into decoding objects (and touch files).
+
+    spec = DrafterSpec(kind="ngram", name="ngram", max_ngram=3)      # or instantiate(cfg.draft.ngram)
+    drafter = build_drafter(spec, target)                              # target: a sacpolicy.models.LoadedModel
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sacpolicy.decoding.drafters import (
+    LayerSkipDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    trim_lm_head,
+)
+from sacpolicy.runtime.spec import DrafterSpec
+
+VOCAB_MAP_FILE = "vocab_map.safetensors"  # beside a draft's save_pretrained files when its vocabulary is trimmed
+
+
+def build_drafter(spec: DrafterSpec, target):
+    """The drafter ``spec`` describes, on ``target``'s device and dtype (``target``: a ``LoadedModel``)."""
+    if spec.kind == "ngram":
+        return NgramDrafter(spec.max_ngram, spec.min_ngram, name=spec.name)
+    if spec.kind == "layer_skip":
+        return LayerSkipDrafter(target.model, int(spec.layers), name=spec.name)
+    if spec.kind == "feature":
+        from sacpolicy.decoding.feature import load_feature_drafter
+
+        return load_feature_drafter(target, spec.path, name=spec.name)
+    return model_drafter(target, spec.path, name=spec.name)
+
+
+def build_drafters(specs, target) -> list:
+    return [build_drafter(s, target) for s in specs]
+
+
+def load_vocab_map(model_dir) -> torch.Tensor | None:
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / VOCAB_MAP_FILE
+    return load_file(str(path))["d2t"].long() if path.is_file() else None
+
+
+def model_drafter(target, spec: str, name: str = "draft", seed: int = 0, trim: bool = True) -> ModelDrafter:
+    """Load a draft model from any model spec (see ``sacpolicy.models``) on the target's device and dtype, after
+    checking that it shares the target's tokenizer. A draft directory with a vocab map (a distilled draft with a
+    trimmed vocabulary) drafts with its trimmed head unless ``trim=False``."""
+    from sacpolicy.models import check_tokenizers_compatible, load_model
+
+    draft = load_model(spec, device=target.device, dtype=target.dtype, seed=seed)
+    check_tokenizers_compatible(target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=spec)
+    d2t = load_vocab_map(spec) if trim else None
+    if d2t is None:
+        return ModelDrafter(draft.model, name=name)
+    vocab = int(target.model.get_output_embeddings().out_features)
+    return ModelDrafter(trim_lm_head(draft.model, d2t), name=name, d2t=d2t, vocab_size=vocab)

@@ -1,0 +1,331 @@
+"""EAGLE-3 feature-level draft head (Li et al. 2025) and the drafter that runs it.
+
+The head reads the target's own hidden states. Symbols: H hidden size, A = len(aux_layer_ids) * H, Vd draft
+vocabulary (a trimmed subset of the target's V tokens), t a position of the committed sequence x_0 .. x_{n-1}.
+
+- ``fc`` [A -> H] projects the target's aux hidden states at position t (the inputs of decoder layers
+  ``aux_layer_ids``, HF ``output_hidden_states[i]``, as vLLM collects them) to one feature h_t.
+- One Llama decoder layer (``layers.0``) reads the pair (h_t, x_{t+1}): q/k/v take
+  [input_layernorm(embed(x_{t+1})) ; hidden_norm(h_t)] (2H), the residual is h_t itself (pre-norm), MLP as Llama.
+- ``norm`` + ``lm_head`` [H -> Vd] give the logits of x_{t+2}; ``d2t`` maps a draft id to a target id as an OFFSET
+  (target = draft + d2t[draft], the speculators / SpecForge / SGLang convention), ``t2d`` [V] bool marks the draft
+  vocabulary among the target's ids.
+- Chain drafting: step j > 0 reads (the layer's own pre-norm output of step j - 1, the token drafted at step j - 1).
+  Positions follow vLLM: the pair (h_t, x_{t+1}) sits at position t, chain step j at t + j (RoPE only sees position
+  differences, so speculators' training offset of +1 changes nothing).
+- Token embeddings are the target's, frozen and shared (never saved with the head).
+
+Parameter names are those of a speculators ``Eagle3DraftModel`` checkpoint (``fc.weight``, ``layers.0.*``,
+``norm.weight``, ``lm_head.weight``, buffers ``d2t``, ``t2d``). Our checkpoint directory: ``model.safetensors`` (those
+tensors), ``config.json`` (``Eagle3Config``), ``provenance.json`` (how it was trained).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE = "config.json", "model.safetensors", "provenance.json"
+HEAD_FORMAT = 1
+
+
+def vocab_hash(tokenizer) -> str:
+    """A short fingerprint of a tokenizer's id -> token table: a head only drafts for targets that agree on it."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Eagle3Config:
+    """Everything that fixes the head's shapes and the target it belongs to (our ``config.json``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_num_layers: int
+    verifier: str = ""  # the target's model spec (sacpolicy.models) or hub id
+    vocab_hash: str = ""  # vocab_hash(target tokenizer)
+    rope_scaling: dict | None = None  # the target's rope_parameters minus rope_theta, when not "default"
+    hidden_act: str = "silu"
+    format: int = HEAD_FORMAT
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids=None, verifier: str = "",
+                    vocab_hash: str = "") -> Eagle3Config:
+        """The head for a Llama-like target config; ``aux_layer_ids`` default to [2, L // 2, L - 3] (vLLM's)."""
+        c, L = target_config, int(target_config.num_hidden_layers)
+        explicit = aux_layer_ids is not None
+        ids = [int(i) for i in (aux_layer_ids if explicit else (2, L // 2, L - 3))]
+        if not ids or min(ids) < 0 or max(ids) >= L or len(set(ids)) != len(ids):
+            what = f"aux_layer_ids {ids}" if explicit else f"the default aux_layer_ids {ids} ([2, L // 2, L - 3])"
+            raise ValueError(f"{what} must be distinct layer ids in [0, {L - 1}] for a target with {L} decoder layers "
+                             "(id i = the input of decoder layer i); pass aux_layer_ids= explicitly, e.g. "
+                             f"{list(range(max(0, L - 3), L))}")
+        V = int(c.vocab_size)
+        if not 0 < draft_vocab_size <= V:
+            raise ValueError(f"draft_vocab_size must be in [1, {V}] (the target's vocabulary), got {draft_vocab_size}")
+        rope = dict(getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)})
+        theta = float(rope.pop("rope_theta", getattr(c, "rope_theta", None) or 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        H, heads = int(c.hidden_size), int(c.num_attention_heads)
+        return cls(hidden_size=H, intermediate_size=int(c.intermediate_size), num_attention_heads=heads,
+                   num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+                   head_dim=int(getattr(c, "head_dim", None) or H // heads), rms_norm_eps=float(c.rms_norm_eps),
+                   rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(c.max_position_embeddings),
+                   target_vocab_size=V, draft_vocab_size=int(draft_vocab_size), aux_layer_ids=ids,
+                   target_num_layers=L, verifier=verifier, vocab_hash=vocab_hash,
+                   hidden_act=str(getattr(c, "hidden_act", "silu")))
+
+    def layer_config(self) -> LlamaConfig:
+        """The decoder layer as a LlamaConfig (also the ``transformer_layer_config`` of a speculators export)."""
+        return LlamaConfig(
+            vocab_size=self.target_vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
+            rope_parameters={"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})},
+            attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Eagle3Config:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown or d.get("format", HEAD_FORMAT) != HEAD_FORMAT:
+            raise ValueError(f"not an EAGLE-3 head config of format {HEAD_FORMAT} (unknown keys {sorted(unknown)}, "
+                             f"format {d.get('format')}); retrain the head or load it with the sacpolicy that wrote it")
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------- the head
+class KVCache:
+    """Preallocated keys/values [B, Hkv, capacity, D]. Entry i sits at position i, so rolling back is ``crop``."""
+
+    def __init__(self):
+        self.k = self.v = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, Hkv, m, D] -> every cached key and value [B, Hkv, length + m, D]."""
+        n, end = self.length, self.length + k.shape[2]
+        if self.k is None or end > self.k.shape[2]:  # grow (doubling) and keep the cached entries
+            new_k = k.new_zeros(k.shape[0], k.shape[1], max(256, 2 * end), k.shape[3])
+            new_v = torch.zeros_like(new_k)
+            if self.k is not None:
+                new_k[:, :, :n], new_v[:, :, :n] = self.k[:, :, :n], self.v[:, :, :n]
+            self.k, self.v = new_k, new_v
+        self.k[:, :, n:end], self.v[:, :, n:end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(2 * H, self.heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.heads * D, H, bias=False)
+
+
+class Eagle3Layer(nn.Module):
+    """The Llama decoder layer whose attention reads [embedding ; hidden] (2H). Split in two halves so the same code
+    serves the KV-cached inference path and the training-time test, which differ only in the keys they attend."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = LlamaMLP(cfg.layer_config())
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def qkv(self, emb, hidden, cos, sin):
+        """emb, hidden [B, Q, H]; cos, sin [B, Q, D] -> q [B, Hq, Q, D], k and v [B, Hkv, Q, D] (RoPE applied)."""
+        a = self.self_attn
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        B, Q, _ = x.shape
+        q = a.q_proj(x).view(B, Q, a.heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def finish(self, q, keys, values, mask, hidden):
+        """Attention of q over keys/values (mask [B, 1, Q, K] bool, True = attend; None = all), then the residual
+        (the un-normed hidden part) and the MLP -> [B, Q, H]."""
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        h = hidden + self.self_attn.o_proj(out.transpose(1, 2).flatten(2))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def ttt_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
+    """Attention of the training-time test at ``step``: valid [B, T] bool -> [B, 1, T, (step + 1) T] bool.
+
+    Keys are the step-0 entries of every position, then those of steps 1 .. step. A step-j query at position t sees
+    the step-0 keys at positions <= t (the true features, as a KV cache of committed positions holds them) and its own
+    chain's keys: step i <= j at the same t (the diagonal of each later block), exactly the cache of a chain drafted
+    from t at inference."""
+    B, T = valid.shape
+    eye = torch.eye(T, dtype=torch.bool, device=valid.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
+    first = (causal & valid[:, None, :]) | eye  # the diagonal keeps padded rows from attending nothing
+    return torch.cat([first] + [eye.expand(B, T, T)] * step, dim=-1).unsqueeze(1)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Eagle3Config, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = cfg = config
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg)])
+        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.layer_config())  # buffers not persistent: not in the checkpoint
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
+        self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size), persistent=False)  # arange + d2t
+        self._embed = [embed_tokens]  # the target's, frozen and shared: not a submodule, never saved or trained
+        if embed_tokens.weight.shape != (cfg.target_vocab_size, cfg.hidden_size):
+            raise ValueError(f"the target's embedding is {tuple(embed_tokens.weight.shape)}, the head expects "
+                             f"({cfg.target_vocab_size}, {cfg.hidden_size}): load the target this head belongs to")
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids [Vd]: the target ids of the draft vocabulary, strictly increasing (so a draft argmax is the
+        full-vocabulary argmax of ``full_logits``, ties included). Fills d2t (offsets) and t2d."""
+        ids = torch.as_tensor(draft_ids, dtype=torch.long).to(self.d2t.device)
+        cfg = self.config
+        if ids.shape != (cfg.draft_vocab_size,) or int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size \
+                or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError(f"the draft vocabulary must be {cfg.draft_vocab_size} strictly increasing target ids in "
+                             f"[0, {cfg.target_vocab_size})")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+        self.draft_ids.copy_(ids)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.draft_ids.copy_(torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # frozen: no gradient reaches the target's embedding
+            return self._embed[0](ids).to(self.fc.weight.dtype)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., Vd] -> [..., V] over the target's ids, -inf outside the draft vocabulary (q(x) = 0)."""
+        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_ids, logits)
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache):
+        """Inference over m new entries after the cached ones: hidden [B, m, H] (fc'd target features or the head's
+        own outputs), input_ids [B, m] -> (pre-norm outputs [B, m, H], draft logits [B, m, Vd])."""
+        layer = self.layers[0]
+        B, m = input_ids.shape
+        start = cache.length
+        pos = torch.arange(start, start + m, device=input_ids.device).expand(B, m)
+        cos, sin = self.rotary_emb(hidden, pos)
+        q, k, v = layer.qkv(self.embed(input_ids), hidden, cos, sin)
+        keys, values = cache.append(k, v)
+        mask = None
+        if m > 1:  # entry start + i sees the cache and the new entries up to itself
+            mask = torch.ones(m, start + m, dtype=torch.bool, device=hidden.device).tril(start)[None, None]
+        out = layer.finish(q, keys, values, mask, hidden)
+        return out, self.lm_head(self.norm(out))
+
+    def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int,
+                    attention_mask: torch.Tensor | None = None, greedy: bool = False) -> list[torch.Tensor]:
+        """Training-time test: ``steps`` chain steps at every position at once, as one masked attention per step.
+
+        input_ids [B, T]: the token paired with each feature row (x_{t+1} with the target's aux at t); aux [B, T, A];
+        attention_mask [B, T] (1 = real row). Step j's tokens are the true ones shifted by j (what the chain reads
+        while its drafts are accepted), or with ``greedy`` the head's own argmax of step j - 1 (the exact greedy
+        chain); its hidden inputs are step j - 1's outputs. Returns per step the draft logits [B, T, Vd]; step j at
+        t predicts x_{t+2+j} (rows past a sequence's end are garbage: mask them)."""
+        layer = self.layers[0]
+        B, T = input_ids.shape
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        pos = (valid.long().cumsum(-1) - 1).clamp_min(0)  # [B, T]
+        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        ids, keys, values, out_logits = input_ids, [], [], []
+        for j in range(steps):
+            cos, sin = self.rotary_emb(hidden, pos + j)
+            q, k, v = layer.qkv(self.embed(ids), hidden, cos, sin)
+            keys.append(k)
+            values.append(v)
+            hidden = layer.finish(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(valid, j), hidden)
+            logits = self.lm_head(self.norm(hidden))
+            out_logits.append(logits)
+            if greedy:
+                ids = self.draft_ids[logits.argmax(-1)]
+            else:
+                ids = torch.cat([input_ids[:, j + 1 :], input_ids.new_zeros(B, min(j + 1, T))], dim=1)
+        return out_logits
+
+
+# ---------------------------------------------------------------------- checkpoint
+def load_head(path, embed_tokens: nn.Embedding, device=None, dtype=None) -> Eagle3Head:
+    """Our checkpoint directory -> an ``Eagle3Head`` (in eval mode) sharing the given target embedding."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not an EAGLE-3 head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
+                                "train one with sacpolicy.training.eagle3.train_eagle3")
+    config = Eagle3Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+    head = Eagle3Head(config, embed_tokens)
+    state = load_file(str(path / WEIGHTS_FILE))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected "
+                         f"{unexpected}")
+    weight = embed_tokens.weight
+    return head.to(device=device or weight.device, dtype=dtype or weight.dtype).eval()
+
+
+def check_target(config: Eagle3Config, target, where: str = "this head") -> None:
+    """Raise ValueError naming every mismatch between a head's config and ``target`` (a ``LoadedModel``)."""
+    tcfg = target.model.config
+    problems = []
+    if config.verifier and config.verifier != target.spec:
+        problems.append(f"verifier: trained for {config.verifier!r}, the target is {target.spec!r}")
+    if config.hidden_size != tcfg.hidden_size:
+        problems.append(f"hidden size: head {config.hidden_size}, target {tcfg.hidden_size}")
+    if config.target_num_layers != tcfg.num_hidden_layers:
+        problems.append(f"decoder layers: head trained on {config.target_num_layers}, target has "
+                        f"{tcfg.num_hidden_layers}")
+    if config.target_vocab_size != tcfg.vocab_size:
+        problems.append(f"vocabulary size: head {config.target_vocab_size}, target {tcfg.vocab_size}")
+    if config.vocab_hash and config.vocab_hash != vocab_hash(target.tokenizer):
+        problems.append(f"vocabulary hash: head {config.vocab_hash}, target {vocab_hash(target.tokenizer)}")
+    if problems:
+        raise ValueError(f"{where} belongs to another target:\n  - " + "\n  - ".join(problems)
+                         + "\nFix: load the target it was trained for, or train a head for this target.")

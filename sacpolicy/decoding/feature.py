@@ -1,0 +1,111 @@
+"""``FeatureDrafter``: the drafter protocol over an EAGLE-3 head (``sacpolicy.decoding.eagle3``), fed the target's
+hidden states by the decoder after every target pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from sacpolicy.decoding.eagle3 import CONFIG_FILE, Eagle3Config, Eagle3Head, KVCache, check_target, load_head
+from sacpolicy.decoding.sampling import SamplingConfig, draft_stats, select_token
+from sacpolicy.decoding.types import DraftBlock, Drafter, TeacherForced
+
+
+class FeatureDrafter(Drafter):
+    """Drafts a chain with an ``Eagle3Head`` from the target's hidden states.
+
+    State: the feature rows of committed positions (``extend_features``; row t pairs with token t + 1) and the head's
+    KV cache. Invariant between steps: the cache holds the true entries of the rows fed so far; a proposal feeds the
+    pending (row, token) pairs, then one chain entry per drafted token but the last. Chain entries were computed from
+    the head's own hidden states, so ``accept`` crops all of them; the accepted tokens return as true pairs with the
+    next rows."""
+
+    def __init__(self, head: Eagle3Head, name: str = "feature"):
+        self.head, self.name = head, name
+        self.vocab_size = head.config.target_vocab_size
+        self.aux_layers = tuple(head.config.aux_layer_ids)
+        self.reset()
+
+    def reset(self) -> None:
+        self._pending: list[torch.Tensor] = []  # [m, A] rows not fed yet
+        self._rows = 0  # rows received this request
+        self._cache = KVCache()
+        self._true = 0  # true entries in the cache
+        self._tail = None  # (pre-norm output [1, 1, H], draft logits [Vd]) of the last true entry
+
+    def extend_features(self, aux: torch.Tensor) -> None:
+        width = len(self.aux_layers) * self.head.config.hidden_size
+        if aux.dim() != 2 or aux.shape[-1] != width:
+            raise ValueError(f"feature rows must be [m, {width}] (aux layers {list(self.aux_layers)}), got "
+                             f"{tuple(aux.shape)}")
+        self._pending.append(aux)
+        self._rows += aux.shape[0]
+
+    def _feed(self, context: torch.Tensor) -> None:
+        """Run the pending (row, token) pairs through the head, caching them as true entries."""
+        rows = torch.cat(self._pending)
+        m, start = rows.shape[0], self._true
+        hidden = self.head.fc(rows.to(self.head.fc.weight.dtype)).unsqueeze(0)  # [1, m, H]
+        out, logits = self.head(hidden, context[start + 1 : start + 1 + m].view(1, m), self._cache)
+        self._pending, self._true = [], start + m
+        self._tail = (out[:, -1:], logits[0, -1])
+
+    @torch.inference_mode()
+    def propose(self, context, k, sampling: SamplingConfig, generator=None, stop=None) -> DraftBlock:
+        n = context.shape[0]
+        if self._rows != n - 1:
+            raise ValueError(f"the feature drafter holds hidden states of {self._rows} positions but the context has "
+                             f"{n} tokens (it needs {n - 1}: every committed position but the last); the decoder "
+                             "must call extend_features after every target pass")
+        self.accept(0)  # drop the chain of an unsettled proposal
+        if k <= 0 or n < 2:
+            return DraftBlock.empty(context.device)
+        if self._pending:
+            self._feed(context)
+        hidden, logits = self._tail
+        tokens, block_logits = [], []
+        for i in range(k):
+            full = self.head.full_logits(logits)
+            tok = select_token(full, sampling, generator)
+            tokens.append(tok)
+            block_logits.append(full)
+            if i + 1 == k or (stop is not None and stop(i, draft_stats(full))):
+                break
+            hidden, step_logits = self.head(hidden, tok.view(1, 1), self._cache)
+            logits = step_logits[0, -1]
+        return DraftBlock(torch.stack(tokens), torch.stack(block_logits))
+
+    def accept(self, n_accepted: int) -> None:
+        self._cache.crop(self._true)
+
+    @torch.inference_mode()
+    def teacher_force(self, ids, start, k_max, aux=None) -> TeacherForced:
+        """Row g: the greedy chain proposed after ``ids[:start + g]``, all rows from ONE ``ttt_forward`` of k_max
+        greedy steps (row g's chain starts at feature row start + g - 2)."""
+        N = ids.shape[0]
+        if aux is None or aux.shape[0] < N - 2:
+            raise ValueError(f"a feature drafter's teacher_force needs aux: the target's hidden states at aux layers "
+                             f"{list(self.aux_layers)} for the first {N - 2} positions at least")
+        if start < 2:
+            raise ValueError(f"a feature drafter proposes after two committed tokens at least; start={start}")
+        if start >= N or k_max <= 0:
+            return TeacherForced(ids.new_zeros(0, max(k_max, 0)), chained=True,
+                                 logits=self.head.lm_head.weight.new_zeros(0, self.vocab_size))
+        steps = self.head.ttt_forward(ids[1 : N - 1].view(1, -1), aux[: N - 2].unsqueeze(0), k_max, greedy=True)
+        rows = slice(start - 2, N - 2)
+        tokens = torch.stack([self.head.draft_ids[s[0, rows].argmax(-1)] for s in steps], dim=-1)  # [G, k_max]
+        return TeacherForced(tokens, chained=True, logits=self.head.full_logits(steps[0][0, rows]))
+
+
+def load_feature_drafter(target, path, name: str = "feature") -> FeatureDrafter:
+    """The head at ``path`` (our checkpoint directory) as a drafter for ``target`` (a ``LoadedModel``), on the target's
+    device and dtype, after checking that the head was trained for this target."""
+    if not (Path(path) / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not an EAGLE-3 head directory (no {CONFIG_FILE}); point draft.feature.path "
+                                "at the head directory written by EAGLE-3 training")
+    config = Eagle3Config.from_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
+    check_target(config, target, where=f"the EAGLE-3 head at {path}")
+    head = load_head(path, target.model.get_input_embeddings(), device=target.device, dtype=target.dtype)
+    return FeatureDrafter(head, name=name)

@@ -1,0 +1,281 @@
+"""The decoder's vocabulary: plain data and the two protocols (``Drafter``, ``Policy``). A leaf module: it imports
+nothing from sacpolicy but the sampling math, and every other layer (policies, traces, training, export) imports it, never the reverse.
+
+A policy sees three things, all plain data:
+- ``RequestInfo`` once per request (prompt length, category, load signal, drafters on offer);
+- ``DecodeState`` before each step, to return a ``Decision`` (drafter name or None, and k);
+- the drafted tokens' confidence (``DraftToken``) as they are drafted, if it wants to stop early
+  (``needs_token_feedback``; costs one host sync per drafted token on GPUs), and the finished ``StepRecord``.
+New inputs go into these dataclasses, never into new method parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from sacpolicy.decoding.sampling import SamplingConfig
+
+__all__ = ["DecodeState", "Decision", "DraftBlock", "DraftToken", "Drafter", "GenerationResult", "Policy", "RequestInfo",
+           "StepRecord", "StopFn", "TeacherForced"]
+
+
+# ---------------------------------------------------------------------- requests, state, decisions
+@dataclass(frozen=True)
+class RequestInfo:
+    """What is known of a request before it is decoded. ``generate`` fills ``prompt_len``, ``max_new_tokens`` and
+    ``drafters``; callers pass the rest (``RequestInfo(category=..., load=..., seed=...)``)."""
+
+    prompt_len: int = 0
+    max_new_tokens: int = 0
+    drafters: tuple[str, ...] = ()
+    category: str | None = None
+    load: float = 0.0  # serving load signal in [0, 1]; 0 = idle
+    seed: int | None = None  # sampling seed of this request (None: the decoder's generator continues)
+
+
+@dataclass
+class DecodeState:
+    """What the decoder knows before a step (and while drafting it)."""
+
+    request: RequestInfo
+    step: int = 0  # speculative steps taken so far (prefill excluded)
+    context_len: int = 0  # committed tokens: prompt + generated
+    generated: int = 0
+    remaining: int = 0  # new tokens still allowed
+    drafters: tuple[str, ...] = ()  # drafters still usable (a failing drafter is dropped for the request)
+    last: StepRecord | None = None
+    accept_ema: dict[str, float] = field(default_factory=dict)  # per drafter, EMA of accepted / drafted
+    drafter: str | None = None  # while drafting: the drafter in use
+    # before deciding, for policies that ask (``uses_peeks``): drafters that can tell cheaply what they would propose
+    # (n-gram) -> its confidence (top-1, entropy, margin), or None when they would propose nothing
+    peeks: dict[str, tuple[float, float, float] | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    drafter: str | None  # None = autoregressive step
+    k: int
+
+    @classmethod
+    def autoregressive(cls) -> Decision:
+        return cls(None, 0)
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    """Confidence of one drafted token, at temperature 1 whatever the sampling settings."""
+
+    position: int  # 0-based index within the draft block
+    top1: float
+    entropy: float
+    margin: float  # top-1 minus top-2 probability
+
+
+# ---------------------------------------------------------------------- what the decoder returns
+@dataclass
+class StepRecord:
+    """One speculative step: draft (maybe nothing), verify in one target pass, emit accepted + 1 tokens.
+
+    Per drafted token (lists of length ``drafted``): draft confidence at temperature 1 (``top1``, ``entropy``,
+    ``margin``), and ``q``/``p``/``beta``: the draft and target probability of the drafted token and
+    beta = sum_x min(p, q). When sampling they come from the processed distributions (the ones verification uses);
+    when greedy (where processed distributions are one-hot) from the temperature-1 distributions, so they stay
+    informative.
+    """
+
+    step: int
+    drafter: str | None
+    k: int  # decided
+    drafted: int  # actually drafted (a drafter may stop early or find nothing)
+    accepted: int
+    emitted: int  # tokens appended to the output (accepted + 1, fewer when EOS or the length limit cut the block)
+    context_len: int  # committed tokens before the step
+    draft_s: float
+    verify_s: float
+    cooldown: bool = False  # the decoder overrode the policy with an autoregressive step (low moving acceptance)
+    top1: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    margin: list[float] = field(default_factory=list)
+    q: list[float] = field(default_factory=list)
+    p: list[float] = field(default_factory=list)
+    beta: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only
+    steps: list[StepRecord]
+    prompt_len: int
+    prefill_s: float
+    total_s: float
+    finish_reason: str  # "eos" | "length" | "context"
+    dropped_drafters: list[str] = field(default_factory=list)
+    logits: object = None  # generate(keep_logits=True): the target's logits behind each new token, [new, V] tensor
+
+    @property
+    def target_calls(self) -> int:
+        return len(self.steps) + 1  # + the prefill pass
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens emitted per target call (the 'tau' of the papers), counting the prefill pass's first token."""
+        return len(self.tokens) / self.target_calls
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = sum(s.drafted for s in self.steps)
+        return sum(s.accepted for s in self.steps) / drafted if drafted else 0.0
+
+    @property
+    def draft_s(self) -> float:
+        return sum(s.draft_s for s in self.steps)
+
+    @property
+    def verify_s(self) -> float:
+        return sum(s.verify_s for s in self.steps)
+
+
+# ---------------------------------------------------------------------- drafters
+# Called after each drafted token with (position in block, draft_stats of that position: [top-1 prob, entropy,
+# margin]); True stops the block after this token.
+StopFn = Callable[[int, torch.Tensor], bool]
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor  # [k] long, on the target's device
+    logits: torch.Tensor | None  # [k, V] raw draft logits the tokens were chosen from; None = deterministic proposal
+    # deterministic proposals only: [k, 3] confidence in the draft_stats layout (top-1, entropy, margin) the drafter
+    # assigns its tokens; None = certain ([1, 0, 1])
+    confidence: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @classmethod
+    def empty(cls, device: torch.device) -> DraftBlock:
+        return cls(torch.empty(0, dtype=torch.long, device=device), None)
+
+
+@dataclass
+class TeacherForced:
+    """What a drafter proposes at each generated position of a sequence the target wrote, given the true prefix
+    (row g: the proposal made on top of ``ids[:start + g]``).
+
+    ``tokens`` [G, w] long, -1 after a proposal's end. ``chained=False`` (w = 1): the drafter's next token after an
+    accepted one is its proposal from the next row (a token-level model reads only tokens, which equal the target's
+    once accepted), so accepted runs are read down the rows. ``chained=True``: row g is the whole block the drafter
+    would propose from there (n-gram copies, feature heads whose later tokens read the draft's own features).
+    ``logits`` [G, V]: the raw draft logits of each row's first token (None for deterministic proposals);
+    ``confidence`` [G, 3]: (top-1, entropy, margin) of it, when ``logits`` is None.
+    """
+
+    tokens: torch.Tensor
+    chained: bool
+    logits: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+
+
+class Drafter:
+    """The drafter protocol, with the defaults of the optional parts. A drafter proposes up to k tokens after a
+    committed context, owns whatever state it keeps between steps (a KV cache, nothing at all) and is told, after
+    verification, how many of its tokens the target accepted, so it can roll that state back exactly.
+
+    Feature drafters (EAGLE-3 heads) read the target's hidden states: they list the target layers they need in
+    ``aux_layers`` (HF ``output_hidden_states`` indices: the input of decoder layer i), and after every target pass
+    the decoder hands them those states for the newly committed positions (``extend_features``). Token-level
+    drafters keep ``aux_layers = ()`` and never see a hidden state.
+    """
+
+    name: str
+    vocab_size: int | None = None  # logits width; None for drafters without a distribution (n-gram)
+    aux_layers: tuple[int, ...] = ()
+
+    def reset(self) -> None:
+        """Forget all per-request state; called before each request."""
+
+    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None = None,
+                stop: StopFn | None = None) -> DraftBlock:
+        """context [n]: committed tokens (prompt + output so far). Return at most k tokens."""
+        raise NotImplementedError
+
+    def accept(self, n_accepted: int) -> None:
+        """The target accepted the first n_accepted tokens of the last proposal."""
+
+    def peek(self, context: torch.Tensor) -> tuple[float, float, float] | None:
+        """For drafters whose proposal is a cheap lookup (n-gram): the confidence (top-1, entropy, margin) of the
+        proposal ``propose`` would make now, or None when it would propose nothing. ``peekable`` says whether a
+        drafter implements it."""
+        return None
+
+    peekable: bool = False
+
+    def extend_features(self, aux: torch.Tensor) -> None:
+        """Feature drafters: ``aux`` [m, len(aux_layers) * H], the target's hidden states at the next m committed
+        positions (in order; position t's row is read with token t + 1). After every target pass the drafter holds
+        rows for every committed position but the last."""
+
+    def teacher_force(self, ids: torch.Tensor, start: int, k_max: int,
+                      aux: torch.Tensor | None = None) -> TeacherForced:
+        """Proposals at every position ``start .. len(ids) - 1`` given the true prefix (see ``TeacherForced``);
+        ``aux`` [len(ids), A]: the target's hidden states at ``aux_layers`` for feature drafters. The default asks
+        ``propose`` position by position (chained blocks)."""
+        rows = []
+        for g in range(start, ids.shape[0]):
+            self.reset()
+            if aux is not None and self.aux_layers:
+                self.extend_features(aux[: g - 1])
+            block = self.propose(ids[:g], k_max, SamplingConfig(), None)
+            row = torch.full((k_max,), -1, dtype=torch.long, device=ids.device)
+            row[: block.k] = block.tokens
+            conf = block.confidence[0] if block.confidence is not None and block.k else None
+            rows.append((row, block.k, conf))
+        self.reset()
+        tokens = torch.stack([r[0] for r in rows]) if rows else torch.empty(0, k_max, dtype=torch.long)
+        conf = torch.tensor([[0.0, 0.0, 0.0] if n == 0 else ([1.0, 0.0, 1.0] if c is None else c.tolist())
+                             for _, n, c in rows]).view(-1, 3)
+        return TeacherForced(tokens, chained=True, confidence=conf)
+
+
+# ---------------------------------------------------------------------- policies
+class Policy:
+    """The policy protocol, with no-op defaults; subclasses override ``decide`` and whatever else they use. A policy
+    never touches models or caches. ``None`` as the decoder's policy means autoregressive decoding."""
+
+    name: str = "policy"
+    needs_token_feedback: bool = False
+    uses_peeks: bool = False  # fill DecodeState.peeks before each decision (one lookup per peekable drafter)
+
+    def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
+        """Fail before decoding if this policy cannot run with these drafters and this k limit."""
+
+    def reset(self, request: RequestInfo) -> None:
+        """A new request starts."""
+
+    def decide(self, state: DecodeState) -> Decision:
+        raise NotImplementedError
+
+    def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
+        """Called after each drafted token when ``needs_token_feedback``; True ends the block after this token."""
+        return False
+
+    def observe(self, record: StepRecord) -> None:
+        """The outcome of the step just taken."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"

@@ -1,0 +1,134 @@
+"""Pipeline stages wired together; ``scripts/train.py`` runs ``run(cfg)`` on a composed Hydra config.
+
+Stages (``cfg.stages``, run in order; each reads and writes files in the run directory, one module each):
+- ``distill``: distil a draft from the target on the training prompts (``distill/draft``, loadable by transformers);
+  later stages add it to the drafters as ``distilled``.
+- ``head``: train an EAGLE-3 feature head on the same data (``head/head``); later stages add it as ``feature``.
+- ``collect``: profile the cost model (``cost.json``), collect teacher-forced traces over the train/val/test prompts
+  (``traces/tf``) and a live sample with the configured policy (``traces/live``).
+- ``fit``: train each configured predictor on the traces, tune its decision rule on val traces and save the policy
+  artifact (``policies/<predictor>``).
+- ``evaluate``: every policy on held-out test prompts, simulated and live (``eval.json``, ``eval.md``, plots).
+- ``export``: transformers and vLLM settings for each policy (``export/<predictor>``).
+- ``decode``: a quick live comparison of the configured policy with autoregressive decoding (``decode.json``).
+
+A finished stage leaves ``<stage>.json``; running again in the same directory (``hydra.run.dir=<run dir>``) skips
+finished stages and resumes unfinished ones (collection by chunk, distillation from its last checkpoint).
+``from_run=<dir>`` reads artifacts this run lacks from an earlier run of the same target. A ``RunContext`` loads the
+target, drafters, cost model and traces once for all stages of a run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from sacpolicy.decoding import DecoderConfig
+from sacpolicy.io import write_json
+from sacpolicy.pipeline.context import PipelineError, RunContext
+from sacpolicy.training.distill import DistillSettings
+from sacpolicy.training.eagle3 import Eagle3Settings
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("distill", "head", "collect", "fit", "evaluate", "export", "decode")
+
+__all__ = ["PipelineError", "RunContext", "STAGES", "build_drafters", "metric_of", "run", "validate"]
+
+# Config groups whose options are dataclasses, registered from them: the dataclass is the one home of the defaults.
+# ``decoder=default``: the decoder's settings; ``head=eagle3``: the EAGLE-3 head of stage ``head``.
+ConfigStore.instance().store(group="decoder", name="default",
+                             node={"_target_": "sacpolicy.decoding.DecoderConfig", **asdict(DecoderConfig())})
+ConfigStore.instance().store(group="distill", name="base", node=asdict(DistillSettings()))  # fkl.yaml extends it
+ConfigStore.instance().store(group="head", name="eagle3", node={
+    "_target_": "sacpolicy.training.eagle3.Eagle3Settings", **asdict(Eagle3Settings()), "seed": "${seed}"})
+
+
+def validate(cfg: DictConfig) -> None:
+    """Fail early, with the fix, on settings that would only break deep inside a stage."""
+    unknown = [s for s in cfg.stages if s not in STAGES]
+    if unknown:
+        raise PipelineError(f"unknown stage(s) {unknown}; stages are {list(STAGES)} (e.g. stages=[collect,fit])")
+    device = str(cfg.target.get("device", "auto"))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PipelineError(
+            f"target {cfg.target.spec} is configured for device={device} but no CUDA GPU is visible; run it on a GPU "
+            "machine (GPU presets also need Hub access to download the models), or pick a CPU preset "
+            "(experiment=embedded_cpu or experiment=smoke)"
+        )
+    if cfg.get("from_run"):
+        src = Path(cfg.from_run)
+        if not (src / "config.yaml").is_file():
+            raise PipelineError(f"from_run={src} is not a sacpolicy run directory (no config.yaml); point it at the "
+                                "output directory of an earlier scripts/train.py run")
+        old = OmegaConf.load(src / "config.yaml")
+        if old.target.spec != cfg.target.spec:
+            raise PipelineError(f"from_run={src} was made with target {old.target.spec!r}, this run uses "
+                                f"{cfg.target.spec!r}; reuse a run of the same target or drop from_run")
+
+
+def build_drafters(cfg: DictConfig, target, out_dir: Path) -> list:
+    """The drafters a run over ``out_dir`` builds for ``target`` (the distilled draft first, then ``cfg.draft``)."""
+    ctx = RunContext(cfg, out_dir)
+    ctx.target = target
+    return ctx.drafters
+
+
+def metric_of(outputs: dict) -> float:
+    """The number sweeps optimize: the best learned policy's live tokens/s when evaluated, else the decode stage's."""
+    if "evaluate" in outputs:
+        rows = json.loads(Path(outputs["evaluate"]["eval"]).read_text())["rows"]
+        learned = [r["tokens_per_s"] for r in rows if r["name"].startswith("learned") and r["mode"] == "live"]
+        learned = learned or [r["tokens_per_s"] for r in rows if r["name"].startswith("learned")]
+        if learned:
+            return max(learned)
+    if "decode" in outputs:
+        return outputs["decode"]["rows"]["policy"]["tokens_per_s"]
+    return float("nan")
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run the configured stages (skipping those this run directory already finished). Returns each stage's summary
+    and ``metric``, the number a sweep optimizes."""
+    from sacpolicy.tracking import make_tracker
+
+    validate(cfg)
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out_dir / "config.yaml", resolve=False)
+    tracker = make_tracker(cfg.get("tracker"), out_dir, OmegaConf.to_container(cfg, resolve=False))
+    ctx = RunContext(cfg, out_dir, tracker)
+    outputs: dict = {}
+    try:
+        for stage in cfg.stages:
+            done = out_dir / f"{stage}.json"
+            if done.exists():
+                logger.info("stage %s already finished in %s: skipped (delete %s to rerun it)", stage, out_dir, done)
+                outputs[stage] = json.loads(done.read_text())
+                continue
+            t0 = time.perf_counter()
+            logger.info("stage %s", stage)
+            summary = importlib.import_module(f"sacpolicy.pipeline.{stage}").run(ctx)
+            summary["stage_s"] = time.perf_counter() - t0
+            write_json(done, summary)
+            outputs[stage] = summary
+            tracker.log({"seconds": summary["stage_s"]}, stage)
+            logger.info("stage %s done in %.1fs", stage, summary["stage_s"])
+        outputs["metric"] = metric_of(outputs)
+        if "evaluate" in outputs:
+            from sacpolicy.pipeline.report import write_run_report
+
+            outputs["report"] = str(write_run_report(cfg, out_dir, outputs))
+        tracker.summary({"metric": outputs["metric"]})
+    finally:
+        tracker.finish()
+    return outputs

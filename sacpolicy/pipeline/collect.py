@@ -1,0 +1,49 @@
+"""Stage ``collect``: the cost model profiled on this device (``cost.json``), teacher-forced traces over the
+train/val/test prompts (``traces/tf``) and a live sample with the configured policy (``traces/live``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from omegaconf import OmegaConf
+
+from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext
+
+logger = logging.getLogger(__name__)
+
+
+def run(ctx: RunContext) -> dict:
+    from hydra.utils import instantiate
+
+    from sacpolicy.data import split_prompts
+    from sacpolicy.profiling import profile
+    from sacpolicy.runtime.cost import CostModel
+    from sacpolicy.traces.collect import collect_live, collect_teacher_forced
+
+    cfg, c, target = ctx.cfg, ctx.cfg.collect, ctx.target
+    drafters = ctx.drafters
+    if not drafters:
+        raise PipelineError("collect needs at least one drafter (draft=[ngram], or a distill stage); got none")
+    prompts = split_prompts(instantiate(cfg.data)(tokenizer=target.tokenizer))
+    chosen = {s: ctx.take(prompts[s], c.num_prompts[s]) for s in SPLITS}
+    cost_path = ctx.out_dir / "cost.json"
+    if not cost_path.exists():
+        logger.info("profiling the cost model on %s", target.device)
+        profile(target.model, drafters, **OmegaConf.to_container(c.profile)).to_json(cost_path)
+    cost = CostModel.from_json(cost_path)
+    meta = {"target": target.spec, "vocab_size": int(target.model.get_output_embeddings().out_features)}
+    t0 = time.perf_counter()
+    collect_teacher_forced(target, drafters, [r for s in SPLITS for r in chosen[s]], ctx.out_dir / "traces" / "tf",
+                           max_new_tokens=c.max_new_tokens, meta=meta, sampling=instantiate(cfg.sampling),
+                           k_max=c.k_max, shard=c.shard, chunk_size=c.chunk_size)
+    tf_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    live = chosen["val"][: c.live_prompts]
+    if live:
+        collect_live(ctx.decoder(), live, ctx.out_dir / "traces" / "live", max_new_tokens=c.max_new_tokens,
+                     meta=meta, shard=c.shard, chunk_size=c.chunk_size)
+    return {"target": target.spec, "drafters": [d.name for d in drafters],
+            "prompts": {s: len(chosen[s]) for s in SPLITS}, "teacher_forced_s": tf_s,
+            "live_s": time.perf_counter() - t0, "live_prompts": len(live), "cost_model": str(cost_path),
+            "verify_s_k0_ctx256": cost.verify_time(0, 256)}

@@ -1,0 +1,147 @@
+"""The run context: one run directory, its config, and everything stages share, each loaded once (the target, the
+drafters, the cost model, the traces, the best static setting on validation traces)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import sys
+from functools import cached_property
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from sacpolicy.build import build_drafter
+from sacpolicy.decoding import SpeculativeDecoder
+from sacpolicy.io import write_json
+from sacpolicy.runtime.spec import DrafterSpec
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+
+
+class PipelineError(ValueError):
+    pass
+
+
+class RunContext:
+    def __init__(self, cfg: DictConfig, out_dir: Path, tracker=None):
+        self.cfg, self.out_dir, self.tracker = cfg, Path(out_dir), tracker
+
+    # ------------------------------------------------------------------ artifacts of this run or from_run
+    def find(self, rel: str) -> Path | None:
+        """An artifact of this run, else of ``from_run``, else of the run that one reused from (and so on)."""
+        seen, base, src = set(), self.out_dir, self.cfg.get("from_run")
+        while base is not None and base.resolve() not in seen:
+            if (base / rel).exists():
+                return base / rel
+            seen.add(base.resolve())
+            base = Path(src) if src else None
+            cfg = base / "config.yaml" if base else None
+            src = OmegaConf.load(cfg).get("from_run") if cfg is not None and cfg.is_file() else None
+        return None
+
+    def need(self, rel: str, stage: str) -> Path:
+        path = self.find(rel)
+        if path is None:
+            raise PipelineError(f"stage {stage} needs {rel}, which neither this run nor from_run has; run the stage "
+                                f"that makes it first (e.g. stages=[collect,{stage}]) or set from_run=<an earlier run "
+                                "dir>")
+        return path
+
+    # ------------------------------------------------------------------ models and drafters
+    @cached_property
+    def target(self):
+        return instantiate(self.cfg.target)
+
+    def drafter_specs(self) -> list[DrafterSpec]:
+        """The run's drafters (``cfg.draft``, a multi-select group of ``DrafterSpec``s) after the drafts this run (or
+        from_run) trained: the distilled draft (``distilled``) and the EAGLE-3 head (``feature``)."""
+        specs = []
+        draft_dir = self.find("distill/draft")
+        if draft_dir is not None:
+            specs.append(DrafterSpec(kind="model", name="distilled", path=str(draft_dir.resolve())))
+        head_dir = self.find("head/head")
+        if head_dir is not None:
+            specs.append(DrafterSpec(kind="feature", name="feature", path=str(head_dir.resolve())))
+        for key, node in (self.cfg.get("draft") or {}).items():
+            specs.append(instantiate(node, name=node.get("name") or key))
+        return specs
+
+    @cached_property
+    def drafters(self) -> list:
+        return [build_drafter(s, self.target) for s in self.drafter_specs()]
+
+    def decoder(self, policy=None, drafters=None) -> SpeculativeDecoder:
+        """A decoder over the run's drafters (or ``drafters``) with ``policy`` (default: the configured one)."""
+        cfg = self.cfg
+        return SpeculativeDecoder(self.target.model, self.drafters if drafters is None else drafters,
+                                  policy if policy is not None else instantiate(cfg.policy),
+                                  sampling=instantiate(cfg.sampling), config=instantiate(cfg.decoder),
+                                  stop_token_ids=self.target.eos_token_ids)
+
+    # ------------------------------------------------------------------ data
+    def prompts(self, split: str | None = None):
+        from sacpolicy.data import split_prompts
+
+        return split_prompts(instantiate(self.cfg.data)(tokenizer=self.target.tokenizer))[split or self.cfg.run.split]
+
+    def take(self, rows, n) -> list:
+        """n prompts drawn at random (seeded) from a split, so a sample mixes its sources and categories."""
+        rows = rows.shuffle(seed=self.cfg.seed) if hasattr(rows, "shuffle") else rows
+        return [rows[i] for i in range(len(rows) if n is None else min(n, len(rows)))]
+
+    @cached_property
+    def cost(self):
+        from sacpolicy.runtime.cost import CostModel
+
+        return CostModel.from_json(self.need("cost.json", "fit"))
+
+    @cached_property
+    def traces(self):
+        """The run's teacher-forced traces (or from_run's): (grouped by prompt, {split: grouped}, trace dir, meta)."""
+        from sacpolicy.data import assign_split
+        from sacpolicy.traces.schema import load_traces, read_meta
+        from sacpolicy.traces.simulate import group_traces
+
+        tf_dir = self.need("traces/tf", "fit")
+        grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=self.cfg.target.spec))
+        by_split = {s: {} for s in SPLITS}
+        for pid, p in grouped.items():
+            by_split[assign_split(pid)][pid] = p
+        return grouped, by_split, tf_dir, read_meta(tf_dir)
+
+    @property
+    def soft_labels(self) -> bool:
+        """Traces of sampled decoding label a drafted token with its acceptance probability beta, not 0/1."""
+        return float(self.traces[3]["sampling"].get("temperature", 0.0)) > 0.0
+
+    @cached_property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size (its LM head's rows), as the traces recorded it."""
+        meta = self.traces[3]
+        return int(meta["vocab_size"]) if "vocab_size" in meta else int(
+            self.target.model.get_output_embeddings().out_features)
+
+    def best_static(self) -> dict:
+        """The best static (drafter, k) on validation traces, up to ``fit.k_max``: computed once per run
+        (``best_static.json``) and shared by rule tuning and evaluation."""
+        from sacpolicy.traces.simulate import best_static
+
+        path = self.out_dir / "best_static.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        best = best_static(self.traces[1]["val"], self.cost, vocab_size=self.vocab_size, k_max=self.cfg.fit.k_max)
+        write_json(path, best["all"])
+        return best["all"]
+
+    # ------------------------------------------------------------------ logging
+    def lightning_logger(self):
+        return instantiate(self.cfg.logger) if self.cfg.get("logger") else None
+
+
+def command() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])

@@ -1,0 +1,37 @@
+"""Stage ``distill``: a token-level draft distilled from the target (``distill/draft``, loadable by transformers);
+later stages add it to the drafters as ``distilled``."""
+
+from __future__ import annotations
+
+from hydra.utils import instantiate
+
+from sacpolicy.pipeline.context import RunContext
+
+
+def run(ctx: RunContext) -> dict:
+    from sacpolicy.training.distill import train_draft
+
+    settings = instantiate(ctx.cfg.distill)
+    metrics = train_draft(ctx.target, distill_data(ctx, settings), settings, instantiate(ctx.cfg.trainer),
+                          ctx.out_dir / "distill", ctx.lightning_logger())
+    return {"target": ctx.target.spec, "draft_dir": str(ctx.out_dir / "distill" / "draft"), **metrics}
+
+
+def distill_data(ctx: RunContext, settings):
+    """The target's continuations of the training prompts (and of its own synthetic requests) and held-out ones,
+    generated once and cached (``$SACPOLICY_CACHE/distill``): what every draft trains on (token-level and heads)."""
+    from sacpolicy.data import load_prompt_mix, split_prompts
+    from sacpolicy.training.distill_data import DistillDataModule
+
+    cfg, target = ctx.cfg, ctx.target
+    max_tokens = cfg.data.max_prompt_tokens
+    train = split_prompts(load_prompt_mix(settings.prompts, tokenizer=target.tokenizer,
+                                          max_prompt_tokens=max_tokens))["train"]
+    # early stopping watches what the draft is for: greedy agreement on held-out first turns
+    val = split_prompts(load_prompt_mix(settings.val_prompts, tokenizer=target.tokenizer,
+                                        max_prompt_tokens=max_tokens))["val"]
+    fixed = None
+    if settings.fixed_text:
+        fixed = load_prompt_mix(settings.fixed_text, tokenizer=target.tokenizer, chat=False,
+                                max_prompt_tokens=max_tokens)
+    return DistillDataModule(target, train, val, fixed_text=fixed, seed=cfg.seed, **settings.data)

@@ -1,0 +1,32 @@
+"""Stage ``export``: per policy, vLLM's speculative_config and, when the policy has a model drafter, the
+transformers generation_config settings for stock assisted generation (``export/<predictor>``)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+from sacpolicy.pipeline.context import RunContext
+
+logger = logging.getLogger(__name__)
+
+
+def run(ctx: RunContext) -> dict:
+    from sacpolicy.export.hf import export_generation_config
+    from sacpolicy.export.vllm import write_vllm_config
+    from sacpolicy.runtime.artifact import ArtifactError
+
+    out = {}
+    for name in ctx.cfg.predictor:
+        policy_dir = ctx.need(f"policies/{name}", "export")
+        dest = ctx.out_dir / "export" / name
+        dest.mkdir(parents=True, exist_ok=True)
+        out[name] = {"runtime": str(policy_dir), "vllm": str(write_vllm_config(policy_dir, dest / "vllm.json"))}
+        draft_dir = ctx.find("distill/draft")
+        if draft_dir is not None and (draft_dir / "generation_config.json").is_file():
+            shutil.copyfile(draft_dir / "generation_config.json", dest / "generation_config.json")
+        try:
+            out[name]["transformers"] = export_generation_config(policy_dir, dest)
+        except ArtifactError as exc:  # no model drafter among the policy's drafters
+            logger.info("no transformers export for %s: %s", name, exc)
+    return out

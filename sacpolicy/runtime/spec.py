@@ -1,0 +1,68 @@
+"""THE drafter spec: how to rebuild a drafter, as plain data. Hydra configs (``conf/draft/*``) instantiate it,
+policy artifacts store it as JSON, and ``sacpolicy.build.build_drafter(spec, target)`` turns it into a drafter.
+numpy-free plain Python, so production decoders read artifacts without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM
+
+# kind -> (required fields, optional fields) besides kind and name
+KINDS = {
+    "model": (("path",), ()),  # a draft model sharing the target's tokenizer: a draft dir or any model spec
+    "ngram": ((), ("max_ngram", "min_ngram")),  # prompt lookup
+    "layer_skip": (("layers",), ()),  # the target's first `layers` layers, sharing its weights
+    "feature": (("path",), ()),  # an EAGLE-3 head over the target's hidden states (a head dir)
+}
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: str
+    name: str
+    path: str | None = None
+    layers: int | None = None
+    max_ngram: int = MAX_NGRAM
+    min_ngram: int = MIN_NGRAM
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise SpecError(f"drafter {self.name!r} has kind {self.kind!r}; kinds are {sorted(KINDS)}")
+        missing = [f for f in KINDS[self.kind][0] if getattr(self, f) is None]
+        if missing:
+            raise SpecError(f"{self.kind} drafter {self.name!r} needs {missing} (e.g. draft.{self.name}."
+                            f"{missing[0]}=...)")
+        if self.kind == "ngram" and not 1 <= self.min_ngram <= self.max_ngram:
+            raise SpecError(f"n-gram drafter {self.name!r} needs 1 <= min_ngram <= max_ngram, got "
+                            f"{self.min_ngram}, {self.max_ngram}")
+        if self.kind == "layer_skip" and int(self.layers) < 1:
+            raise SpecError(f"layer-skip drafter {self.name!r} needs layers >= 1, got {self.layers}")
+
+    def to_dict(self) -> dict:
+        """{"kind": ..., <the kind's fields>}: the JSON form (the name is the key it is stored under)."""
+        required, optional = KINDS[self.kind]
+        return {"kind": self.kind, **{f: getattr(self, f) for f in required + optional}}
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> DrafterSpec:
+        kind = d.get("kind")
+        if kind not in KINDS:
+            raise SpecError(f"drafter {name!r} has kind {kind!r}; kinds are {sorted(KINDS)}")
+        required, optional = KINDS[kind]
+        keys = set(d) - {"kind", "name"}
+        if not set(required) <= keys or not keys <= set(required) | set(optional):
+            raise SpecError(f"{kind} drafter {name!r} has keys {sorted(keys)}; it needs {sorted(required)}"
+                            + (f" and may have {sorted(optional)}" if optional else ""))
+        return cls(kind=kind, name=name, **{k: d[k] for k in keys})
+
+    def resolved(self) -> DrafterSpec:
+        """Local paths made absolute (a model spec that is no local path is left as it is)."""
+        if self.path is not None and Path(self.path).exists():
+            return DrafterSpec(**{**vars(self), "path": str(Path(self.path).resolve())})
+        return self

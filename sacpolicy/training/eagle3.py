@@ -1,0 +1,243 @@
+"""Train an EAGLE-3 head on a frozen target with the training-time test (TTT), as a LightningModule.
+
+    from sacpolicy.training.eagle3 import Eagle3Settings, train_eagle3
+    metrics = train_eagle3(target, train_seqs, val_seqs, Eagle3Settings(steps=3), trainer_factory, "runs/eagle3")
+    drafter = load_feature_drafter(target, "runs/eagle3/head")        # sacpolicy.decoding.eagle3
+
+Loss (SpecForge's): at every continuation row and chain step j, the forward KL(p || q) (SpecForge's soft
+cross-entropy minus p's entropy: the same gradient, 0 at a perfect draft) of the draft distribution q to p, the
+target's distribution restricted to the draft vocabulary and renormalised; rows whose target argmax lies outside the
+draft vocabulary are masked; step weights 0.8^j.
+Validation: per step j, the greedy agreement with the target's argmax conditional on steps < j agreeing
+(``val/acc_step{j}``), and ``val/accept_len`` = sum_k prod_{i <= k} acc_i, the expected accepted tokens per block of
+``steps`` greedy drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from safetensors.torch import save_file
+
+from sacpolicy.decoding.eagle3 import (
+    CONFIG_FILE,
+    PROVENANCE_FILE,
+    WEIGHTS_FILE,
+    Eagle3Config,
+    Eagle3Head,
+    load_head,
+    vocab_hash,
+)
+from sacpolicy.io import write_json
+from sacpolicy.training.common import WarmupAdamW, config_hash
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Eagle3Module", "Eagle3Settings", "draft_vocabulary", "init_head", "load_head", "save_head", "train_eagle3"]
+
+
+@dataclass
+class Eagle3Settings:
+    """Everything an EAGLE-3 training run depends on."""
+
+    draft_vocab_size: int = 8192
+    aux_layer_ids: list | None = None  # None: [2, L // 2, L - 3]
+    steps: int = 3  # TTT steps (SpecForge trains 7)
+    step_decay: float = 0.8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    batch_size: int = 8
+    budget_minutes: float | None = 20.0
+    max_steps: int | None = None
+    patience: int = 4
+    val_check_interval: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not 0 < self.step_decay <= 1 or self.lr <= 0:
+            raise ValueError("eagle3 needs steps >= 1, 0 < step_decay <= 1 and lr > 0")
+        if not (self.budget_minutes or self.max_steps):
+            raise ValueError("give budget_minutes or max_steps: training needs a budget")
+
+    def identity(self) -> dict:
+        """What a checkpoint must agree on to be resumed (the budget may change between runs)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("budget_minutes", "max_steps", "patience")}
+
+
+def draft_vocabulary(sequences, target, size: int) -> torch.Tensor:
+    """The ``size`` most frequent target ids in the sequences' continuations (the target's stop tokens always in),
+    sorted: the draft vocabulary's target ids."""
+    from sacpolicy.training.distill_data import token_counts
+    from sacpolicy.training.drafts import select_vocab
+
+    vocab = int(target.model.config.vocab_size)
+    if not 0 < size <= vocab:
+        raise ValueError(f"draft_vocab_size must be in [1, {vocab}] (the target's vocabulary), got {size}")
+    return select_vocab(token_counts(list(sequences), vocab), size, always=target.eos_token_ids)
+
+
+@torch.no_grad()
+def init_head(target, config: Eagle3Config, draft_ids: torch.Tensor, seed: int = 0) -> Eagle3Head:
+    """A head for ``target`` (a ``LoadedModel``): fc random; the layer from the target's last decoder layer where the
+    shapes allow (q/k/v: the target's weights on the hidden half, small random on the embedding half; both input
+    norms from its input norm); final norm and LM-head rows (of the draft vocabulary) from the target's."""
+    model = target.model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = Eagle3Head(config, model.get_input_embeddings()).float()
+        last, layer, H = model.model.layers[-1], head.layers[0], config.hidden_size
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(last.self_attn, name).weight.float()
+            mine = getattr(layer.self_attn, name).weight
+            mine[:, H:] = w
+            mine[:, :H] = torch.randn_like(w) * 0.1 * w.std()
+        layer.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
+        layer.mlp.load_state_dict(last.mlp.state_dict())
+        for norm in (layer.input_layernorm, layer.hidden_norm):
+            norm.weight.copy_(last.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+        head.norm.weight.copy_(model.model.norm.weight)
+        ids = torch.as_tensor(draft_ids, dtype=torch.long)
+        head.lm_head.weight.copy_(model.get_output_embeddings().weight[ids.to(model.device)])
+        head.set_vocab(ids)
+    return head.to(target.device)
+
+
+class Eagle3Module(WarmupAdamW, L.LightningModule):
+    checkpoint_key, run_kind = "sacpolicy_eagle3_config", "EAGLE-3"
+
+    def __init__(self, head: Eagle3Head, target_lm_rows: torch.Tensor, settings: Eagle3Settings,
+                 config_id: dict | None = None):
+        super().__init__()
+        self.head = head
+        # [Vd, H]: the target's LM-head rows of the draft vocabulary (target logits on the fly); not saved
+        self.register_buffer("target_rows", target_lm_rows.detach().float(), persistent=False)
+        s = settings
+        self.steps, self.step_decay, self.lr = s.steps, s.step_decay, s.lr
+        self.weight_decay, self.warmup_steps = s.weight_decay, s.warmup_steps
+        self.config_hash = config_hash(config_id)
+        self._val = None  # per step: [correct, counted] under the conditional (all earlier steps right) mask
+
+    def _ttt(self, batch):
+        """-> (loss, per-step draft argmax [B, T] in target ids, per-step target top [B, T], per-step rows [B, T])."""
+        steps = self.head.ttt_forward(batch["input_ids"], batch["aux"], self.steps, batch["valid"])
+        with torch.no_grad():  # [B, T, Vd]: row u = the target at position u + 1, over the draft vocabulary
+            log_p = torch.log_softmax(batch["final"].float() @ self.target_rows.T, dim=-1)
+        B, T = batch["input_ids"].shape
+        u = torch.arange(T, device=self.device)
+        loss, preds, tops, rows = 0.0, [], [], []
+        for j, logits in enumerate(steps):
+            shift = torch.clamp(u + j, max=T - 1)  # step j at row t reads the target at row t + j
+            row = ((u + j)[None] < batch["length"][:, None]) & ((u + j)[None] >= batch["first"][:, None])
+            top = batch["top"][:, shift]
+            mask = row & self.head.t2d[top]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            kl = (log_p[:, shift].exp() * (log_p[:, shift] - logp)).sum(-1)  # [B, T]: soft CE minus p's entropy
+            loss = loss + self.step_decay ** j * (kl * mask).sum() / mask.sum().clamp_min(1)
+            preds.append(self.head.draft_ids[logits.argmax(-1)])
+            tops.append(top)
+            rows.append(row)
+        return loss, preds, tops, rows
+
+    def training_step(self, batch, batch_idx):
+        loss, *_ = self._ttt(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"EAGLE-3 loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); "
+                                     "lower the learning rate or rebuild the feature cache, then resume")
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def on_validation_epoch_start(self):
+        self._val = torch.zeros(self.steps, 2, device=self.device)
+
+    def validation_step(self, batch, batch_idx):
+        loss, preds, tops, rows = self._ttt(batch)
+        # chains that start where inference drafts (row t >= prompt_len - 1, i.e. first + 1) and stay in the sequence
+        start_ok = torch.arange(batch["input_ids"].shape[1], device=self.device)[None] > batch["first"][:, None]
+        prev = start_ok
+        for j in range(self.steps):
+            counted = prev & rows[j]
+            right = counted & (preds[j] == tops[j])
+            self._val[j] += torch.stack([right.sum(), counted.sum()]).float()
+            prev = right
+        self.log("val/loss", loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+
+    def on_validation_epoch_end(self):
+        counts = self.trainer.strategy.reduce(self._val, reduce_op="sum") if self.trainer is not None else self._val
+        acc = counts[:, 0] / counts[:, 1].clamp_min(1)
+        for j in range(self.steps):
+            self.log(f"val/acc_step{j}", acc[j], sync_dist=False)
+        self.log("val/accept_len", torch.cumprod(acc, 0).sum(), prog_bar=True, sync_dist=False)
+
+
+# ---------------------------------------------------------------------- checkpoint files
+def save_head(head: Eagle3Head, out_dir, provenance: dict) -> Path:
+    """Write our checkpoint: ``model.safetensors`` (speculators names, no embedding), ``config.json``,
+    ``provenance.json``. JSON and safetensors only; written to a temporary sibling, then renamed."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS_FILE))
+    write_json(tmp / CONFIG_FILE, head.config.to_dict())
+    write_json(tmp / PROVENANCE_FILE, provenance)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------- the whole stage
+def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer_factory, out_dir, logger=None,
+                 callbacks=(), progress: bool = True) -> dict:
+    """Train a head for ``target`` on sequences (rows with ``input_ids``, ``prompt_len``), resuming from
+    ``out_dir/checkpoints/last.ckpt``; features cached under ``out_dir/features``; the best head (by
+    ``val/accept_len``) saved to ``out_dir/head``. ``trainer_factory(**kwargs)`` builds a ``lightning.Trainer``."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from sacpolicy.training.eagle3_data import build_feature_cache, collate_features
+
+    s, out_dir = settings, Path(out_dir)
+    config = Eagle3Config.from_target(target.model.config, s.draft_vocab_size, s.aux_layer_ids, verifier=target.spec,
+                                      vocab_hash=vocab_hash(target.tokenizer))
+    draft_ids = draft_vocabulary(train_seqs, target, s.draft_vocab_size)
+    head = init_head(target, config, draft_ids, seed=s.seed)
+    caches = {split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
+                                         progress=progress)
+              for split, seqs in (("train", train_seqs), ("val", val_seqs))}
+    rows = target.model.get_output_embeddings().weight[draft_ids.to(target.device)]
+    module = Eagle3Module(head, rows, s, config_id={"target": target.spec, "draft_ids": draft_ids.tolist(),
+                                                 **s.identity()})
+    ckpt_dir = out_dir / "checkpoints"
+    best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/accept_len", mode="max", save_last=True)
+    kwargs = {"callbacks": [best, EarlyStopping(monitor="val/accept_len", mode="max", patience=s.patience,
+                                                check_on_train_epoch_end=False), *callbacks],
+              "logger": logger if logger is not None else False, "val_check_interval": s.val_check_interval}
+    if s.budget_minutes:
+        kwargs["max_time"] = {"minutes": s.budget_minutes}
+    if s.max_steps:
+        kwargs["max_steps"] = s.max_steps
+    trainer = trainer_factory(**kwargs)
+    gen = torch.Generator().manual_seed(s.seed)
+    train_dl = DataLoader(caches["train"], batch_size=s.batch_size, shuffle=True, generator=gen,
+                          collate_fn=collate_features)
+    val_dl = DataLoader(caches["val"], batch_size=s.batch_size, collate_fn=collate_features)
+    last = ckpt_dir / "last.ckpt"
+    trainer.fit(module, train_dl, val_dl, ckpt_path=str(last) if last.is_file() else None)
+    if best.best_model_path:
+        module.load_state_dict(torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"])
+    score = best.best_model_score
+    metrics = {"val/accept_len": None if score is None else float(score), "global_step": trainer.global_step}
+    if trainer.is_global_zero:
+        save_head(head, out_dir / "head", {"settings": asdict(s), "metrics": metrics, "target": target.spec,
+                                           "train_sequences": len(caches["train"])})
+    return metrics

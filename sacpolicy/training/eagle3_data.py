@@ -1,0 +1,168 @@
+"""EAGLE-3 training data: the target's hidden states over token sequences, computed once and cached on disk.
+
+One teacher-forced target pass per batch of sequences (prompt + target continuation) captures, per position p:
+``aux`` [A] the inputs of the decoder layers the head reads (forward pre-hooks on ``model.model.layers[i]``: only
+those layers, never ``output_hidden_states``), ``final`` [H] the final (post-norm) hidden state, from which training
+computes the target's logits over the draft vocabulary with the target's LM-head rows, and ``top`` the target's
+full-vocabulary argmax (which the draft vocabulary may miss). Stored as fp16 safetensors shards under one directory:
+
+    meta.json                 format, aux layer ids, target, sequence count and hash, shard size
+    shard-00000.safetensors   input_ids [N] int32, aux [N, A], final [N, H], top [N] int32 (N = the shard's tokens),
+                              offsets [S + 1] int64 (sequence s = rows offsets[s] .. offsets[s + 1]), prompt_len [S]
+
+A shard that exists is complete (written to a temporary name, then renamed), so an interrupted build resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+
+from sacpolicy.decoding.aux import AuxCapture
+from sacpolicy.io import write_json
+
+FEATURE_FORMAT = 1
+META_FILE = "meta.json"
+
+
+@torch.inference_mode()
+def capture_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids):
+    """One target pass: input_ids, attention_mask [B, T] -> aux [B, T, len(layer_ids) * H] (the inputs of decoder
+    layers ``layer_ids``, in that order), final [B, T, H] (post-norm last hidden state)."""
+    capture = AuxCapture(model, layer_ids)
+    with capture:
+        final = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return capture.batch(layer_ids), final
+
+
+def sequences_hash(sequences) -> str:
+    h = hashlib.sha256()
+    for r in sequences:
+        h.update(json.dumps([list(r["input_ids"]), int(r["prompt_len"])]).encode())
+    return h.hexdigest()[:16]
+
+
+def _shard_tensors(target, rows: list[dict], layer_ids, batch_size: int, dtype: torch.dtype) -> dict:
+    """The cached tensors of one shard's sequences (right-padded batches; real rows kept)."""
+    model, parts = target.model.eval(), {"input_ids": [], "aux": [], "final": [], "top": []}
+    head = model.get_output_embeddings()
+    for s in range(0, len(rows), batch_size):
+        chunk = rows[s : s + batch_size]
+        width = max(len(r["input_ids"]) for r in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(chunk):
+            ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            mask[i, : len(r["input_ids"])] = 1
+        aux, final = capture_features(model, ids.to(target.device), mask.to(target.device), layer_ids)
+        for i, r in enumerate(chunk):
+            n = len(r["input_ids"])
+            with torch.inference_mode():
+                parts["top"].append(head(final[i, :n]).argmax(-1).int().cpu())
+            parts["input_ids"].append(ids[i, :n].int())
+            parts["aux"].append(aux[i, :n].to(dtype).cpu())
+            parts["final"].append(final[i, :n].to(dtype).cpu())
+    out = {k: torch.cat(v).contiguous() for k, v in parts.items()}
+    if not (torch.isfinite(out["aux"]).all() and torch.isfinite(out["final"]).all()):
+        raise ValueError(f"the target's hidden states overflow {dtype}; build the feature cache with "
+                         "dtype=torch.bfloat16")
+    lens = torch.tensor([0] + [len(r["input_ids"]) for r in rows])
+    out["offsets"] = lens.cumsum(0)
+    out["prompt_len"] = torch.tensor([int(r["prompt_len"]) for r in rows], dtype=torch.int32)
+    return out
+
+
+def build_feature_cache(target, sequences, cache_dir, aux_layer_ids, *, batch_size: int = 8, shard_size: int = 64,
+                        dtype: torch.dtype = torch.float16, progress: bool = True) -> FeatureCache:
+    """Cache the target's features of ``sequences`` (rows with ``input_ids`` and ``prompt_len``) under ``cache_dir``;
+    shards already there are kept. A cache built for other layers, another target or other sequences is refused."""
+    from tqdm.auto import tqdm
+
+    cache_dir, rows = Path(cache_dir), list(sequences)
+    meta = {"format": FEATURE_FORMAT, "aux_layer_ids": [int(i) for i in aux_layer_ids], "target": target.spec,
+            "hidden_size": int(target.model.config.hidden_size), "sequences": len(rows),
+            "sequences_hash": sequences_hash(rows), "shard_size": shard_size, "dtype": str(dtype)}
+    old = cache_dir / META_FILE
+    if old.is_file():
+        _check_meta(json.loads(old.read_text()), meta, cache_dir)
+    else:
+        write_json(old, meta)
+    shards = range(0, len(rows), shard_size)
+    for k, s in enumerate(tqdm(shards, desc="EAGLE-3 features", disable=not progress)):
+        path = cache_dir / f"shard-{k:05d}.safetensors"
+        if path.is_file():
+            continue
+        tensors = _shard_tensors(target, rows[s : s + shard_size], meta["aux_layer_ids"], batch_size, dtype)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    return FeatureCache(cache_dir)
+
+
+def _check_meta(found: dict, wanted: dict, cache_dir: Path) -> None:
+    for key, what in (("format", "format"), ("aux_layer_ids", "aux layer ids"), ("target", "target"),
+                      ("hidden_size", "hidden size"), ("sequences_hash", "sequences"), ("shard_size", "shard size"),
+                      ("dtype", "dtype")):
+        if found.get(key) != wanted[key]:
+            raise ValueError(f"the feature cache at {cache_dir} was built for {what} {found.get(key)!r}, not "
+                             f"{wanted[key]!r}; delete it or pick another cache directory")
+
+
+class FeatureCache(Dataset):
+    """The sequences of a feature cache, read lazily (memory-mapped slices of the shards). Item: ``input_ids`` [n]
+    long, ``aux`` [n, A], ``final`` [n, H], ``top`` [n] long, ``prompt_len`` int."""
+
+    def __init__(self, cache_dir):
+        self.dir = Path(cache_dir)
+        self.meta = json.loads((self.dir / META_FILE).read_text())
+        self.aux_layer_ids = list(self.meta["aux_layer_ids"])
+        self._index = []  # (shard path, first row, last row, prompt_len) per sequence
+        for k in range(-(-self.meta["sequences"] // self.meta["shard_size"])):
+            path = self.dir / f"shard-{k:05d}.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(f"feature shard {path} is missing; rerun build_feature_cache to finish it")
+            with safe_open(str(path), framework="pt") as f:
+                offsets, plen = f.get_tensor("offsets").tolist(), f.get_tensor("prompt_len").tolist()
+            self._index += [(str(path), a, b, p) for a, b, p in zip(offsets[:-1], offsets[1:], plen)]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> dict:
+        path, a, b, plen = self._index[i]
+        with safe_open(path, framework="pt") as f:
+            item = {k: f.get_slice(k)[a:b] for k in ("input_ids", "aux", "final", "top")}
+        item["input_ids"], item["top"] = item["input_ids"].long(), item["top"].long()
+        item["prompt_len"] = plen
+        return item
+
+
+def collate_features(items: list[dict]) -> dict:
+    """Right-padded batch in the training-time-test layout: TTT row t pairs the target's aux at position t with token
+    x_{t+1}; its step-j draft predicts x_{t+2+j}, whose target distribution comes from ``final``/``top`` at row t + j.
+
+    input_ids [B, T] = x_{t+1}; aux [B, T, A]; final [B, T, H] and top [B, T] = the target at position t + 1;
+    valid [B, T] = row t exists; length [B] = rows; first [B] = prompt_len - 2, the first row whose prediction is a
+    continuation token (row u carries a training target when first <= u < length)."""
+    lens = [it["input_ids"].shape[0] - 1 for it in items]
+    B, T = len(items), max(lens)
+    A, H = items[0]["aux"].shape[-1], items[0]["final"].shape[-1]
+    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "aux": torch.zeros(B, T, A, dtype=items[0]["aux"].dtype),
+             "final": torch.zeros(B, T, H, dtype=items[0]["final"].dtype), "top": torch.zeros(B, T, dtype=torch.long),
+             "valid": torch.zeros(B, T, dtype=torch.bool)}
+    for b, (it, n) in enumerate(zip(items, lens)):
+        batch["input_ids"][b, :n] = it["input_ids"][1:]
+        batch["aux"][b, :n] = it["aux"][:n]
+        batch["final"][b, :n] = it["final"][1:]
+        batch["top"][b, :n] = it["top"][1:]
+        batch["valid"][b, :n] = True
+    batch["length"] = torch.tensor(lens)
+    batch["first"] = torch.tensor([it["prompt_len"] - 2 for it in items])
+    return batch

@@ -1,0 +1,247 @@
+"""EAGLE-3 feature head benchmark: train a head on the pipeline's distillation data with snapshots along the way, then
+measure every snapshot (and optionally a token-level draft) on held-out prompts.
+
+    python scripts/bench_eagle3.py train --workdir runs/eagle3 --budget-minutes 90 --curve 5,15,60
+    python scripts/bench_eagle3.py eval --workdir runs/eagle3 --token-draft outputs/<run>/distill/draft
+
+``train`` uses the default pipeline's data (``conf/distill``: the target's continuations of the training prompts,
+cached under $SACPOLICY_CACHE/distill) and head settings (``conf/head/eagle3.yaml``); overrides after ``--`` go to
+Hydra (e.g. ``-- head.steps=5 distill.data.synthetic.count=0``). Heads land in ``<workdir>/head/head`` (best on
+validation) and ``<workdir>/snapshots/<minutes>min``.
+
+``eval``, per draft, on held-out MT-Bench and HumanEval first turns (test split; greedy continuations of the target,
+teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted run >= k),
+SpecForge's simulated acceptance length sum_k prod_{i<=k} acc_i for blocks of 3 and of k_max tokens, mean beta at
+temperature 1 (sum_x min(p, q) of the first token), the draft step's cost over a target step (timed side by side),
+and live tokens/s of our decoder at static k against autoregressive decoding on the same prompts.
+Prints a Markdown table and writes bench_eagle3.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from sacpolicy.io import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class HeadSnapshots(L.Callback):
+    """Saves the head (``save_head``) after the given minutes of training."""
+
+    def __init__(self, minutes, out_dir: Path):
+        self.marks, self.out_dir, self.t0, self.done = sorted(minutes), out_dir, None, set()
+
+    def on_train_start(self, trainer, module):
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, *args):
+        from sacpolicy.training.eagle3 import save_head
+
+        elapsed = (time.perf_counter() - self.t0) / 60
+        for m in self.marks:
+            if m not in self.done and elapsed >= m and trainer.is_global_zero:
+                save_head(module.head, self.out_dir / f"{m:g}min", {"minutes": m, "step": trainer.global_step})
+                self.done.add(m)
+
+
+def compose(workdir: Path, overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import open_dict
+
+    import sacpolicy.pipeline  # noqa: F401  (registers the structured config nodes)
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(workdir)
+    return cfg
+
+
+def train(args) -> None:
+    from hydra.utils import instantiate
+
+    from sacpolicy.pipeline.context import RunContext
+    from sacpolicy.pipeline.distill import distill_data
+    from sacpolicy.training.eagle3 import train_eagle3
+
+    workdir = Path(args.workdir)
+    cfg = compose(workdir, [f"head.budget_minutes={args.budget_minutes}", "head.patience=1000", *args.overrides])
+    ctx = RunContext(cfg, workdir)
+    dm = distill_data(ctx, instantiate(cfg.distill))
+    dm.setup()
+    snaps = HeadSnapshots([float(m) for m in args.curve.split(",") if m], workdir / "snapshots")
+    factory = functools.partial(L.Trainer, accelerator="cpu", devices=1, max_epochs=1000, enable_progress_bar=True,
+                                default_root_dir=str(workdir))
+    metrics = train_eagle3(ctx.target, dm.train, dm.val, instantiate(cfg.head), factory, workdir / "head",
+                           callbacks=[snaps])
+    write_json(workdir / "train.json", {**metrics, "train_sequences": len(dm.train), "val_sequences": len(dm.val),
+                                        "train_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in dm.train),
+                                        "command": " ".join(sys.argv)})
+    print(metrics)
+
+
+# ---------------------------------------------------------------------- evaluation
+def held_out(target, n_new: int):
+    from sacpolicy.data import load_prompt_mix, split_prompts
+    from sacpolicy.training.distill_data import cached_dataset, generate_continuations
+
+    sets = {}
+    for name in ("mt_bench", "humaneval"):
+        test = split_prompts(load_prompt_mix([name], tokenizer=target.tokenizer))["test"]
+        sets[name] = (test, cached_dataset(f"bench-eagle3-{name}", f"{target.spec.replace(':', '_')}-{n_new}",
+                                           lambda t=test: generate_continuations(target, t, max_new_tokens=n_new,
+                                                                                 batch_size=16, progress=False)))
+    return sets
+
+
+def acceptance(target, drafter, seqs, k_max: int) -> dict:
+    """Teacher-forced over the target's greedy outputs, through the trace collector's own pass."""
+    from sacpolicy.traces.collect import teacher_forced_rows
+
+    rows = []
+    for r in seqs:
+        L_ = r["prompt_len"]
+        prompt = {"prompt_id": r["prompt_id"], "category": "", "input_ids": r["input_ids"][:L_]}
+        rows += teacher_forced_rows(target, [drafter], prompt, r["input_ids"][L_:], k_max=k_max)
+    runs = [r["run_len"] for r in rows]
+    ge = [sum(x >= k for x in runs) / len(runs) for k in range(1, k_max + 1)]  # P(run >= k) = prod_{i<=k} acc_i
+    return {"positions": len(runs), "step1": ge[0], "p_run_ge": ge, "accept_len_3": sum(ge[:3]),
+            f"accept_len_{k_max}": sum(ge), "mean_beta_t1": sum(r["beta"] for r in rows) / len(rows)}
+
+
+@torch.inference_mode()
+def step_cost(target, drafter, ids, reps: int = 20) -> float:
+    """Median seconds of one drafted token (a 4-token block's average, after the context is fed) over one cached
+    target step, measured alternately."""
+    from transformers import DynamicCache
+
+    from sacpolicy.decoding import SamplingConfig
+    from sacpolicy.decoding.aux import aux_pass
+
+    _, cap = aux_pass(target.model, ids, 1, drafter.aux_layers)
+    aux = cap.rows(drafter.aux_layers) if drafter.aux_layers else None
+    d, t = [], []
+    for _ in range(reps):
+        drafter.reset()
+        if aux is not None:
+            drafter.extend_features(aux[:-1])
+        drafter.propose(ids, 1, SamplingConfig())  # feeds the context
+        drafter.accept(1)
+        t0 = time.perf_counter()
+        drafter.propose(ids, 4, SamplingConfig())
+        d.append((time.perf_counter() - t0) / 4)
+        cache = DynamicCache(config=target.model.config)
+        target.model(input_ids=ids[:-1].view(1, -1), cache=cache, use_cache=True, logits_to_keep=1)
+        t0 = time.perf_counter()
+        target.model(input_ids=ids[-1:].view(1, -1), cache=cache, use_cache=True, logits_to_keep=1)
+        t.append(time.perf_counter() - t0)
+    return statistics.median(d) / statistics.median(t)
+
+
+def live(target, drafter, prompts, ks, n_new) -> dict:
+    """tokens/s of AR and of static k, interleaved prompt by prompt."""
+    from sacpolicy.decoding import SpeculativeDecoder
+    from sacpolicy.policy import Static
+
+    decs = {"ar": SpeculativeDecoder(target.model, [], None, stop_token_ids=target.eos_token_ids)}
+    decs |= {f"k{k}": SpeculativeDecoder(target.model, [drafter], Static(k), stop_token_ids=target.eos_token_ids)
+             for k in ks}
+    tokens, secs = dict.fromkeys(decs, 0), dict.fromkeys(decs, 0.0)
+    for dec in decs.values():
+        dec.generate(prompts[0], 8)  # warm-up
+    for ids in prompts:
+        for name, dec in decs.items():
+            r = dec.generate(ids, n_new)
+            tokens[name], secs[name] = tokens[name] + len(r.tokens), secs[name] + r.total_s
+    tps = {n: tokens[n] / secs[n] for n in decs}
+    best = max((n for n in tps if n != "ar"), key=tps.get)
+    return {"ar_tokens_per_s": tps["ar"], "best_k": int(best[1:]), "tokens_per_s": tps[best],
+            "speedup_vs_ar": tps[best] / tps["ar"], "per_k": {n: tps[n] / tps["ar"] for n in tps if n != "ar"}}
+
+
+def evaluate(args) -> None:
+    from sacpolicy.build import model_drafter
+    from sacpolicy.decoding.feature import load_feature_drafter
+    from sacpolicy.models import EMBEDDED_TARGET, load_model
+
+    workdir = Path(args.workdir)
+    target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
+    sets = held_out(target, args.max_new_tokens)
+    drafts = [(p.name, p) for p in sorted((workdir / "snapshots").glob("*min"), key=lambda p: float(p.name[:-3]))]
+    if (workdir / "head" / "head").is_dir():
+        drafts.append(("final (best on val)", workdir / "head" / "head"))
+    if args.token_draft:
+        drafts.append(("token-level draft", Path(args.token_draft)))
+    ks = [int(k) for k in args.ks.split(",")]
+    live_prompts = [r["input_ids"] for name in sets for r in sets[name][0]][:: 2][: args.live_prompts]
+    rows = []
+    for name, path in drafts:
+        is_head = (path / "config.json").is_file() and not (path / "generation_config.json").is_file()
+        drafter = load_feature_drafter(target, path) if is_head else model_drafter(target, str(path), name="draft")
+        row = {"name": name, "kind": "feature" if is_head else "token-level", "path": str(path)}
+        for set_name, (_, seqs) in sets.items():
+            row[set_name] = acceptance(target, drafter, seqs, args.k_max)
+        row["draft_cost"] = step_cost(target, drafter, torch.tensor(sets["mt_bench"][1][0]["input_ids"]))
+        if args.live and (name.startswith("final") or name == "token-level draft"):
+            row["live"] = live(target, drafter, live_prompts, ks, args.max_new_tokens)
+        rows.append(row)
+        print(row, flush=True)
+    meta = {"target": EMBEDDED_TARGET, "k_max": args.k_max, "max_new_tokens": args.max_new_tokens,
+            "prompts": {n: len(s[0]) for n, s in sets.items()}, "live_prompts": len(live_prompts), "ks": ks,
+            "torch_threads": torch.get_num_threads(), "workdir": str(workdir), "command": " ".join(sys.argv)}
+    write_json(args.out, {"rows": rows, "meta": meta})
+    print(markdown(rows, meta))
+
+
+def markdown(rows, meta) -> str:
+    k = meta["k_max"]
+    lines = [f"held-out test first turns: MT-Bench {meta['prompts']['mt_bench']} prompts, HumanEval "
+             f"{meta['prompts']['humaneval']} ({meta['max_new_tokens']} greedy tokens each, teacher-forced); live: "
+             f"{meta['live_prompts']} prompts", "",
+             f"| draft | step-1 acc MT-Bench | HumanEval | accept len (3) MT-Bench | HumanEval | accept len ({k}) "
+             "MT-Bench | mean beta T=1 MT-Bench | draft step / target step | live best k vs AR |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, h = r["mt_bench"], r["humaneval"]
+        lv = r.get("live")
+        lines.append(f"| {r['name']} | {m['step1']:.3f} | {h['step1']:.3f} | {m['accept_len_3']:.2f} | "
+                     f"{h['accept_len_3']:.2f} | {m[f'accept_len_{k}']:.2f} | {m['mean_beta_t1']:.3f} | "
+                     f"{r['draft_cost']:.3f} | "
+                     + (f"{lv['speedup_vs_ar']:.2f}x (k={lv['best_k']}, AR {lv['ar_tokens_per_s']:.1f} tok/s) |"
+                        if lv else "- |"))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--workdir", required=True)
+    t.add_argument("--budget-minutes", type=float, default=20.0)
+    t.add_argument("--curve", default="5,15,60", help="minutes at which to snapshot the head")
+    t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. head.steps=5")
+    e = sub.add_parser("eval")
+    e.add_argument("--workdir", required=True)
+    e.add_argument("--token-draft", default=None, help="a distilled token-level draft dir to measure alike")
+    e.add_argument("--k-max", type=int, default=8)
+    e.add_argument("--max-new-tokens", type=int, default=96)
+    e.add_argument("--live", action="store_true", help="also decode live (final head and token-level draft)")
+    e.add_argument("--live-prompts", type=int, default=8)
+    e.add_argument("--ks", default="2,3,4")
+    e.add_argument("--out", default="bench_eagle3.json")
+    args = ap.parse_args(argv)
+    train(args) if args.cmd == "train" else evaluate(args)
+
+
+if __name__ == "__main__":
+    main()
