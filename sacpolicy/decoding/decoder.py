@@ -27,6 +27,7 @@ from sacpolicy.decoding.sampling import (
     verify_greedy,
 )
 from sacpolicy.decoding.types import (
+    Autoregressive,
     Decision,
     DecodeState,
     DraftBlock,
@@ -64,13 +65,6 @@ class DecoderConfig:
             raise ValueError(f"cooldown_ema must be in (0, 1], got {self.cooldown_ema}")
 
 
-class _Autoregressive(Policy):
-    name = "ar"
-
-    def decide(self, state: DecodeState) -> Decision:
-        return Decision.autoregressive()
-
-
 class SpeculativeDecoder:
     def __init__(
         self,
@@ -88,7 +82,7 @@ class SpeculativeDecoder:
             if d.name in self.drafters:
                 raise ValueError(f"two drafters are named {d.name!r}; give each drafter a unique name")
             self.drafters[d.name] = d
-        self.policy = policy if policy is not None else _Autoregressive()
+        self.policy = policy if policy is not None else Autoregressive()
         self.sampling = sampling or SamplingConfig()
         self.config = config or DecoderConfig()
         self.vocab_size = int(target.get_output_embeddings().out_features)

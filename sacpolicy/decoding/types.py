@@ -18,7 +18,7 @@ import torch
 
 from sacpolicy.decoding.sampling import SamplingConfig
 
-__all__ = ["DecodeState", "Decision", "DraftBlock", "DraftToken", "Drafter", "GenerationResult", "Policy", "RequestInfo",
+__all__ = ["Autoregressive", "DecodeState", "Decision", "DraftBlock", "DraftToken", "Drafter", "GenerationResult", "Policy", "RequestInfo",
            "StepRecord", "StopFn", "TeacherForced"]
 
 
@@ -279,3 +279,12 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+
+class Autoregressive(Policy):
+    """Never draft: plain autoregressive decoding through the same loop (the decoder's default policy)."""
+
+    name = "ar"
+
+    def decide(self, state: DecodeState) -> Decision:
+        return Decision.autoregressive()

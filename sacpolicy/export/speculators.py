@@ -16,7 +16,6 @@ input of layer i + 1, so ours minus one). Neither file holds the token embedding
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from sacpolicy.decoding.eagle3 import (
     WEIGHTS_FILE,
     Eagle3Config,
 )
-from sacpolicy.io import write_json
+from sacpolicy.io import write_dir, write_json
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose Eagle3SpeculatorConfig this layout follows
 
@@ -52,19 +51,14 @@ def _legacy_rope(config: Eagle3Config) -> dict:
 
 def _write_dir(out_dir, config: dict, tensors: dict, head_dir) -> Path:
     """config.json + model.safetensors (+ our provenance), written to a temporary sibling and renamed."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    write_json(tmp / "config.json", config)
-    if (Path(head_dir) / PROVENANCE_FILE).is_file():
-        shutil.copy(Path(head_dir) / PROVENANCE_FILE, tmp / "sacpolicy_provenance.json")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
+    def fill(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        if (Path(head_dir) / PROVENANCE_FILE).is_file():
+            shutil.copy(Path(head_dir) / PROVENANCE_FILE, tmp / "sacpolicy_provenance.json")
+
+    return write_dir(out_dir, fill)
 
 
 def _cast(tensors: dict, dtype: torch.dtype | None) -> dict:

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from sacpolicy.decoding import RequestInfo
+from sacpolicy.decoding import Autoregressive, RequestInfo
 from sacpolicy.pipeline.context import RunContext
 
 
 def run(ctx: RunContext) -> dict:
     cfg, target = ctx.cfg, ctx.target
     prompts = ctx.take(ctx.prompts(), cfg.run.num_prompts)
-    decoders = {"ar": ctx.decoder(drafters=[], policy=_ar()), "policy": ctx.decoder()}
+    decoders = {"ar": ctx.decoder(drafters=[], policy=Autoregressive()), "policy": ctx.decoder()}
     for dec in decoders.values():  # warm-up: first calls pay for lazy initialisation
         for row in prompts[: cfg.run.warmup_prompts]:
             dec.generate(row["input_ids"], 8)
@@ -28,8 +28,3 @@ def run(ctx: RunContext) -> dict:
     return {"target": target.spec, "device": str(target.device), "dtype": str(target.dtype),
             "prompts": len(prompts), "max_new_tokens": cfg.run.max_new_tokens, "rows": results}
 
-
-def _ar():
-    from sacpolicy.policy import Autoregressive
-
-    return Autoregressive()

@@ -9,7 +9,7 @@ from sacpolicy.pipeline.context import PipelineError, RunContext
 
 
 def run(ctx: RunContext) -> dict:
-    from sacpolicy.evaluation.evaluate import EvalSettings, evaluate
+    from sacpolicy.evaluation.evaluate import evaluate
     from sacpolicy.evaluation.plots import make_plots
     from sacpolicy.evaluation.report import write_eval
     from sacpolicy.runtime.artifact import load_policy
@@ -24,7 +24,6 @@ def run(ctx: RunContext) -> dict:
                             f"{[d.name for d in drafters]}; use the same draft= setting (and distilled draft)")
     test = [r for r in ctx.take(ctx.prompts("test"), None) if r["prompt_id"] in by_split["test"]]
     settings = instantiate(cfg.eval, _convert_="all")
-    assert isinstance(settings, EvalSettings)
     rows, meta = evaluate(target=ctx.target, drafters=drafters, cost=ctx.cost, val_grouped=by_split["val"],
                           test_grouped=by_split["test"], test_prompts=test, rules=rules, settings=settings,
                           best_static=ctx.best_static(), sampling=instantiate(cfg.sampling),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from sacpolicy.decoding.types import Autoregressive  # noqa: F401 (a rule like the others)
 from sacpolicy.policy.base import (
     Decision,
     DecodeState,
@@ -13,15 +14,6 @@ from sacpolicy.policy.base import (
     check_drafter,
     check_k,
 )
-
-
-class Autoregressive(Policy):
-    """Never draft: plain autoregressive decoding through the same loop."""
-
-    name = "ar"
-
-    def decide(self, state: DecodeState) -> Decision:
-        return Decision.autoregressive()
 
 
 class _OneDrafter(Policy):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from torch import nn
 
 from sacpolicy.build import VOCAB_MAP_FILE
 from sacpolicy.decoding.drafters import trim_lm_head, truncated_view
+from sacpolicy.io import write_dir
 from sacpolicy.models import LoadedModel, check_tokenizers_compatible, load_model
 
 logger = logging.getLogger(__name__)
@@ -109,9 +108,6 @@ def build_draft(
 def export_draft(draft: DraftModel, target: LoadedModel, out_dir: str | Path, meta: dict) -> Path:
     """Write a directory that ``AutoModelForCausalLM.from_pretrained`` loads (full-vocabulary head) plus the vocab
     map and provenance. Written to a temporary sibling and renamed: a half-written draft is never picked up."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model = copy.deepcopy(draft.model).eval()
     if draft.d2t is not None:
         full = draft.full_head.clone()
@@ -122,15 +118,16 @@ def export_draft(draft: DraftModel, target: LoadedModel, out_dir: str | Path, me
         model.config.tie_word_embeddings = False
     for p in model.parameters():
         p.requires_grad_(False)
-    model.save_pretrained(tmp, safe_serialization=True)
-    target.tokenizer.save_pretrained(tmp)
-    if draft.d2t is not None:
-        save_file({"d2t": draft.d2t.cpu().contiguous()}, str(tmp / VOCAB_MAP_FILE))
-    (tmp / DRAFT_META_FILE).write_text(json.dumps({"format": 1, "arch": draft.arch, "target": target.spec,
-                                                   "trimmed_vocab": None if draft.d2t is None else draft.d2t.numel(),
-                                                   **meta}, indent=2, default=str))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        target.tokenizer.save_pretrained(tmp)
+        if draft.d2t is not None:
+            save_file({"d2t": draft.d2t.cpu().contiguous()}, str(tmp / VOCAB_MAP_FILE))
+        (tmp / DRAFT_META_FILE).write_text(json.dumps({
+            "format": 1, "arch": draft.arch, "target": target.spec,
+            "trimmed_vocab": None if draft.d2t is None else draft.d2t.numel(), **meta}, indent=2, default=str))
+
+    out_dir = write_dir(out_dir, fill)
     logger.info("exported draft to %s", out_dir)
     return out_dir

@@ -16,8 +16,6 @@ Validation: per step j, the greedy agreement with the target's argmax conditiona
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from sacpolicy.decoding.eagle3 import (
     load_head,
     vocab_hash,
 )
-from sacpolicy.io import write_json
+from sacpolicy.io import write_dir, write_json
 from sacpolicy.training.common import WarmupAdamW, config_hash
 
 logger = logging.getLogger(__name__)
@@ -181,18 +179,12 @@ class Eagle3Module(WarmupAdamW, L.LightningModule):
 def save_head(head: Eagle3Head, out_dir, provenance: dict) -> Path:
     """Write our checkpoint: ``model.safetensors`` (speculators names, no embedding), ``config.json``,
     ``provenance.json``. JSON and safetensors only; written to a temporary sibling, then renamed."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS_FILE))
-    write_json(tmp / CONFIG_FILE, head.config.to_dict())
-    write_json(tmp / PROVENANCE_FILE, provenance)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
+    def fill(tmp: Path) -> None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(tmp / WEIGHTS_FILE))
+        write_json(tmp / CONFIG_FILE, head.config.to_dict())
+        write_json(tmp / PROVENANCE_FILE, provenance)
+
+    return write_dir(out_dir, fill)
 
 
 # ---------------------------------------------------------------------- the whole stage
