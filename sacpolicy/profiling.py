@@ -3,26 +3,37 @@ exported runtime shares it). See that module for what is modelled; ``profile`` m
 
     cost = profile(target.model, [ModelDrafter(draft.model, name="draft"), NgramDrafter()])
     cost.to_json("cost.json")
+
+Every cell (tokens fed, context) is timed ``repeats`` times; knots are fitted to the cells' medians and each knot gets a
+95% interval by bootstrapping the repeats (resample each cell, refit). The verify cost is then made non-decreasing in
+tokens fed by pooling adjacent violators (isotonic regression): a pass over more tokens never costs less, unless the
+two knots' intervals do not overlap (a decrease beyond noise, kept and logged). On a tiny model the raw profile can put
+two tokens below one, and the simulator would then find that drafting a token it never gets accepted beats
+autoregressive decoding.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import platform
-import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear, _hinge_basis
 
-__all__ = ["COST_FORMAT", "CostModel", "PiecewiseLinear", "profile"]
+__all__ = ["COST_FORMAT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots", "pool_adjacent_violators",
+           "profile"]
 
 logger = logging.getLogger(__name__)
+
+MIN_REPEATS = 5  # fewer timings per cell give no usable interval: every decrease in the verify cost counts as noise
+N_BOOT = 200  # bootstrap resamples behind each knot's interval
 
 
 # ---------------------------------------------------------------------- profiling
@@ -32,7 +43,8 @@ def _sync(device: torch.device) -> None:
         backend.synchronize()
 
 
-def _median_time(run: Callable[[], object], undo: Callable[[], object], device, repeats: int, warmup: int) -> float:
+def _times(run: Callable[[], object], undo: Callable[[], object], device, repeats: int, warmup: int) -> np.ndarray:
+    """[repeats] seconds of ``run()``, each after ``undo()`` of the previous one, after ``warmup`` untimed runs."""
     times = []
     for i in range(warmup + repeats):
         _sync(device)
@@ -42,11 +54,11 @@ def _median_time(run: Callable[[], object], undo: Callable[[], object], device, 
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         undo()
-    return statistics.median(times)
+    return np.array(times)
 
 
 def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, repeats: int, warmup: int) -> dict:
-    """{n: median seconds of one forward of n new tokens on top of a KV cache holding context_len tokens}."""
+    """{n: [repeats] seconds of one forward of n new tokens on top of a KV cache holding context_len tokens}."""
     from transformers import DynamicCache
 
     def ids(n):
@@ -57,9 +69,9 @@ def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, r
     times = {}
     for n in feeds:
         x = ids(n)
-        times[n] = _median_time(lambda: model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=n),
-                                lambda: cache.crop(-n),  # back to context_len cached tokens for the next repeat
-                                device, repeats, warmup)
+        times[n] = _times(lambda x=x, n=n: model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=n),
+                          lambda n=n: cache.crop(-n),  # back to context_len cached tokens for the next repeat
+                          device, repeats, warmup)
     return times
 
 
@@ -72,21 +84,105 @@ def _fits(model, context_len: int, new_tokens: int) -> bool:
     return True
 
 
-def _fit_verify(rows: list[tuple[int, int, float]]) -> dict:
-    """rows (tokens fed, context, seconds) -> t = a(tokens) + b * context, both fitted in one least-squares solve."""
-    n, c, t = (np.array(v, dtype=float) for v in zip(*rows))
+# ---------------------------------------------------------------------- fitting
+def pool_adjacent_violators(y, w=None) -> np.ndarray:
+    """The non-decreasing sequence closest to ``y`` in (``w``-weighted) least squares: isotonic regression by pooling
+    adjacent violators into their weighted mean."""
+    y = np.asarray(y, dtype=float)
+    w = np.ones_like(y) if w is None else np.asarray(w, dtype=float)
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2, n2), (m1, w1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.concatenate([np.full(n, m) for m, _, n in blocks]) if blocks else y
+
+
+def monotone_knots(ys, lo, hi, trust_intervals: bool = True) -> tuple[np.ndarray, list[int]]:
+    """``ys`` made non-decreasing, except where knot i + 1 lies below knot i beyond noise (its interval ends below
+    the start of knot i's) and ``trust_intervals``: there the curve may fall. -> (ys, [i: kept decreases i -> i+1]).
+    Pooling is done within the runs between kept decreases, which only widens each kept decrease."""
+    ys, lo, hi = (np.asarray(v, dtype=float) for v in (ys, lo, hi))
+    kept = [i for i in range(len(ys) - 1) if trust_intervals and ys[i + 1] < ys[i] and hi[i + 1] < lo[i]]
+    bounds = [0] + [i + 1 for i in kept] + [len(ys)]
+    return np.concatenate([pool_adjacent_violators(ys[a:b]) for a, b in itertools.pairwise(bounds)]), kept
+
+
+def _bootstrap(cells: Sequence[np.ndarray], fit: Callable[[np.ndarray], np.ndarray], n_boot: int,
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cells: per measured cell, its [repeats] seconds; fit: cell medians [cells, B] -> fitted values [m, B].
+    -> (fit of the medians, 2.5th and 97.5th percentile over ``n_boot`` fits of resampled medians), each [m]."""
+    medians = np.array([[np.median(c)] for c in cells])
+    boot = np.stack([np.median(c[rng.integers(len(c), size=(n_boot, len(c)))], axis=1) for c in map(np.asarray, cells)])
+    lo, hi = np.percentile(fit(boot), [2.5, 97.5], axis=1)
+    return fit(medians)[:, 0], lo, hi
+
+
+def _knot_fit(x, knots: Sequence[float], extra: np.ndarray | None = None) -> Callable[[np.ndarray], np.ndarray]:
+    """Least squares of a piecewise-linear curve at ``knots`` (plus one coefficient per ``extra`` column, appended
+    after the knot values): targets [cells, B] -> [len(knots) (+ extras), B]."""
+    basis, at_knots = _hinge_basis(x, knots), _hinge_basis(knots, knots)
+    X = basis if extra is None else np.column_stack([basis, extra])
+
+    def fit(T: np.ndarray) -> np.ndarray:
+        coef = np.linalg.lstsq(X, T, rcond=None)[0]
+        return np.vstack([at_knots @ coef[: basis.shape[1]], coef[basis.shape[1]:]])
+
+    return fit
+
+
+def _fit_verify(cells: list[tuple[int, int, np.ndarray]], repeats: int, n_boot: int, rng) -> dict:
+    """cells (tokens fed, context, seconds) -> t = a(tokens) + b * context, a non-decreasing within noise."""
+    n, c = (np.array(v, dtype=float) for v in list(zip(*cells))[:2])
     knots = sorted(set(n.tolist()))
-    basis = _hinge_basis(n, knots)
-    if len(set(c.tolist())) > 1:
-        coef, *_ = np.linalg.lstsq(np.column_stack([basis, c]), t, rcond=None)
-        a, b = coef[:-1], float(coef[-1])
-    else:  # one context length cannot separate b from a: fold it into a
-        a, b = np.linalg.lstsq(basis, t, rcond=None)[0], 0.0
-    return {"tokens": PiecewiseLinear(knots, (_hinge_basis(knots, knots) @ a).tolist()), "per_context": b}
+    # one context length cannot separate b from a: fold it into a
+    split = len(set(c.tolist())) > 1
+    ys, lo, hi = _bootstrap([t for *_, t in cells], _knot_fit(n, knots, c[:, None] if split else None), n_boot, rng)
+    b = float(ys[-1]) if split else 0.0
+    ys, lo, hi = ys[: len(knots)], lo[: len(knots)], hi[: len(knots)]
+    mono, kept = monotone_knots(ys, lo, hi, trust_intervals=repeats >= MIN_REPEATS)
+    for i in range(len(knots) - 1):
+        x0, x1 = int(knots[i]), int(knots[i + 1])
+        if i in kept:
+            logger.warning("verify cost falls from %d to %d tokens fed beyond noise (%.3g s, 95%% [%.3g, %.3g] -> "
+                           "%.3g s, [%.3g, %.3g]); kept", x0, x1, ys[i], lo[i], hi[i], ys[i + 1], lo[i + 1], hi[i + 1])
+        elif ys[i + 1] < ys[i]:
+            why = "within noise" if repeats >= MIN_REPEATS else f"with repeats={repeats} < {MIN_REPEATS} to tell"
+            logger.info("verify cost measured lower at %d than at %d tokens fed (%.3g < %.3g s) %s; pooled", x1, x0,
+                        ys[i + 1], ys[i], why)
+    return {"tokens": PiecewiseLinear(knots, mono.tolist(), lo.tolist(), hi.tolist()), "per_context": b}
 
 
+def _fit_draft(name: str, cells: list[tuple[int, np.ndarray]], per_token: bool, n_boot: int, rng) -> PiecewiseLinear:
+    if not cells:
+        raise ValueError(f"drafter {name!r} could not be timed at any of the context lengths; "
+                         "pass context_lens that fit its max_position_embeddings")
+    x = np.array([c for c, _ in cells], dtype=float)
+    if per_token:  # one forward per token: a line in context length (attention reads the whole cache)
+        knots = sorted({x.min(), x.max()})
+        fit = _knot_fit(x, knots)
+    else:  # model-free lookup: one constant per proposal, the median over contexts
+        knots, fit = [0.0], lambda T: np.median(T, axis=0, keepdims=True)
+    ys, lo, hi = _bootstrap([t for _, t in cells], fit, n_boot, rng)
+    return PiecewiseLinear(knots, ys.tolist(), lo.tolist(), hi.tolist())
+
+
+def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
+                   draft_cells: Mapping[str, list[tuple[int, np.ndarray]]], per_token: Mapping[str, bool],
+                   meta: Mapping | None = None, *, n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
+    """A CostModel from timings: ``verify_cells`` (tokens fed, context, [repeats] seconds of one target forward),
+    ``draft_cells`` {drafter: [(context, [repeats] seconds of one draft step or proposal)]}."""
+    rng = np.random.default_rng(seed)
+    repeats = min(len(t) for *_, t in verify_cells)
+    draft = {name: _fit_draft(name, cells, per_token[name], n_boot, rng) for name, cells in draft_cells.items()}
+    meta = {**(meta or {}), "knot_interval": f"95% bootstrap over repeats ({n_boot} resamples)"}
+    return CostModel(device, _fit_verify(verify_cells, repeats, n_boot, rng), draft, dict(per_token), meta)
+
+
+# ---------------------------------------------------------------------- measuring
 def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, gen, repeats: int, warmup: int):
-    """-> verify rows (tokens fed, context, seconds) and {drafter: [(context, seconds)]}."""
+    """-> verify cells (tokens fed, context, [repeats] seconds) and {drafter: [(context, [repeats] seconds)]}."""
     from sacpolicy.decoding.sampling import SamplingConfig
 
     verify_rows, draft_rows = [], {name: [] for name in drafters}
@@ -108,12 +204,12 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
                 continue
             context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
             propose = functools.partial(drafter.propose, context, k_max, SamplingConfig())
-            draft_rows[name].append((c, _median_time(propose, drafter.reset, device, repeats, warmup)))
+            draft_rows[name].append((c, _times(propose, drafter.reset, device, repeats, warmup)))
     return verify_rows, draft_rows
 
 
-def _feature_step_time(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int) -> float:
-    """Seconds per drafted token of a feature drafter on top of c committed tokens (its cache already holds them):
+def _feature_step_time(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int) -> np.ndarray:
+    """[repeats] seconds per drafted token of a feature drafter on top of c committed tokens (its cache already holds them):
     a block of max(k_max, 2) tokens timed, divided by its length."""
     from sacpolicy.decoding.aux import aux_pass
     from sacpolicy.decoding.sampling import SamplingConfig
@@ -125,17 +221,7 @@ def _feature_step_time(target, drafter, c: int, k_max: int, device, gen, repeats
     drafter.extend_features(capture.rows(drafter.aux_layers, c - 1))
     drafter.propose(context, 1, SamplingConfig())  # feeds the context: the timed blocks draft from it
     block = functools.partial(drafter.propose, context, k, SamplingConfig())
-    return _median_time(block, lambda: drafter.accept(0), device, repeats, warmup) / k
-
-
-def _fit_draft(name: str, rows: list[tuple[int, float]], per_token: bool) -> PiecewiseLinear:
-    if not rows:
-        raise ValueError(f"drafter {name!r} could not be timed at any of the context lengths; "
-                         "pass context_lens that fit its max_position_embeddings")
-    x, t = zip(*rows)
-    if per_token:  # one forward per token: a line in context length (attention reads the whole cache)
-        return PiecewiseLinear.fit(x, t, sorted({min(x), max(x)}))
-    return PiecewiseLinear([0.0], [statistics.median(t)])  # model-free lookup: one constant per proposal
+    return _times(block, lambda: drafter.accept(0), device, repeats, warmup) / k
 
 
 @torch.inference_mode()
@@ -146,7 +232,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     drafters: a list of drafters or {name: drafter}. A drafter with a `.model` (ModelDrafter, LayerSkipDrafter) is
     timed as one single-token forward on its own KV cache, a feature drafter (EAGLE-3 head) per token of a drafted
     chain on the target's hidden states; any other drafter as one propose() call on random tokens
-    (for the n-gram drafter that is the no-match case, its slowest lookup). Each time is the median of `repeats`.
+    (for the n-gram drafter that is the no-match case, its slowest lookup). Every cell is timed `repeats` times
+    (>= 5 for knot intervals that can tell a real decrease in verify cost from noise; see the module docstring).
     """
     import transformers
 
@@ -169,11 +256,13 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     if not verify_rows:
         raise ValueError(f"every context length in {tuple(context_lens)} exceeds the target's context window; "
                          "pass shorter context_lens")
-    draft = {name: _fit_draft(name, rows, per_token[name]) for name, rows in draft_rows.items()}
+    if repeats < MIN_REPEATS:
+        logger.warning("profiling with repeats=%d: too few to tell a real decrease in verify cost from noise, so every "
+                       "decrease is pooled; use repeats >= %d", repeats, MIN_REPEATS)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(param.dtype),
             "device_name": device_name or platform.machine(),
             "profiled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "target": getattr(target.config, "name_or_path", "") or type(target).__name__,
             "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats}
-    return CostModel(str(device), _fit_verify(verify_rows), draft, per_token, meta)
+    return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, seed=seed)

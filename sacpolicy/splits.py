@@ -18,14 +18,15 @@ class SplitError(ValueError):
     pass
 
 
-_TURN_SUFFIX = re.compile(r"/turn\d+$")
+_TURN_SUFFIX = re.compile(r"/(turn\d+|edit)$")
 
 
 def split_fraction(prompt_id: str, salt: str = DEFAULT_SALT) -> float:
     """A uniform number in [0, 1) fixed by the prompt id alone. sha256, not hash(): Python salts hash() per process.
 
     The turns of one multi-turn question (``.../turn<j>``) hash as the question, so they always share a split: a later
-    turn's messages contain the earlier ones, and they must not leak between train and test.
+    turn's messages contain the earlier ones, and they must not leak between train and test. A code edit of a task
+    (``.../edit``, its prompt holds the task's solution) hashes as the task, for the same reason.
     """
     digest = hashlib.sha256(f"{salt}:{_TURN_SUFFIX.sub('', prompt_id)}".encode("utf-8")).hexdigest()
     return int(digest[:16], 16) / 2**64

@@ -144,7 +144,7 @@ def main(argv=None):
                                budget_minutes=args.budget_minutes, patience=1000)
     train = split_prompts(load_prompt_mix(settings.prompts, tokenizer=target.tokenizer))["train"]
     held_out = split_prompts(load_prompt_mix(["mt_bench"], tokenizer=target.tokenizer))
-    dm = DistillDataModule(target, train, held_out["val"], **_data_defaults())
+    dm = DistillDataModule(target, train, held_out["val"])  # the pipeline's data (its defaults)
     dm.prepare_data()
     test_seqs = generate_continuations(target, held_out["test"], max_new_tokens=128, progress=False)
     test_prompts = [r["input_ids"] for r in held_out["test"]][: args.live_prompts]
@@ -183,14 +183,6 @@ def main(argv=None):
     write_json(args.out, report)
     print(markdown(rows, meta))
     return report
-
-
-def _data_defaults() -> dict:
-    """The data settings of conf/distill/fkl.yaml (one source of truth for the benchmark and the pipeline)."""
-    from omegaconf import OmegaConf
-
-    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "distill" / "fkl.yaml")
-    return OmegaConf.to_container(conf.data)
 
 
 def _drafter(draft, vocab) -> ModelDrafter:

@@ -3,6 +3,7 @@ measure every snapshot (and optionally a token-level draft) on held-out prompts.
 
     python scripts/bench_eagle3.py train --workdir runs/eagle3 --budget-minutes 90 --curve 5,15,60
     python scripts/bench_eagle3.py eval --workdir runs/eagle3 --token-draft outputs/<run>/distill/draft
+    python scripts/bench_eagle3.py ship --head runs/eagle3/head/head --out sacpolicy/heads/<name> --train-json ...
 
 ``train`` uses the default pipeline's data (``conf/distill``: the target's continuations of the training prompts,
 cached under $SACPOLICY_CACHE/distill) and head settings (``conf/head/eagle3.yaml``); overrides after ``--`` go to
@@ -222,6 +223,39 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- shipping a head
+def ship(args) -> None:
+    """Write a trained head as a shipped head directory: bfloat16 weights (half the size; ``load_head`` casts them
+    to the target's dtype), its config, and a provenance JSON with the training commands, settings, data recipe,
+    seed, curve and the weights' SHA-256 (checked by ``sacpolicy.heads.verify`` and by the tests)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from sacpolicy.decoding.eagle3 import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE
+    from sacpolicy.heads import sha256
+    from sacpolicy.io import write_dir
+
+    head, out = Path(args.head), Path(args.out)
+    state = load_file(str(head / WEIGHTS_FILE))
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    trained = json.loads((head / PROVENANCE_FILE).read_text())
+    legs = [json.loads(Path(p).read_text()) for p in args.train_json]
+    curve = json.loads(Path(args.curve_json).read_text()) if args.curve_json else None
+
+    def fill(tmp: Path) -> None:
+        save_file(state, str(tmp / WEIGHTS_FILE))
+        (tmp / CONFIG_FILE).write_text((head / CONFIG_FILE).read_text())
+        write_json(tmp / PROVENANCE_FILE, {
+            "sha256": sha256(tmp / WEIGHTS_FILE), "dtype": "bfloat16 (trained in float32)",
+            "commands": [leg.get("command") for leg in legs], "legs": legs,
+            "settings": trained.get("settings"), "seed": (trained.get("settings") or {}).get("seed"),
+            "metrics": trained.get("metrics"), "data": args.data, "curve": curve, "notes": args.notes})
+
+    write_dir(out, fill)
+    print(f"wrote {out} ({(out / WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -239,8 +273,15 @@ def main(argv=None):
     e.add_argument("--live-prompts", type=int, default=8)
     e.add_argument("--ks", default="2,3,4")
     e.add_argument("--out", default="bench_eagle3.json")
+    s = sub.add_parser("ship", help="write a head as sacpolicy/heads/<name> with its provenance")
+    s.add_argument("--head", required=True, help="the trained head directory (e.g. <workdir>/head/head)")
+    s.add_argument("--out", required=True)
+    s.add_argument("--train-json", nargs="+", required=True, help="train.json of every leg, in order")
+    s.add_argument("--curve-json", default=None, help="bench_eagle3.json of `eval` over the snapshots")
+    s.add_argument("--data", default="", help="the data recipe, in words")
+    s.add_argument("--notes", default="")
     args = ap.parse_args(argv)
-    train(args) if args.cmd == "train" else evaluate(args)
+    {"train": train, "eval": evaluate, "ship": ship}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,16 @@
 """Shared fixtures. Session-scoped models are shared by every test: read them, never mutate them."""
 
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs pytest-xdist workers side by side: each takes its share of the cores (and passes it on to the
+    # pipelines it starts), so that two workers never oversubscribe two cores
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_share)
+    import torch
+
+    torch.set_num_threads(_share)
+
 import pytest
 
 from sacpolicy.models import EMBEDDED_TARGET, load_model

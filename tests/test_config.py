@@ -69,16 +69,21 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
         if opt in ("ar", "static", "heuristic", "seed_rule", "confidence"):  # the bandit explores, k = 0 included
             assert (d.k == 0) == (opt == "ar"), opt
     assert instantiate(cfg.decoder) == DecoderConfig()  # the dataclass is the one home of the decoder's defaults
-    assert instantiate(cfg_for().sampling).greedy and not instantiate(cfg.sampling).greedy  # smoke samples
+    assert instantiate(cfg_for().sampling).greedy and instantiate(cfg.sampling).greedy  # traces that replay exactly
     assert set(cfg.predictor) == set(options("predictor"))  # the default fits every predictor
     for opt in options("predictor"):
         spec = instantiate(cfg_for(f"predictor=[{opt}]").predictor, _convert_="all")
         assert list(spec) == [opt] and spec[opt].func in (fit_sklearn, fit_mlp)
         if spec[opt].func is fit_sklearn:
             assert hasattr(spec[opt].keywords["estimator"], "predict_proba")
+    import inspect
+
+    from sacpolicy.training.distill_data import DistillDataModule
+
+    data_keys = set(inspect.signature(DistillDataModule).parameters)
     for opt in options("distill"):
         settings = instantiate(cfg_for(f"distill={opt}").distill)
-        assert settings.loss == opt and settings.data["topk"] > 0
+        assert settings.loss == opt and set(settings.data) <= data_keys  # overrides of DistillDataModule's defaults
     for opt in options("trainer"):
         assert callable(instantiate(cfg_for(f"trainer={opt}", tmp_path=tmp_path).trainer))
     for opt in options("logger"):

@@ -1,4 +1,5 @@
-"""The cost model: piecewise-linear fits, expected tokens, choosing k, profiling real (tiny) models, JSON files.
+"""The cost model: piecewise-linear fits, expected tokens, choosing k, knot intervals and the monotone verify cost,
+profiling real (tiny) models, JSON files.
 
 No assertion here depends on how fast this machine is: profiled times are only checked to be positive and finite.
 """
@@ -9,9 +10,20 @@ import math
 
 import numpy as np
 import pytest
+from toys import synthetic_traces
 
 from sacpolicy.decoding.drafters import ModelDrafter, NgramDrafter
-from sacpolicy.profiling import COST_FORMAT, CostModel, PiecewiseLinear, profile
+from sacpolicy.policy import Autoregressive, Static
+from sacpolicy.profiling import (
+    COST_FORMAT,
+    CostModel,
+    PiecewiseLinear,
+    fit_cost_model,
+    monotone_knots,
+    pool_adjacent_violators,
+    profile,
+)
+from sacpolicy.traces.simulate import group_traces, simulate
 
 TRUTH = PiecewiseLinear([0.0, 2.0, 5.0, 10.0], [1.0, 3.0, 2.0, 6.0])
 
@@ -130,6 +142,110 @@ def test_json_round_trip_and_format_check(tmp_path):
         CostModel.from_json(path)
 
 
+def test_old_files_without_intervals_load_and_intervals_round_trip(tmp_path, caplog):
+    old = hand_model().to_dict()
+    assert "lo" not in old["verify"]["tokens"] and "hi" not in old["draft"]["draft"]  # no interval: the old layout
+    assert CostModel.from_dict(json.loads(json.dumps(old))) == hand_model()
+    with_iv = hand_model()
+    with_iv.verify["tokens"] = PiecewiseLinear([1.0, 9.0], [0.010, 0.014], lo=[0.009, 0.013], hi=[0.011, 0.015])
+    path = tmp_path / "cost.json"
+    with_iv.to_json(path)
+    assert json.loads(path.read_text())["verify"]["tokens"]["hi"] == [0.011, 0.015]
+    assert CostModel.from_json(path) == with_iv
+    # an old, unrepaired profile whose verify cost falls with more tokens fed: loads, but says to re-profile
+    old["verify"]["tokens"] = {"xs": [1.0, 2.0, 5.0], "ys": [0.010, 0.009, 0.012]}
+    with caplog.at_level(logging.WARNING, logger="sacpolicy.runtime.cost"):
+        CostModel.from_dict(old, source="old.json")
+    assert "old.json" in caplog.text and "re-profile" in caplog.text
+    with pytest.raises(ValueError, match="both lo and hi"):
+        PiecewiseLinear([1.0], [0.1], lo=[0.0])
+
+
+# ---------------------------------------------------------------------- knot intervals and the monotone verify cost
+def test_pool_adjacent_violators_is_isotonic_regression():
+    from sklearn.isotonic import IsotonicRegression
+
+    assert pool_adjacent_violators([1.0, 3.0, 2.0, 4.0]).tolist() == [1.0, 2.5, 2.5, 4.0]
+    assert pool_adjacent_violators([3.0, 2.0, 1.0]).tolist() == [2.0, 2.0, 2.0]
+    assert pool_adjacent_violators([1.0, 2.0, 2.0, 5.0]).tolist() == [1.0, 2.0, 2.0, 5.0]  # monotone: unchanged
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        x = np.arange(12.0)
+        y, w = 0.3 * x + rng.normal(0.0, 1.0, 12), rng.uniform(0.5, 2.0, 12)  # noisy knots of a rising cost
+        fit = pool_adjacent_violators(y, w)
+        assert np.all(np.diff(fit) >= 0)
+        assert fit == pytest.approx(IsotonicRegression().fit_transform(x, y, sample_weight=w), abs=1e-12)
+
+
+def test_monotone_knots_pool_noise_and_keep_decreases_beyond_it():
+    ys, lo, hi = [10.0, 9.9, 12.0], [9.7, 9.6, 11.7], [10.3, 10.2, 12.3]  # 2 below 1 by less than the noise
+    fit, kept = monotone_knots(ys, lo, hi)
+    assert fit.tolist() == pytest.approx([9.95, 9.95, 12.0]) and kept == []
+    ys, lo, hi = [10.0, 6.0, 7.0, 12.0], [9.8, 5.8, 6.8, 11.8], [10.2, 6.2, 7.2, 12.2]  # a real fall at 1 -> 2
+    fit, kept = monotone_knots(ys, lo, hi)
+    assert fit.tolist() == ys and kept == [0]
+    fit, kept = monotone_knots(ys, lo, hi, trust_intervals=False)  # too few repeats to trust: pooled too
+    assert np.all(np.diff(fit) >= 0) and kept == []
+
+
+OFFSETS = np.array([-3, -2, -1, 0, 1, 2, 3]) * 1e-4  # 7 repeats around each cell's median, +-0.3 ms
+
+
+def cells(base: dict, offsets=OFFSETS, per_context: float = 1e-6) -> list:
+    """Verify cells (tokens fed, context, seconds) with median base[tokens fed] + per_context * context."""
+    return [(n, c, base[n] + per_context * c + offsets) for n in sorted(base) for c in (16, 64)]
+
+
+NGRAM = {"ngram": [(16, np.full(7, 1e-6)), (64, np.full(7, 1e-6))]}
+
+
+def test_fitted_verify_cost_is_monotone_within_noise_with_intervals():
+    cost = fit_cost_model("cpu", cells({1: 0.010, 2: 0.00995, 5: 0.012}), NGRAM, {"ngram": False})
+    curve = cost.verify["tokens"]
+    assert curve.xs == [1.0, 2.0, 5.0]
+    assert np.all(np.diff(curve.ys) >= 0) and curve.ys[0] == curve.ys[1] == pytest.approx(0.009975, abs=1e-9)
+    assert all(lo <= y <= hi for lo, y, hi in zip(curve.lo, [0.010, 0.00995, 0.012], curve.hi))
+    assert curve.hi[1] > curve.lo[0]  # the measured fall lies within the noise
+    assert cost.verify["per_context"] == pytest.approx(1e-6, rel=1e-6)
+    assert cost.draft["ngram"].lo == cost.draft["ngram"].hi == [1e-6]  # every curve carries its intervals
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_fitted_verify_cost_keeps_a_decrease_beyond_noise(caplog):
+    base = {1: 0.010, 2: 0.006, 5: 0.012}
+    with caplog.at_level(logging.WARNING, logger="sacpolicy.profiling"):
+        cost = fit_cost_model("cpu", cells(base), NGRAM, {"ngram": False})
+    assert cost.verify["tokens"].ys == pytest.approx([0.010, 0.006, 0.012], abs=1e-9)
+    assert "falls from 1 to 2 tokens fed beyond noise" in caplog.text
+    # two repeats cannot tell it from noise: pooled
+    cost = fit_cost_model("cpu", cells(base, offsets=OFFSETS[[0, -1]]), NGRAM, {"ngram": False})
+    assert np.all(np.diff(cost.verify["tokens"].ys) >= 0)
+
+
+def test_static_k1_that_gains_nothing_no_longer_beats_autoregressive():
+    """The smoke run's bug: a profile that put 2 tokens fed just below 1 made static-k1 (1.0 tokens per target call)
+    simulate faster than autoregressive decoding."""
+    rows = synthetic_traces(4, length=16, drafters=("ngram",))
+    for r in rows:  # a drafter that always proposes and is never accepted
+        r.update(match=False, run_len=0, proposal_len=8)
+    grouped = group_traces(rows)
+    measured = {1: 0.010, 2: 0.00995, 5: 0.012}
+
+    def rates(cost):
+        ar = simulate(Autoregressive(), grouped, cost, vocab_size=1000)
+        k1 = simulate(Static(1, "ngram"), grouped, cost, vocab_size=1000)
+        assert (k1.tokens, k1.target_calls) == (ar.tokens, ar.target_calls)  # 1.0 tokens per target call
+        assert k1.drafted == k1.target_calls - 2 * len(grouped) > 0 and k1.accepted == 0  # not the prefill or last
+        return k1.tokens_per_s, ar.tokens_per_s
+
+    raw = CostModel("cpu", {"tokens": PiecewiseLinear(list(measured), list(measured.values())), "per_context": 1e-6},
+                    {"ngram": PiecewiseLinear([0.0], [1e-6])}, {"ngram": False})
+    k1, ar = rates(raw)
+    assert k1 > ar  # the unrepaired profile: drafting a token that is never accepted "pays"
+    k1, ar = rates(fit_cost_model("cpu", cells(measured), NGRAM, {"ngram": False}))
+    assert k1 < ar
+
+
 # ---------------------------------------------------------------------- profiling real models
 @pytest.fixture(scope="module")
 def profiled(tiny_target, tiny_draft):
@@ -142,6 +258,10 @@ def test_profile_gives_a_well_formed_model(profiled):
     assert profiled.verify["tokens"].xs == [1.0, 2.0, 5.0]  # knots at tokens fed = k + 1
     assert profiled.per_token_draft == {"draft": True, "ngram": False}
     assert profiled.meta["context_lens"] == [16, 64] and profiled.meta["dtype"] == "torch.float32"
+    tokens = profiled.verify["tokens"]
+    assert len(tokens.lo) == len(tokens.hi) == 3 and all(lo <= hi for lo, hi in zip(tokens.lo, tokens.hi))
+    assert tokens.ys == sorted(tokens.ys)  # repeats=2 cannot show a fall beyond noise: non-decreasing
+    assert all(c.lo is not None for c in profiled.draft.values())
     for ctx in (0, 16, 40, 64, 500):
         for k in (0, 1, 3, 4, 8):
             for drafter in (None, "draft", "ngram"):

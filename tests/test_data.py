@@ -67,6 +67,21 @@ def test_humaneval_has_164_code_prompts():
     assert "Respond with the code only" in ds[0]["messages"][0]["content"]
 
 
+def test_humaneval_edits_quote_the_solution_and_share_the_tasks_split():
+    from sacpolicy.data import EDIT_INSTRUCTIONS, assign_split
+
+    tasks, edits = load_prompts("humaneval"), load_prompts("humaneval_edit")
+    assert edits.num_rows == 164 and set(edits["category"]) == {"code_edit"}
+    first = edits[0]["messages"][0]["content"]
+    assert edits[0]["prompt_id"] == "humaneval/HumanEval/0/edit"
+    assert "for idx, elem in enumerate(numbers):" in first and "def has_close_elements" in first  # the solution
+    used = {next(i for i, text in enumerate(EDIT_INSTRUCTIONS) if text in r["messages"][0]["content"]) for r in edits}
+    assert used == set(range(len(EDIT_INSTRUCTIONS)))  # every instruction is drawn, each task gets one
+    assert load_prompts("humaneval_edit")["messages"] == edits["messages"]  # deterministic
+    for task, edit in zip(tasks["prompt_id"], edits["prompt_id"]):
+        assert edit == f"{task}/edit" and assign_split(edit) == assign_split(task)
+
+
 def test_mt_bench_all_turns_accumulates_user_messages():
     ds = load_prompts("mt_bench", turns="all")
     assert ds.num_rows == 160 and len(set(ds["prompt_id"])) == 160

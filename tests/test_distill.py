@@ -120,7 +120,7 @@ def tiny_data(tiny_target, tmp_path_factory):
     os.environ["SACPOLICY_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     ps = load_prompts("mt_bench", tokenizer=tiny_target.tokenizer, limit=6)
     dm = DistillDataModule(tiny_target, ps.select(range(4)), ps.select(range(4, 6)), max_new_tokens=10, samples=1,
-                           temperature=0.8, topk=16, batch_size=4)
+                           temperature=0.8, topk=16, batch_size=4, synthetic={"count": 0})
     dm.prepare_data()
     yield dm
     del os.environ["SACPOLICY_CACHE"]
@@ -193,15 +193,14 @@ def test_bad_settings():
         DistillSettings(budget_minutes=None, max_steps=None)
 
 
-def test_draft_with_another_tokenizer_is_refused(tiny_target, tmp_path):
+def test_draft_with_another_tokenizer_is_refused(tiny_target, tiny_draft, tmp_path):
     import copy
 
-    from sacpolicy.models import TokenizerMismatchError, load_model
+    from sacpolicy.models import TokenizerMismatchError
 
-    other = load_model("tiny:llama-1l", device="cpu", dtype="float32")
-    tok = copy.deepcopy(other.tokenizer)
+    tok = copy.deepcopy(tiny_draft.tokenizer)
     tok.add_tokens(["<zzz_other_token>"])
-    other.model.save_pretrained(tmp_path)
+    tiny_draft.model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     with pytest.raises(TokenizerMismatchError, match="zzz_other_token"):
         build_draft(tiny_target, arch="pretrained", spec=str(tmp_path))
@@ -227,7 +226,7 @@ def test_fixed_text_is_distilled_verbatim(tiny_target, tiny_data, tmp_path):
     path.write_text("The quick brown fox jumps over the lazy dog.\nSpeculative decoding verifies drafts in one pass.\n")
     fixed = load_prompts(f"text:{path}", tokenizer=tiny_target.tokenizer, chat=False)
     dm = DistillDataModule(tiny_target, tiny_data.train_prompts, tiny_data.val_prompts, max_new_tokens=10, samples=1,
-                           temperature=0.8, topk=16, batch_size=4, fixed_text=fixed)
+                           temperature=0.8, topk=16, batch_size=4, fixed_text=fixed, synthetic={"count": 0})
     dm.prepare_data()
     text_rows = [r for r in dm.train if r["prompt_len"] == 1]
     assert len(dm.train) == len(tiny_data.train) + 2 and len(text_rows) == 2

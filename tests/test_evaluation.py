@@ -7,17 +7,24 @@ import pytest
 
 from sacpolicy.decoding.types import GenerationResult, StepRecord
 from sacpolicy.evaluation import (
+    add_intervals,
     add_speedups,
+    bootstrap_indices,
     calibration_error,
     calibration_plot,
     category_table,
+    flag_artefacts,
+    gain_captured,
     make_plots,
     markdown_table,
+    paired_ratio_interval,
     row_from_results,
     speedup_vs_k_plot,
     write_eval,
     write_report,
 )
+from sacpolicy.evaluation.metrics import ARTEFACT
+from sacpolicy.evaluation.report import MARK
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -73,6 +80,8 @@ def test_row_counts_tokens_calls_and_cost():
     assert row["accept_hist"] == {"0": 1, "1": 1, "2": 1}
     assert row["per_category"]["code"] == pytest.approx({"tokens": 5, "seconds": 0.21, "tokens_per_s": 5 / 0.21})
     assert row["per_category"]["other"]["tokens"] == 3
+    assert row["per_prompt"] == {"category": ["code", "other"], "tokens": [5, 3],
+                                 "seconds": [pytest.approx(0.21), pytest.approx(0.28)]}
     json.dumps(row)  # plain data
 
 
@@ -138,7 +147,7 @@ def test_markdown_tables_list_every_row():
     table = markdown_table(rows)
     lines = table.splitlines()
     assert len(lines) == 2 + len(rows)
-    assert lines[0].startswith("| name | mode | tokens/s | speedup vs AR")
+    assert lines[0].startswith("| name | mode | tokens/s | speedup vs AR [95% CI] | vs best static [95% CI] |")
     for r in rows:
         assert f"| {r['name']} | {r['mode']} |" in table
     assert "3.40x" in table
@@ -168,6 +177,106 @@ def test_write_eval_and_report(tmp_path):
     assert set(report) == {"eval", "command", "sections", "plots"}
     assert report["command"] == cmd and "plots/k_distribution.png" in report["plots"]
     assert not list(tmp_path.glob(".*tmp*"))  # atomic writes leave no temporaries
+
+
+# ---------------------------------------------------------------------- intervals and flags
+def _prompts_row(name, mode, rate, categories, seed):
+    """A row over len(categories) prompts of 8-40 tokens at about ``rate`` tokens/s (noisy per prompt), AR steps."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for c in categories:
+        n = int(rng.integers(8, 40))
+        step_s = 1 / (rate * rng.uniform(0.8, 1.25))
+        results.append((c, _result(step_s, [_step(None, 0, 0, 0, 1, 0.0, step_s) for _ in range(n - 1)])))
+    return row_from_results(name, mode, results, price_per_hour=1.0)
+
+
+def _interval(n, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(10, 200, n).astype(float)
+    seconds_b = tokens / 20 * rng.uniform(0.7, 1.4, n)  # baseline about 20 tokens/s
+    seconds_a = seconds_b / (1.5 * rng.uniform(0.8, 1.25, n))  # about 1.5x faster, varying by prompt
+    point = (tokens.sum() / seconds_a.sum()) / (tokens.sum() / seconds_b.sum())
+    lo, hi = paired_ratio_interval(tokens, seconds_a, tokens, seconds_b, idx=bootstrap_indices(n, seed=1))
+    return point, lo, hi
+
+
+def test_bootstrap_interval_contains_the_estimate_and_narrows_with_more_prompts():
+    point, lo, hi = _interval(10)
+    assert lo < point < hi and 1.0 < lo
+    point_l, lo_l, hi_l = _interval(400)
+    assert lo_l < point_l < hi_l
+    assert hi_l - lo_l < (hi - lo) / 3  # width ~ 1/sqrt(n)
+    assert _interval(10) == (point, lo, hi)  # seeded
+    # paired: a constant speedup on every prompt has no width, however different the prompts are
+    tokens, seconds = np.array([10.0, 300.0, 40.0]), np.array([1.0, 2.0, 9.0])
+    assert paired_ratio_interval(tokens, seconds / 2, tokens, seconds, idx=bootstrap_indices(3)) == \
+        pytest.approx((2.0, 2.0))
+    with pytest.raises(ValueError, match="one value per prompt"):
+        paired_ratio_interval(tokens, seconds, tokens[:2], seconds[:2], idx=bootstrap_indices(3))
+
+
+def test_rows_get_intervals_against_ar_and_best_static_overall_and_per_category():
+    cats = ["code"] * 5 + ["chat"] * 2
+    rows = [_prompts_row("ar", "live", 10, cats, 0), _prompts_row("best-static", "live", 20, cats, 1),
+            _prompts_row("learned", "live", 25, cats, 2)]
+    add_speedups(rows)
+    add_intervals(rows, resamples=500)
+    ar, _, learned = rows
+    assert ar["speedup_vs_ar"] == 1.0 and ar["speedup_vs_ar_ci"] == pytest.approx([1.0, 1.0])
+    lo, hi = learned["speedup_vs_ar_ci"]
+    assert lo < learned["speedup_vs_ar"] < hi and lo > 1.5
+    assert learned["speedup_vs_best_static"] == pytest.approx(learned["tokens_per_s"] / rows[1]["tokens_per_s"])
+    code, chat = learned["per_category"]["code"], learned["per_category"]["chat"]
+    assert code["n_prompts"] == 5 and code["speedup_vs_ar_ci"][0] < code["speedup_vs_ar"] < code["speedup_vs_ar_ci"][1]
+    assert chat["n_prompts"] == 2 and chat["speedup_vs_ar_ci"] is None and chat["speedup_vs_best_static"] > 0
+    by_ar, by_static = category_table(rows), category_table(rows, "speedup_vs_best_static")
+    learned_line = next(line for line in by_ar.splitlines() if line.startswith("| learned |"))
+    assert f"{chat['speedup_vs_ar']:.2f}x (not enough prompts: 2)" in learned_line
+    assert f"{code['speedup_vs_ar']:.2f}x [{code['speedup_vs_ar_ci'][0]:.2f}, " in learned_line
+    assert "not enough prompts" in by_static and "not enough prompts" not in markdown_table(rows)
+    assert f"{lo:.2f}, {hi:.2f}]" in markdown_table(rows)
+    json.dumps(rows)
+    rows.append(_prompts_row("other", "live", 10, cats[::-1], 3))  # the same prompts in another order
+    with pytest.raises(ValueError, match="cannot be paired"):
+        add_intervals(rows)
+
+
+def test_flag_fires_only_for_beating_ar_with_nothing_accepted():
+    rows = [_row("ar", "simulated", 1, 0.02), _row("cheap-k0", "simulated", 1, 0.01),  # 1 token/call, 2x AR
+            _row("slow-k0", "simulated", 1, 0.03), _row("static-k3", "simulated", 4, 0.02)]
+    add_speedups(rows)
+    flag_artefacts(rows)
+    assert rows[1]["tokens_per_call"] == 1.0 and rows[1]["speedup_vs_ar"] > 1
+    assert [r["beats_ar_nothing_accepted"] for r in rows] == [False, True, False, False]
+    assert f"| cheap-k0 {MARK} |" in markdown_table(rows) and f"| static-k3 {MARK}" not in markdown_table(rows)
+
+
+def test_eval_markdown_explains_intervals_ceilings_flags_and_skipped_simulation(tmp_path):
+    rows = [_row("ar", "simulated", 1, 0.02), _row("best-static", "simulated", 2, 0.02),
+            _row("learned-hgb", "simulated", 3, 0.02), _row("learned-hgb-in-sample", "simulated", 4, 0.02),
+            _row("per-prompt-static", "simulated", 3, 0.02), _row("oracle", "simulated", 6, 0.02),
+            _row("cheap", "simulated", 1, 0.01)]
+    add_speedups(rows)
+    add_intervals(rows)
+    flag_artefacts(rows)
+    share = gain_captured(rows, "learned-hgb", "learned-hgb-in-sample")
+    assert share == pytest.approx((13 - 9) / (17 - 9))  # tokens over the same seconds: 13 vs 9 and 17
+    assert gain_captured(rows, "learned-hgb", "ar") is None  # AR gains nothing over best static
+    write_eval(tmp_path, rows, {"bootstrap_resamples": 2000, "in_sample_skipped": {"mlp": "one label only"}})
+    md = (tmp_path / "eval.md").read_text()
+    assert "- learned-mlp-in-sample: none, one label only" in md
+    assert "## Ceilings (simulated on the test traces)" in md
+    assert "- learned-hgb captures 50% of learned-hgb-in-sample's gain over best-static (target: >= 75%)" in md
+    assert "- per-prompt-static: the best static" in md and "- oracle:" in md
+    assert f"- {MARK} {ARTEFACT}." in md and "95% paired bootstrap interval over prompts (2000 resamples)" in md
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    assert ev["rows"][2]["speedup_vs_best_static_ci"] == pytest.approx([13 / 9, 13 / 9])  # same per prompt
+
+    note = "No simulated rows: these traces were recorded with sampling (temperature > 0), which ..."
+    write_eval(tmp_path, [_row("ar", "live", 1, 0.01)], {"simulated_skipped": note})
+    md = (tmp_path / "eval.md").read_text()
+    assert f"- {note}" in md and "| simulated |" not in md and "Ceilings" not in md and MARK not in md
 
 
 # ---------------------------------------------------------------------- plots

@@ -1,14 +1,20 @@
-"""Traces: schema and loading, teacher-forced collection, exact replay of policies, features, resume after a kill."""
+"""Traces: schema and loading, teacher-forced collection, exact replay of policies, features, resume after a kill,
+sampled traces (refused by every replay, ranked in expectation instead)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from omegaconf import OmegaConf
+from toys import synthetic_traces
 
 from sacpolicy.data import load_prompts
 from sacpolicy.decoding import (
@@ -16,14 +22,33 @@ from sacpolicy.decoding import (
     ModelDrafter,
     NgramDrafter,
     RequestInfo,
+    SamplingConfig,
     SpeculativeDecoder,
 )
 from sacpolicy.policy import Confidence, Heuristic, Static
 from sacpolicy.policy.features import FEATURE_NAMES, token_features
 from sacpolicy.profiling import CostModel, PiecewiseLinear
+from sacpolicy.runtime.features import FEATURE_NAMES as RUNTIME_FEATURES
+from sacpolicy.runtime.features import feature_spec
+from sacpolicy.runtime.predictors import Predictor
 from sacpolicy.traces.collect import collect_live, collect_teacher_forced, resolve_shard
-from sacpolicy.traces.schema import SCHEMA_VERSION, TraceError, load_traces, write_meta
-from sacpolicy.traces.simulate import Oracle, best_static, group_traces, simulate
+from sacpolicy.traces.schema import (
+    SCHEMA_VERSION,
+    TraceError,
+    load_traces,
+    read_meta,
+    trace_temperature,
+    write_meta,
+)
+from sacpolicy.traces.simulate import (
+    Oracle,
+    SampledTracesError,
+    best_static,
+    expected_best_static,
+    expected_tokens_per_s,
+    group_traces,
+    simulate,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 49152
@@ -112,7 +137,7 @@ def test_features_live_equal_features_from_traces(tiny_target, setup):
                      cost_model(["skip2", "self", "ngram"]), vocab_size=V)
             runs = grouped[row["prompt_id"]]["drafters"][drafter]["run_len"]
             # positions drafted on the target's own prefix (up to the first mismatch) are the ones traces describe
-            valid = lambda log: [(g, j, f) for g, j, f in log if j <= runs[g]]  # noqa: E731
+            valid = lambda log, runs=runs: [(g, j, f) for g, j, f in log if j <= runs[g]]
             a, b = valid(live_pol.log), valid(sim_pol.log)
             assert [(g, j) for g, j, _ in a] == [(g, j) for g, j, _ in b]
             for (_, _, fa), (_, _, fb) in zip(a, b):
@@ -133,7 +158,7 @@ def test_ngram_confidence_is_the_match_length_live_and_replayed(tiny_target, set
             row["input_ids"], N_NEW)
         sim = simulate(Static(4, "ngram"), {row["prompt_id"]: grouped[row["prompt_id"]]},
                        cost_model(["skip2", "self", "ngram"]), vocab_size=V).results[0][1]
-        flat = lambda steps: [t for s in steps for t in s.top1]  # noqa: E731
+        flat = lambda steps: [t for s in steps for t in s.top1]
         assert [s.drafted for s in live.steps] == [s.drafted for s in sim.steps]
         assert flat(live.steps) == pytest.approx(flat(sim.steps))
         for s in live.steps:
@@ -188,7 +213,7 @@ def test_bad_trace_directories(tiny_target, setup, tmp_path):
 
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
-    shard = sorted(broken.glob("*.parquet"))[0]
+    shard = min(broken.glob("*.parquet"))
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(TraceError, match=shard.name):
         load_traces(broken)
@@ -234,8 +259,110 @@ def test_collection_resumes_after_a_kill(tmp_path):
     assert 3 <= done < 20, "the collection should have been killed midway"
     assert run(tmp_path / "killed").wait() == 0
     assert run(tmp_path / "clean").wait() == 0
-    key = lambda r: (r["prompt_id"], r["position"])  # noqa: E731
+    key = lambda r: (r["prompt_id"], r["position"])
     resumed = sorted(load_traces(tmp_path / "killed"), key=key)
     clean = sorted(load_traces(tmp_path / "clean"), key=key)
     assert len(resumed) == 40 * 48 and [key(r) for r in resumed] == [key(r) for r in clean]
     assert [r["draft_token"] for r in resumed] == [r["draft_token"] for r in clean]
+
+
+# ---------------------------------------------------------------------- sampled traces
+def test_trace_temperature_from_meta():
+    assert trace_temperature({"kind": "teacher_forced", "sampling": {"temperature": 0.7, "top_p": 0.9}}) == 0.7
+    assert trace_temperature({"kind": "live", "sampling": {"temperature": 0.0}}) == 0.0
+    assert trace_temperature({"kind": "teacher_forced"}) == 0.0  # collect_teacher_forced's default is greedy
+    with pytest.raises(TraceError, match="does not record its sampling"):
+        trace_temperature({"kind": "live"})
+
+
+def constant_predictor(p: float = 0.6) -> Predictor:
+    F = len(RUNTIME_FEATURES)
+    return Predictor("linear", {"mean": np.zeros(F), "scale": np.ones(F), "coef": np.zeros(F),
+                                "intercept": np.array([math.log(p / (1 - p))])},
+                     meta={"features": feature_spec(), "name": "constant"})
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_target, tmp_path_factory):
+    prompts = load_prompts("mt_bench", tokenizer=tiny_target.tokenizer, limit=3)
+    out = tmp_path_factory.mktemp("sampled")
+    collect_teacher_forced(tiny_target, [LayerSkipDrafter(tiny_target.model, 2, name="skip2"), NgramDrafter()],
+                           prompts, out, max_new_tokens=8, k_max=4, meta={"target": tiny_target.spec},
+                           sampling=SamplingConfig(temperature=0.8, seed=1), progress=False)
+    return out, group_traces(load_traces(out), read_meta(out))
+
+
+def test_sampled_traces_are_recorded_and_refused_by_every_replay(setup, sampled):
+    out, grouped = sampled
+    assert read_meta(out)["sampling"]["temperature"] == 0.8
+    assert {p["temperature"] for p in grouped.values()} == {0.8}
+    cost = cost_model(["skip2", "ngram"])
+    with pytest.raises(SampledTracesError, match=r"simulate .*temperature \[0.8\].*sampling.temperature=0"):
+        simulate(Static(2, "skip2"), grouped, cost, vocab_size=V)
+    with pytest.raises(SampledTracesError, match="best_static"):
+        best_static(grouped, cost, vocab_size=V, k_max=2)
+    with pytest.raises(SampledTracesError):
+        simulate(Oracle(cost, k_max=4), grouped, cost, vocab_size=V)
+    one = {pid: grouped[pid] for pid in list(grouped)[:1]}  # a subset (a split) carries the stamp along
+    with pytest.raises(SampledTracesError):
+        simulate(Static(1, "ngram"), one, cost, vocab_size=V)
+    from sacpolicy.training.predictor import tune_rule
+
+    static = expected_best_static(grouped, cost, k_max=4)["all"]
+    assert static["estimate"] == "expected" and static["tokens_per_s"] > 0
+    with pytest.raises(SampledTracesError):
+        tune_rule(constant_predictor(), cost, grouped, static, vocab_size=V, k_max=4)
+    # walking the positions without reading rates (training examples labelled with beta) is allowed explicitly
+    assert simulate(Static(2, "skip2"), grouped, cost, vocab_size=V, allow_sampled=True).tokens == 3 * 8
+    # greedy traces with their meta replay as before
+    _, _, greedy_out, traces = setup
+    greedy = group_traces(traces, read_meta(greedy_out))
+    assert {p["temperature"] for p in greedy.values()} == {0.0}
+    assert simulate(Static(2, "skip2"), greedy, cost_model(["skip2", "self", "ngram"]), vocab_size=V).tokens > 0
+
+
+def test_expected_tokens_per_s_hand_computed():
+    cost = cost_model(["draft"])
+    rows = {"beta": [1.0, 1.0, 0.5, 0.5], "proposal_len": [8, 8, 8, 8]}
+    grouped = {"p": {"prompt_len": 10, "category": "x", "temperature": 0.7, "drafters": {"draft": rows}}}
+    # steps from generated positions 1, 2, 3 (0 is the prefill's token), k=2 capped by the tokens left
+    tokens = (1 + 1 + 0.5) + (1 + 0.5 + 0.25) + (1 + 0.5)
+    seconds = cost.step_time("draft", 2, 11) + cost.step_time("draft", 2, 12) + cost.step_time("draft", 1, 13)
+    assert expected_tokens_per_s(grouped, cost, "draft", 2) == pytest.approx(tokens / seconds)
+    rows["proposal_len"][3] = 0  # nothing to propose there: one autoregressive step
+    seconds = seconds - cost.step_time("draft", 1, 13) + cost.verify_time(0, 13)
+    assert expected_tokens_per_s(grouped, cost, "draft", 2) == pytest.approx((tokens - 0.5) / seconds)
+
+
+def test_expected_best_static_prefers_the_drafter_accepted_more():
+    rows = synthetic_traces(6, length=24, drafters=("good", "bad"))
+    for r in rows:
+        r["beta"], r["proposal"], r["proposal_len"] = (0.9 if r["drafter"] == "good" else 0.1), False, 8
+    grouped = group_traces(rows, {"kind": "teacher_forced", "sampling": {"temperature": 1.0}})
+    cost = cost_model(["good", "bad"])
+    best = expected_best_static(grouped, cost, k_max=6)["all"]
+    assert best["drafter"] == "good" and best["k"] > 1
+    assert best["tokens_per_s"] == pytest.approx(expected_tokens_per_s(grouped, cost, "good", best["k"]))
+    per_cat = expected_best_static(grouped, cost, k_max=2, by_category=True)
+    assert set(per_cat) == {r["category"] for r in rows}
+
+
+def test_fit_stage_skips_rule_tuning_on_sampled_traces(caplog):
+    """Fit on sampled traces: the untuned rule with the static fallback, and why; on greedy traces: tuned by replay."""
+    from sacpolicy.pipeline.fit import decision_rule
+
+    rows = synthetic_traces(12, length=16, drafters=("draft",))
+    cfg = OmegaConf.create({"fit": {"k_max": 4}, "decoder": {"_target_": "sacpolicy.decoding.DecoderConfig"}})
+    cost, static = cost_model(["draft"]), {"drafter": "draft", "k": 3, "tokens_per_s": 1.0}
+    for temperature in (0.7, 0.0):
+        grouped = group_traces(rows, {"kind": "teacher_forced", "sampling": {"temperature": temperature}})
+        ctx = SimpleNamespace(cfg=cfg, cost=cost, vocab_size=1000, soft_labels=temperature > 0,
+                              traces=(grouped, {"val": grouped}, None, None))
+        with caplog.at_level("WARNING", logger="sacpolicy.pipeline.fit"):
+            rule, tuning = decision_rule(ctx, "const", constant_predictor(), static)
+        assert rule.fallback == ("draft", 3) and rule.drafters == ("draft",) and rule.k_max == 4
+        if temperature:
+            assert tuning["grid"] == [] and "sampled" in tuning["skipped"] and (rule.mode, rule.optimism) == ("stop", 1.0)
+            assert "not tuned" in caplog.text
+        else:
+            assert len(tuning["grid"]) > 1 and "skipped" not in tuning

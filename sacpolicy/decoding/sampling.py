@@ -67,8 +67,11 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs [V] -> one token id (0-d long tensor), without leaving the device."""
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    """probs [..., V] -> one token id per row ([...], long), without leaving the device."""
+    if probs.dim() <= 2:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.view(probs.shape[:-1])
 
 
 def select_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -96,25 +99,27 @@ def verify(
     draft_tokens: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of one block.
+    """Speculative sampling of one block (or of a batch of blocks of equal length: leading dims ``...``).
 
-    p: [k+1, V] target probs at each drafted position and the bonus position; q: [k, V] draft probs the tokens were
-    drawn from; draft_tokens: [k]. Token i is accepted with probability min(1, p(x_i) / q(x_i)); at the first rejection
-    the next token is drawn from residual(p, q); if all k are accepted it is drawn from p[k] (the bonus token).
-    Returns (n_accepted, next_token) as 0-d device tensors: the emitted tokens are draft_tokens[:n] + [next_token].
+    p: [..., k+1, V] target probs at each drafted position and the bonus position; q: [..., k, V] draft probs the
+    tokens were drawn from; draft_tokens: [..., k]. Token i is accepted with probability min(1, p(x_i) / q(x_i)); at
+    the first rejection the next token is drawn from residual(p, q); if all k are accepted it is drawn from p[k] (the
+    bonus token). Returns (n_accepted, next_token), each [...] (0-d for one block), on the device: the emitted tokens
+    are draft_tokens[:n] + [next_token].
     """
-    k = draft_tokens.shape[0]
+    k = draft_tokens.shape[-1]
     if k == 0:
-        return torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], generator)
-    idx = draft_tokens.view(k, 1)
-    px = p[:k].gather(-1, idx).squeeze(-1)
-    qx = q[:k].gather(-1, idx).squeeze(-1)
-    u = torch.rand(k, generator=generator, device=p.device)
+        return torch.zeros(p.shape[:-2], dtype=torch.long, device=p.device), sample(p[..., 0, :], generator)
+    idx = draft_tokens.unsqueeze(-1)
+    px = p[..., :k, :].gather(-1, idx).squeeze(-1)
+    qx = q[..., :k, :].gather(-1, idx).squeeze(-1)
+    u = torch.rand(draft_tokens.shape, generator=generator, device=p.device)
     accepted = u * qx < px  # u < p/q without dividing by q
-    n = torch.cumprod(accepted.long(), 0).sum()
+    n = torch.cumprod(accepted.long(), -1).sum(-1)
     # Row k of q is zero, so the residual there is p[k] itself: the bonus token needs no branch.
-    q_ext = torch.cat([q[:k], torch.zeros_like(q[:1])], dim=0)
-    return n, sample(residual(p[n], q_ext[n]), generator)
+    q_ext = torch.cat([q[..., :k, :], torch.zeros_like(q[..., :1, :])], dim=-2)
+    at = n[..., None, None].expand(*n.shape, 1, p.shape[-1])
+    return n, sample(residual(p.gather(-2, at).squeeze(-2), q_ext.gather(-2, at).squeeze(-2)), generator)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

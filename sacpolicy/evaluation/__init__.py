@@ -1,8 +1,18 @@
-"""Evaluation: metric rows per policy (live or simulated), Markdown/JSON reports and plots."""
+"""Evaluation: metric rows per policy (live or simulated), bootstrap intervals, Markdown/JSON reports and plots.
 
+``evaluation.evaluate`` (the rows of a run) and ``evaluation.ceilings`` (per-prompt static, in-sample ceiling) need
+torch and are imported from their modules."""
+
+from sacpolicy.evaluation.intervals import (
+    add_intervals,
+    bootstrap_indices,
+    paired_ratio_interval,
+)
 from sacpolicy.evaluation.metrics import (
     add_speedups,
     calibration_error,
+    flag_artefacts,
+    gain_captured,
     reliability_bins,
     row_from_results,
 )
@@ -15,6 +25,7 @@ from sacpolicy.evaluation.report import (
 )
 
 __all__ = [
-    "add_speedups", "calibration_error", "calibration_plot", "category_table", "make_plots", "markdown_table",
-    "reliability_bins", "row_from_results", "speedup_vs_k_plot", "write_eval", "write_report",
+    "add_intervals", "add_speedups", "bootstrap_indices", "calibration_error", "calibration_plot", "category_table",
+    "flag_artefacts", "gain_captured", "make_plots", "markdown_table", "paired_ratio_interval", "reliability_bins",
+    "row_from_results", "speedup_vs_k_plot", "write_eval", "write_report",
 ]

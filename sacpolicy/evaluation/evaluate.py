@@ -2,8 +2,10 @@
 
 Rows: ``ar``, ``static-k<N>``, ``best-static`` (drafter and k chosen on val traces), ``heuristic``,
 ``confidence-0.4``, ``confidence-tuned`` (threshold chosen on val traces), ``seed-rule``, ``bandit``,
-``learned-<predictor>`` and ``oracle`` (simulated only). The one-drafter rules use the best static drafter. Live rows
-are measured prompt by prompt with every policy in turn, so machine noise hits them alike.
+``learned-<predictor>``, and the ceilings (simulated only, ``evaluation.ceilings``): ``per-prompt-static``,
+``learned-<predictor>-in-sample`` and ``oracle``. The one-drafter rules use the best static drafter. Live rows are
+measured prompt by prompt with every policy in turn, so machine noise hits them alike. Every ratio against AR and
+the best static carries a paired bootstrap interval over prompts (``evaluation.intervals``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import time
 from dataclasses import dataclass, field, replace
 
 from sacpolicy.decoding import RequestInfo
-from sacpolicy.evaluation.metrics import add_speedups, row_from_results
+from sacpolicy.evaluation.ceilings import InSample, in_sample_rules, per_prompt_static
+from sacpolicy.evaluation.intervals import add_intervals
+from sacpolicy.evaluation.metrics import (
+    add_speedups,
+    flag_artefacts,
+    gain_captured,
+    row_from_results,
+)
 from sacpolicy.policy import (
     Autoregressive,
     Bandit,
@@ -39,6 +48,8 @@ class EvalSettings:
     price_per_hour: float
     confidence_grid: tuple[float, ...]
     warmup_tokens: int = 8  # tokens each live decoder decodes once before timing (lazy initialisation)
+    resamples: int = 2000  # bootstrap resamples of the prompts behind each ratio's 95% interval
+    bootstrap_seed: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -107,6 +118,8 @@ def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *,
         # live steps are timed; replayed ones are priced by the cost model
         "bandit": lambda: Bandit(ks=tuple(k for k in settings.ks if k <= settings.k_max), cost=None if live else cost),
     }
+    if threshold is None:  # sampled traces: nothing to tune the threshold on
+        del make["confidence-tuned"]
     for name, rule in rules.items():  # a copy of the rule per policy: fallback counts stay per row
         make[f"learned-{name}"] = lambda rule=rule, name=name: LearnedPolicy(replace(rule, fallbacks=0),
                                                                              name=f"learned-{name}")
@@ -115,65 +128,110 @@ def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *,
 
 def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: dict, test_prompts: list,
              rules: dict, settings: EvalSettings, best_static: dict, sampling=None, decoder_config=None,
-             progress: bool = True):
+             in_sample: InSample | None = None, progress: bool = True):
     """-> (rows, meta). ``rules``: {predictor name: DecisionRule}; ``drafters`` in the order the traces hold them;
-    ``best_static``: the best static (drafter, k) on val traces (``traces.simulate.best_static``)."""
-    from tqdm.auto import tqdm
-
-    from sacpolicy.decoding import SpeculativeDecoder
-    from sacpolicy.traces.simulate import Oracle, simulate
+    ``best_static``: the best static (drafter, k) on val traces (``traces.simulate.best_static``); ``in_sample``:
+    what to refit for the in-sample ceilings (none without it). Traces of sampled decoding cannot be replayed
+    exactly: they give no simulated rows, and ``meta["simulated_skipped"]`` says why."""
+    from sacpolicy.traces.simulate import SampledTracesError
 
     vocab = int(target.model.get_output_embeddings().out_features)
-    rows = []
-    chosen = choose_on_val(settings, val_grouped, cost, best_static, vocab_size=vocab, config=decoder_config)
-    sim_make = policy_factories(settings, chosen, cost, rules, live=False)
-    sim_make["oracle"] = lambda: Oracle(cost, k_max=settings.k_max)
-    for name, make in tqdm(sim_make.items(), desc="simulated rows", disable=not progress):
-        policy = make()
-        timed = policy if isinstance(policy, Oracle) else Timed(policy)  # the oracle reads traces through .current
-        sim = simulate(timed, test_grouped, cost, vocab_size=vocab, config=decoder_config)
-        rows.append(row_from_results(name, "simulated", sim.results, price_per_hour=settings.price_per_hour,
-                                     policy_s=getattr(timed, "seconds", 0.0),
-                                     extra={"fallbacks": getattr(policy, "fallbacks", 0)}))
-
+    rows, skipped, no_ceiling = [], None, {}
+    try:
+        chosen = choose_on_val(settings, val_grouped, cost, best_static, vocab_size=vocab, config=decoder_config)
+        sim_rows, no_ceiling = simulated_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab,
+                                              config=decoder_config, in_sample=in_sample, progress=progress)
+        rows += sim_rows
+    except SampledTracesError as e:
+        logger.warning("no simulated rows: %s", e)
+        chosen = {"best_static": best_static, "confidence_threshold": None}  # nothing to tune the threshold on
+        skipped = ("No simulated rows (nor ceilings): these traces were recorded with sampling (temperature > 0), "
+                   "which the simulator cannot replay exactly; collect greedy traces (sampling.temperature=0) for them.")
     n_live = len(test_prompts) if settings.live_prompts is None else min(settings.live_prompts, len(test_prompts))
     if n_live:
-        live_make = policy_factories(settings, chosen, cost, rules, live=True)
-        decoders = {name: SpeculativeDecoder(target.model, drafters, Timed(make()), sampling=sampling,
-                                             config=decoder_config, stop_token_ids=target.eos_token_ids)
-                    for name, make in live_make.items()}
-        for dec in decoders.values():  # first calls pay for lazy initialisation
-            dec.generate(test_prompts[0]["input_ids"], settings.warmup_tokens)
-            dec.policy.seconds = 0.0
-        results = {name: [] for name in decoders}
-        for row in tqdm(test_prompts[:n_live], desc="live rows (prompt by prompt)", disable=not progress):
-            for name, dec in decoders.items():
-                res = dec.generate(row["input_ids"], settings.max_new_tokens, request=RequestInfo(category=row["category"]))
-                results[name].append((row["category"], res))
-        for name, dec in decoders.items():
-            rows.append(row_from_results(name, "live", results[name], price_per_hour=settings.price_per_hour,
-                                         policy_s=dec.policy.seconds,
-                                         extra={"fallbacks": getattr(dec.policy.inner, "fallbacks", 0)}))
+        rows += live_rows(settings, chosen, cost, rules, target, drafters, test_prompts[:n_live], sampling=sampling,
+                          config=decoder_config, progress=progress)
     add_speedups(rows)
+    add_intervals(rows, resamples=settings.resamples, seed=settings.bootstrap_seed)
+    flag_artefacts(rows)
     meta = {"target": target.spec, "device": str(target.device), "dtype": str(target.dtype),
-            "drafters": [d.name for d in drafters], "test_prompts_simulated": len(test_grouped),
+            "drafters": [d.name for d in drafters], "test_prompts_simulated": 0 if skipped else len(test_grouped),
             "val_prompts": len(val_grouped), "live_prompts": n_live, "max_new_tokens": settings.max_new_tokens,
-            "price_per_hour": settings.price_per_hour, **chosen, **targets(rows, list(rules)), **settings.extra}
+            "price_per_hour": settings.price_per_hour, "bootstrap_resamples": settings.resamples, **chosen,
+            **targets(rows, list(rules)), **({"simulated_skipped": skipped} if skipped else {}),
+            **({"in_sample_skipped": no_ceiling} if no_ceiling else {}), **settings.extra}
     return rows, meta
 
 
+def simulated_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test_grouped: dict, *, vocab_size: int,
+                   config=None, in_sample: InSample | None = None, progress: bool = True) -> tuple[list, dict]:
+    """Every policy replayed over the test traces, then the ceilings: per-prompt hindsight static, each predictor
+    refitted in sample (with ``in_sample``) and the oracle. -> (rows, {predictor: why it has no in-sample row})."""
+    from tqdm.auto import tqdm
+
+    from sacpolicy.traces.simulate import Oracle, simulate
+
+    def row(name, results, policy_s=0.0, fallbacks=0):
+        return row_from_results(name, "simulated", results, price_per_hour=settings.price_per_hour,
+                                policy_s=policy_s, extra={"fallbacks": fallbacks})
+
+    make, no_ceiling = policy_factories(settings, chosen, cost, rules, live=False), {}
+    if in_sample is not None:
+        refit, no_ceiling = in_sample_rules(test_grouped, cost, in_sample, vocab_size=vocab_size, k_max=settings.k_max,
+                                config=config)
+        make |= {f"learned-{n}-in-sample": lambda r=r, n=n: LearnedPolicy(r, name=f"learned-{n}-in-sample")
+                 for n, r in refit.items()}
+    make["oracle"] = lambda: Oracle(cost, k_max=settings.k_max)
+    rows = []
+    for name, factory in tqdm(make.items(), desc="simulated rows", disable=not progress):
+        policy = factory()
+        timed = policy if isinstance(policy, Oracle) else Timed(policy)  # the oracle reads traces through .current
+        sim = simulate(timed, test_grouped, cost, vocab_size=vocab_size, config=config)
+        rows.append(row(name, sim.results, getattr(timed, "seconds", 0.0), getattr(policy, "fallbacks", 0)))
+        if name == "best-static":
+            rows.append(row("per-prompt-static", per_prompt_static(test_grouped, cost, vocab_size=vocab_size,
+                                                                   k_max=settings.k_max, config=config)))
+    return rows, no_ceiling
+
+
+def live_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, target, drafters: list, prompts: list, *,
+              sampling=None, config=None, progress: bool = True) -> list[dict]:
+    """Every policy decoding the prompts live, prompt by prompt with each policy in turn (machine noise hits all
+    alike), after a warm-up generation each."""
+    from tqdm.auto import tqdm
+
+    from sacpolicy.decoding import SpeculativeDecoder
+
+    decoders = {name: SpeculativeDecoder(target.model, drafters, Timed(make()), sampling=sampling, config=config,
+                                         stop_token_ids=target.eos_token_ids)
+                for name, make in policy_factories(settings, chosen, cost, rules, live=True).items()}
+    for dec in decoders.values():  # first calls pay for lazy initialisation
+        dec.generate(prompts[0]["input_ids"], settings.warmup_tokens)
+        dec.policy.seconds = 0.0
+    results = {name: [] for name in decoders}
+    for row in tqdm(prompts, desc="live rows (prompt by prompt)", disable=not progress):
+        for name, dec in decoders.items():
+            res = dec.generate(row["input_ids"], settings.max_new_tokens, request=RequestInfo(category=row["category"]))
+            results[name].append((row["category"], res))
+    return [row_from_results(name, "live", results[name], price_per_hour=settings.price_per_hour,
+                             policy_s=dec.policy.seconds, extra={"fallbacks": getattr(dec.policy.inner, "fallbacks", 0)})
+            for name, dec in decoders.items()]
+
+
 def targets(rows: list[dict], predictors: list[str]) -> dict:
-    """The learned policy's figures of merit: tokens/s over best static (live and simulated) and the share of the
-    oracle's gain over best static it captures (simulated)."""
-    by = {(r["name"], r["mode"]): r["tokens_per_s"] for r in rows}
+    """The learned policy's figures of merit: tokens/s over best static (live with its 95% interval, and simulated),
+    and the share of the gain over best static it captures of the in-sample ceiling's and of the oracle's
+    (simulated; None where a row is missing or the ceiling gains nothing)."""
+    by = {(r["name"], r["mode"]): r for r in rows}
     out = {}
     for p in predictors:
         name = f"learned-{p}"
         for mode in ("live", "simulated"):
-            if (name, mode) in by and ("best-static", mode) in by:
-                out[f"{name}_vs_best_static_{mode}"] = by[(name, mode)] / by[("best-static", mode)]
-        if ("oracle", "simulated") in by and (name, "simulated") in by:
-            gain = by[("oracle", "simulated")] - by[("best-static", "simulated")]
-            out[f"{name}_oracle_gain_captured"] = (
-                (by[(name, "simulated")] - by[("best-static", "simulated")]) / gain if gain > 0 else float("nan"))
+            row = by.get((name, mode), {})
+            if row.get("speedup_vs_best_static") is not None:
+                out[f"{name}_vs_best_static_{mode}"] = row["speedup_vs_best_static"]
+                if mode == "live" and row.get("speedup_vs_best_static_ci"):
+                    out[f"{name}_vs_best_static_live_ci"] = row["speedup_vs_best_static_ci"]
+        out[f"{name}_in_sample_gain_captured"] = gain_captured(rows, name, f"{name}-in-sample")
+        out[f"{name}_oracle_gain_captured"] = gain_captured(rows, name, "oracle")
     return out

@@ -66,6 +66,9 @@ def row_from_results(name: str, mode: str, results: list[tuple[str | None, Gener
         "k_hist": _hist(s.k if s.drafter is not None else 0 for s in steps),
         "accept_hist": _hist(s.accepted for s in drafting),
         "per_category": dict(sorted(per_category.items())),
+        # in the order given: what bootstrap intervals resample (``evaluation.intervals``)
+        "per_prompt": {"category": [c or "other" for c, _ in results], "tokens": [len(r.tokens) for _, r in results],
+                       "seconds": [r.total_s for _, r in results]},
     }
     clash = set(row) & set(extra or {})
     if clash:
@@ -88,6 +91,28 @@ def add_speedups(rows: list[dict], baseline: str = "ar") -> None:
         for category, c in row["per_category"].items():
             ref_tps = ref["per_category"].get(category, {}).get("tokens_per_s", 0.0)
             c["speedup_vs_ar"] = c["tokens_per_s"] / ref_tps if ref_tps > 0 else None
+
+
+ARTEFACT = "beats AR with nothing accepted: cost-model artefact"
+
+
+def flag_artefacts(rows: list[dict]) -> None:
+    """Set ``beats_ar_nothing_accepted`` on every row: faster than AR (``speedup_vs_ar`` > 1) while no drafted token
+    was ever accepted (tokens per target call <= 1), which only a cost model that prices drafting below its true
+    cost can produce. Call after ``add_speedups``."""
+    for row in rows:
+        row["beats_ar_nothing_accepted"] = bool(
+            row.get("speedup_vs_ar") is not None and row["speedup_vs_ar"] > 1.0 and row["tokens_per_call"] <= 1.0)
+
+
+def gain_captured(rows: list[dict], name: str, ceiling: str, baseline: str = "best-static",
+                  mode: str = "simulated") -> float | None:
+    """(row - baseline) / (ceiling - baseline) in tokens/s of ``mode`` rows; None when a row is missing or the
+    ceiling does not beat the baseline (no gain to share)."""
+    by = {r["name"]: r["tokens_per_s"] for r in rows if r["mode"] == mode}
+    if not {name, ceiling, baseline} <= set(by) or by[ceiling] <= by[baseline]:
+        return None
+    return (by[name] - by[baseline]) / (by[ceiling] - by[baseline])
 
 
 def reliability_bins(probs, labels, n_bins: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

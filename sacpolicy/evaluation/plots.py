@@ -42,7 +42,7 @@ def make_plots(eval: dict, out_dir) -> list[Path]:
 
 def calibration_plot(probs, labels, out_path, n_bins: int = 10, title: str = "Reliability diagram") -> Path:
     """Observed frequency per probability bin against the diagonal of perfect calibration; ECE in the title."""
-    conf, freq, count = reliability_bins(probs, labels, n_bins)
+    _, freq, count = reliability_bins(probs, labels, n_bins)
     fig, ax = _figure()
     edges = np.linspace(0.0, 1.0, n_bins + 1)
     ax.bar(edges[:-1], np.nan_to_num(freq), 1.0 / n_bins, align="edge", edgecolor="black", label="observed")

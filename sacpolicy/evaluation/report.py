@@ -5,30 +5,45 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sacpolicy.evaluation.intervals import MIN_PROMPTS
+from sacpolicy.evaluation.metrics import ARTEFACT, gain_captured
 from sacpolicy.io import write_json, write_text
 
-_COLUMNS = [  # (header, row key, format)
+MARK = "⚠"  # beside the name of a row that beats AR with nothing accepted (footnoted)
+_COLUMNS = [  # (header, row key, format); a ratio column shows its 95% interval beside it
     ("name", "name", "{}"), ("mode", "mode", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
-    ("speedup vs AR", "speedup_vs_ar", "{:.2f}x"), ("tokens/target call", "tokens_per_call", "{:.2f}"),
-    ("target calls/token", "target_calls_per_token", "{:.3f}"),
+    ("speedup vs AR [95% CI]", "speedup_vs_ar", "ratio"), ("vs best static [95% CI]", "speedup_vs_best_static", "ratio"),
+    ("tokens/target call", "tokens_per_call", "{:.2f}"), ("target calls/token", "target_calls_per_token", "{:.3f}"),
     ("draft calls/token", "draft_calls_per_token", "{:.2f}"),
     ("$/1k tokens", "cost_per_1k_tokens", "{:.4f}"), ("p50 ms", "latency_p50_ms", "{:.1f}"),
     ("p90 ms", "latency_p90_ms", "{:.1f}"), ("p99 ms", "latency_p99_ms", "{:.1f}"),
     ("policy %", "policy_fraction", "{:.1%}"),
 ]
+CEILINGS = {
+    "per-prompt-static": "the best static (drafter, k) of each prompt, chosen in hindsight on that prompt's traces",
+    "in-sample": "the same predictor fitted, calibrated and tuned on the test traces themselves (a ceiling for it on "
+                 "these features)",
+    "oracle": "drafts exactly what the target will accept, step by step: a bound no policy reaches",
+}
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per row: throughput, speedup, calls per token, cost and per-token latency ('-' where missing)."""
-    return _table([h for h, _, _ in _COLUMNS], [[_fmt(fmt, r.get(key)) for _, key, fmt in _COLUMNS] for r in rows])
+    """One line per row: throughput, ratios against AR and best static with their intervals, calls per token, cost
+    and per-token latency ('-' where missing); a row that beats AR with nothing accepted is marked."""
+    body = [[_cell(r, key, fmt) for _, key, fmt in _COLUMNS] for r in rows]
+    for line, r in zip(body, rows):
+        if r.get("beats_ar_nothing_accepted"):
+            line[0] = f"{r['name']} {MARK}"
+    return _table([h for h, _, _ in _COLUMNS], body)
 
 
-def category_table(rows: list[dict]) -> str:
-    """Speedup vs AR of each row in each prompt category, so a policy that only wins on code shows it."""
+def category_table(rows: list[dict], key: str = "speedup_vs_ar") -> str:
+    """``key`` (the ratio against AR or best static) of each row in each prompt category with its interval, so a
+    policy that only wins on code shows it; too few prompts for an interval is said in the cell."""
     categories = sorted({c for r in rows for c in r["per_category"]})
     return _table(["name", "mode", *categories],
-                  [[r["name"], r["mode"], *(_fmt("{:.2f}x", r["per_category"].get(c, {}).get("speedup_vs_ar"))
-                                            for c in categories)] for r in rows])
+                  [[r["name"], r["mode"], *(_cell(r["per_category"].get(c, {}), key, "ratio") for c in categories)]
+                   for r in rows])
 
 
 def write_eval(out_dir, rows: list[dict], meta: dict) -> Path:
@@ -57,10 +72,38 @@ def write_report(out_dir, eval: dict, *, command: str, sections: dict[str, str] 
 
 
 def _eval_markdown(eval: dict) -> str:
-    setup = "\n".join(f"- {k}: {v}" for k, v in eval.get("meta", {}).items())
-    rows = eval["rows"]
-    return (f"## Setup\n\n{setup}\n\n" if setup else "") + (
-        f"## Results\n\n{markdown_table(rows)}\n\n## Speedup vs AR by category\n\n{category_table(rows)}")
+    meta, rows = eval.get("meta", {}), eval["rows"]
+    setup = "\n".join(f"- {k}: {v}" for k, v in meta.items())
+    notes = [meta["simulated_skipped"]] if meta.get("simulated_skipped") else []
+    notes.append("Ratios compare tokens/s with the row of the same mode; [a, b]: 95% paired bootstrap interval over "
+                 f"prompts ({meta.get('bootstrap_resamples', 2000)} resamples); no interval under {MIN_PROMPTS} "
+                 "prompts.")
+    if any(r.get("beats_ar_nothing_accepted") for r in rows):
+        notes.append(f"{MARK} {ARTEFACT}.")
+    parts = [f"## Setup\n\n{setup}"] if setup else []
+    parts.append(f"## Results\n\n{markdown_table(rows)}\n\n" + "\n".join(f"- {n}" for n in notes))
+    ceilings = _ceilings(rows, meta.get("in_sample_skipped", {}))
+    if ceilings:
+        parts.append(f"## Ceilings (simulated on the test traces)\n\n{ceilings}")
+    parts.append(f"## Speedup vs AR by category\n\n{category_table(rows)}")
+    if any("speedup_vs_best_static" in r for r in rows):
+        parts.append(f"## Speedup vs best static by category\n\n{category_table(rows, 'speedup_vs_best_static')}")
+    return "\n\n".join(parts)
+
+
+def _ceilings(rows: list[dict], skipped: dict) -> str:
+    """What each ceiling row is, and the share of each ceiling's gain over best static the learned rows capture."""
+    names = [r["name"] for r in rows if r["mode"] == "simulated"]
+    lines = [f"- {n}: {CEILINGS[n]}" for n in ("per-prompt-static", "oracle") if n in names]
+    lines += [f"- learned-{p}-in-sample: none, {why}" for p, why in skipped.items()]
+    for n in names:
+        if n.startswith("learned-") and f"{n}-in-sample" in names:
+            lines.append(f"- {n}-in-sample: {CEILINGS['in-sample']}")
+            for ceiling in (f"{n}-in-sample", "oracle"):
+                share = gain_captured(rows, n, ceiling)
+                lines.append(f"- {n} captures {'-' if share is None else f'{share:.0%}'} of {ceiling}'s gain over "
+                             "best-static" + (" (target: >= 75%)" if ceiling != "oracle" else ""))
+    return "\n".join(lines)
 
 
 def _table(header: list[str], body: list[list[str]]) -> str:
@@ -68,5 +111,15 @@ def _table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
 
 
-def _fmt(fmt: str, value) -> str:
-    return "-" if value is None else fmt.format(value)
+def _cell(d: dict, key: str, fmt: str) -> str:
+    value = d.get(key)
+    if value is None:
+        return "-"
+    if fmt != "ratio":
+        return fmt.format(value)
+    ci = d.get(f"{key}_ci")
+    if ci is not None:
+        return f"{value:.2f}x [{ci[0]:.2f}, {ci[1]:.2f}]"
+    if d.get("n_prompts", MIN_PROMPTS) < MIN_PROMPTS:
+        return f"{value:.2f}x (not enough prompts: {d['n_prompts']})"
+    return f"{value:.2f}x"

@@ -4,8 +4,8 @@ Stages (``cfg.stages``, run in order; each reads and writes files in the run dir
 - ``distill``: distil a draft from the target on the training prompts (``distill/draft``, loadable by transformers);
   later stages add it to the drafters as ``distilled``.
 - ``head``: train an EAGLE-3 feature head on the same data (``head/head``); later stages add it as ``feature``.
-- ``collect``: profile the cost model (``cost.json``), collect teacher-forced traces over the train/val/test prompts
-  (``traces/tf``) and a live sample with the configured policy (``traces/live``).
+- ``collect``: profile the cost model (``cost.json``) and collect teacher-forced traces over the train/val/test prompts
+  (``traces/tf``).
 - ``fit``: train each configured predictor on the traces, tune its decision rule on val traces and save the policy
   artifact (``policies/<predictor>``).
 - ``evaluate``: every policy on held-out test prompts, simulated and live (``eval.json``, ``eval.md``, plots).

@@ -1,5 +1,7 @@
-"""Stage ``collect``: the cost model profiled on this device (``cost.json``), teacher-forced traces over the
-train/val/test prompts (``traces/tf``) and a live sample with the configured policy (``traces/live``)."""
+"""Stage ``collect``: the cost model profiled on this device (``cost.json``) and teacher-forced traces over the
+train/val/test prompts (``traces/tf``), which record the sampling settings they were decoded with (replays refuse
+sampled ones). Live decoding is measured by the ``evaluate`` stage; no live traces are written here (nothing read
+them)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def run(ctx: RunContext) -> dict:
     from sacpolicy.data import split_prompts
     from sacpolicy.profiling import profile
     from sacpolicy.runtime.cost import CostModel
-    from sacpolicy.traces.collect import collect_live, collect_teacher_forced
+    from sacpolicy.traces.collect import collect_teacher_forced
 
     cfg, c, target = ctx.cfg, ctx.cfg.collect, ctx.target
     drafters = ctx.drafters
@@ -33,17 +35,15 @@ def run(ctx: RunContext) -> dict:
         profile(target.model, drafters, **OmegaConf.to_container(c.profile)).to_json(cost_path)
     cost = CostModel.from_json(cost_path)
     meta = {"target": target.spec, "vocab_size": int(target.model.get_output_embeddings().out_features)}
+    sampling = instantiate(cfg.sampling)
+    if not sampling.greedy:
+        logger.warning("collecting sampled traces (temperature %s): the simulator replays greedy traces only, so fit "
+                       "will label examples with beta and skip rule tuning, and static k is ranked in expectation",
+                       sampling.temperature)
     t0 = time.perf_counter()
     collect_teacher_forced(target, drafters, [r for s in SPLITS for r in chosen[s]], ctx.out_dir / "traces" / "tf",
-                           max_new_tokens=c.max_new_tokens, meta=meta, sampling=instantiate(cfg.sampling),
+                           max_new_tokens=c.max_new_tokens, meta=meta, sampling=sampling,
                            k_max=c.k_max, shard=c.shard, chunk_size=c.chunk_size)
-    tf_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    live = chosen["val"][: c.live_prompts]
-    if live:
-        collect_live(ctx.decoder(), live, ctx.out_dir / "traces" / "live", max_new_tokens=c.max_new_tokens,
-                     meta=meta, shard=c.shard, chunk_size=c.chunk_size)
     return {"target": target.spec, "drafters": [d.name for d in drafters],
-            "prompts": {s: len(chosen[s]) for s in SPLITS}, "teacher_forced_s": tf_s,
-            "live_s": time.perf_counter() - t0, "live_prompts": len(live), "cost_model": str(cost_path),
-            "verify_s_k0_ctx256": cost.verify_time(0, 256)}
+            "prompts": {s: len(chosen[s]) for s in SPLITS}, "teacher_forced_s": time.perf_counter() - t0,
+            "cost_model": str(cost_path), "verify_s_k0_ctx256": cost.verify_time(0, 256)}

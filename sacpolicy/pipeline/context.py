@@ -108,16 +108,20 @@ class RunContext:
         from sacpolicy.traces.simulate import group_traces
 
         tf_dir = self.need("traces/tf", "fit")
-        grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=self.cfg.target.spec))
+        meta = read_meta(tf_dir)
+        grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=self.cfg.target.spec), meta)
         by_split = {s: {} for s in SPLITS}
         for pid, p in grouped.items():
             by_split[assign_split(pid)][pid] = p
-        return grouped, by_split, tf_dir, read_meta(tf_dir)
+        return grouped, by_split, tf_dir, meta
 
     @property
     def soft_labels(self) -> bool:
-        """Traces of sampled decoding label a drafted token with its acceptance probability beta, not 0/1."""
-        return float(self.traces[3]["sampling"].get("temperature", 0.0)) > 0.0
+        """Traces of sampled decoding label a drafted token with its acceptance probability beta, not 0/1 (and cannot
+        be replayed: ``traces.simulate.SampledTracesError``)."""
+        from sacpolicy.traces.schema import trace_temperature
+
+        return trace_temperature(self.traces[3]) > 0.0
 
     @cached_property
     def vocab_size(self) -> int:
@@ -128,13 +132,16 @@ class RunContext:
 
     def best_static(self) -> dict:
         """The best static (drafter, k) on validation traces, up to ``fit.k_max``: computed once per run
-        (``best_static.json``) and shared by rule tuning and evaluation."""
-        from sacpolicy.traces.simulate import best_static
+        (``best_static.json``) and shared by rule tuning and evaluation. Replayed on greedy traces; ranked in
+        expectation from beta on sampled ones (which cannot be replayed)."""
+        from sacpolicy.traces.simulate import best_static, expected_best_static
 
         path = self.out_dir / "best_static.json"
         if path.is_file():
             return json.loads(path.read_text())
-        best = best_static(self.traces[1]["val"], self.cost, vocab_size=self.vocab_size, k_max=self.cfg.fit.k_max)
+        val, k_max = self.traces[1]["val"], self.cfg.fit.k_max
+        best = (expected_best_static(val, self.cost, k_max=k_max) if self.soft_labels
+                else best_static(val, self.cost, vocab_size=self.vocab_size, k_max=k_max))
         write_json(path, best["all"])
         return best["all"]
 

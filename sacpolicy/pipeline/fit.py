@@ -1,26 +1,31 @@
 """Stage ``fit``: each configured predictor trained on the traces, its decision rule tuned on val traces, saved as
-the policy artifact ``policies/<predictor>``."""
+the policy artifact ``policies/<predictor>``.
+
+Sampled traces (temperature > 0) cannot be replayed (``traces.simulate.SampledTracesError``), and rule tuning is a
+replay: there the stage skips tuning, logs why, and saves the untuned rule (its default mode and optimism) with the best
+static (drafter, k) ranked in expectation from beta as its fallback. Skipping, not refusing: the predictor, trained on
+beta labels, is still the right one for sampled decoding; only the tuning's tokens/s would be wrong.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from hydra.utils import instantiate
 
 from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext, command
 
+logger = logging.getLogger(__name__)
+
 
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.plots import calibration_plot
     from sacpolicy.runtime.artifact import save_policy
-    from sacpolicy.training.predictor import (
-        acceptance_examples,
-        fit_predictor,
-        tune_rule,
-    )
+    from sacpolicy.training.predictor import acceptance_examples, fit_predictor
 
     cfg, tracker = ctx.cfg, ctx.tracker
-    grouped, by_split, tf_dir, _ = ctx.traces
+    grouped, _, tf_dir, _ = ctx.traces
     ex = acceptance_examples(grouped, ctx.cost, vocab_size=ctx.vocab_size, k=cfg.fit.k, soft=ctx.soft_labels)
     summary = {"examples": {s: int((ex.split == s).sum()) for s in SPLITS}, "soft_labels": ctx.soft_labels,
                "predictors": {}}
@@ -30,8 +35,7 @@ def run(ctx: RunContext) -> dict:
         t0 = time.perf_counter()
         pred, metrics = fit_predictor(name, instantiate(spec, _convert_="all"), ex, ctx.out_dir / "fit" / name,
                                       logger=ctx.lightning_logger())
-        rule, tuning = tune_rule(pred, ctx.cost, by_split["val"], static, vocab_size=ctx.vocab_size,
-                                 k_max=cfg.fit.k_max, config=instantiate(cfg.decoder))
+        rule, tuning = decision_rule(ctx, name, pred, static)
         missing = [d for d in rule.drafters if d not in specs]
         if missing:
             raise PipelineError(f"traces hold drafters {missing} this run cannot rebuild; configure them in draft=")
@@ -43,8 +47,30 @@ def run(ctx: RunContext) -> dict:
             plot = calibration_plot(pred.predict(test.X), test.y, ctx.out_dir / "plots" / f"calibration_{name}.png",
                                     title=f"{name}: acceptance calibration (test, drafted tokens)")
             tracker.image(f"fit/calibration_{name}", plot)
-        summary["predictors"][name] = {"metrics": metrics, "mode": rule.mode, "optimism": rule.optimism,
-                                       "fallback": list(rule.fallback), "fit_s": time.perf_counter() - t0,
-                                       "val_tokens_per_s": max(r["val_tokens_per_s"] for r in tuning["grid"])}
+        summary["predictors"][name] = {
+            "metrics": metrics, "mode": rule.mode, "optimism": rule.optimism, "fallback": list(rule.fallback),
+            "fit_s": time.perf_counter() - t0, "tuning_skipped": tuning.get("skipped"),
+            "val_tokens_per_s": max((r["val_tokens_per_s"] for r in tuning["grid"]), default=None)}
         tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
     return summary
+
+
+def decision_rule(ctx: RunContext, name: str, pred, static: dict):
+    """(rule, tuning table): tuned on the val traces by replay (``tune_rule``), or, on sampled traces, the untuned
+    rule with ``static`` as fallback and the reason in the table's ``skipped``."""
+    from sacpolicy.runtime.rule import DecisionRule
+    from sacpolicy.training.predictor import tune_rule
+
+    val, k_max = ctx.traces[1]["val"], ctx.cfg.fit.k_max
+    if not val:
+        raise PipelineError("no validation traces to choose the decision rule on; collect traces over val prompts")
+    if not ctx.soft_labels:
+        return tune_rule(pred, ctx.cost, val, static, vocab_size=ctx.vocab_size, k_max=k_max,
+                         config=instantiate(ctx.cfg.decoder))
+    reason = ("the traces were sampled (temperature > 0) and the simulator replays greedy traces only; the rule keeps "
+              "its default mode and optimism, with the best static k in expectation as fallback. Collect greedy "
+              "traces (sampling.temperature=0) to tune it")
+    logger.warning("decision rule for %s not tuned: %s", name, reason)
+    drafters = tuple(next(iter(val.values()))["drafters"])
+    rule = DecisionRule(pred, ctx.cost, drafters, k_max, (static["drafter"], static["k"]))
+    return rule, {"grid": [], "skipped": reason, "best_static_val": static}

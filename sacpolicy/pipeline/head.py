@@ -1,6 +1,7 @@
 """Stage ``head``: an EAGLE-3 feature head trained with the training-time test on the distillation data (the
-target's own continuations, generated once and shared with the ``distill`` stage) into ``head/head``; later stages
-add it to the drafters as ``feature``."""
+target's own continuations, generated once and shared with the ``distill`` stage) into ``head/head``, warm-started
+from ``head.init_from`` (the embedded default: the head shipped in ``sacpolicy/heads``, used as it is with a budget
+of 0); later stages add it to the drafters as ``feature``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ def run(ctx: RunContext) -> dict:
     from sacpolicy.training.eagle3 import train_eagle3
 
     settings = instantiate(ctx.cfg.head)
-    dm = distill_data(ctx, instantiate(ctx.cfg.distill))
-    dm.setup()
-    metrics = train_eagle3(ctx.target, dm.train, dm.val, settings, instantiate(ctx.cfg.trainer), ctx.out_dir / "head",
+    train, val = [], []
+    if settings.trains:  # budget 0 with a warm start: the warm-start head as it is, no data needed
+        dm = distill_data(ctx, instantiate(ctx.cfg.distill))
+        dm.setup()
+        train, val = dm.train, dm.val
+    metrics = train_eagle3(ctx.target, train, val, settings, instantiate(ctx.cfg.trainer), ctx.out_dir / "head",
                            ctx.lightning_logger())
     return {"target": ctx.target.spec, "head_dir": str(ctx.out_dir / "head" / "head"), **metrics}

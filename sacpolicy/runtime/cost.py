@@ -11,19 +11,25 @@ Model of a step drafting k tokens on top of `context` committed tokens:
     verify = a(k + 1) + b * context         a: piecewise linear in tokens fed, b: seconds per cached token
     draft  = k * d(context + (k - 1) / 2)   model drafters: one forward per drafted token
     draft  = d(context)                     n-gram (and other model-free) drafters: one lookup per proposal
+
+A profiled curve keeps each knot's 95% interval (``lo``, ``hi``) beside its value; ``profiling`` makes the verify curve
+non-decreasing in tokens fed unless the intervals show a decrease beyond noise. Files without intervals still load.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
-COST_FORMAT = 1
+logger = logging.getLogger(__name__)
+
+COST_FORMAT = 1  # intervals (lo, hi) are optional fields of a curve: older files of this format load unchanged
 # Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
 # finite and positive.
 _MIN_S = 1e-7
@@ -41,10 +47,13 @@ def _hinge_basis(x, knots: Sequence[float]) -> np.ndarray:
 
 @dataclass
 class PiecewiseLinear:
-    """y(x): linear interpolation between the knots (xs, ys), linear extrapolation beyond; one knot = constant."""
+    """y(x): linear interpolation between the knots (xs, ys), linear extrapolation beyond; one knot = constant.
+    ``lo``/``hi``: each knot's 95% interval as measured (profiled curves), None when not measured."""
 
     xs: list[float]
     ys: list[float]
+    lo: list[float] | None = None
+    hi: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.xs, self.ys = [float(v) for v in self.xs], [float(v) for v in self.ys]
@@ -54,6 +63,17 @@ class PiecewiseLinear:
         if any(b <= a for a, b in zip(self.xs, self.xs[1:])):
             raise ValueError(f"piecewise-linear knots must be strictly increasing, got {self.xs}; "
                              "sort and deduplicate them")
+        if (self.lo is None) != (self.hi is None):
+            raise ValueError("a knot interval needs both lo and hi (or neither)")
+        if self.lo is not None:
+            self.lo, self.hi = [float(v) for v in self.lo], [float(v) for v in self.hi]
+            if not len(self.lo) == len(self.hi) == len(self.xs):
+                raise ValueError(f"a knot interval needs one lo and one hi per knot ({len(self.xs)}), "
+                                 f"got {len(self.lo)} and {len(self.hi)}")
+
+    def to_dict(self) -> dict:
+        d = {"xs": self.xs, "ys": self.ys}
+        return d if self.lo is None else {**d, "lo": self.lo, "hi": self.hi}
 
     def __call__(self, x: float) -> float:
         xs, ys = self.xs, self.ys
@@ -141,8 +161,9 @@ class CostModel:
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         return {"format": COST_FORMAT, "device": self.device,
-                "verify": {"tokens": asdict(self.verify["tokens"]), "per_context": float(self.verify["per_context"])},
-                "draft": {name: asdict(curve) for name, curve in self.draft.items()},
+                "verify": {"tokens": self.verify["tokens"].to_dict(),
+                           "per_context": float(self.verify["per_context"])},
+                "draft": {name: curve.to_dict() for name, curve in self.draft.items()},
                 "per_token_draft": dict(self.per_token_draft), "meta": dict(self.meta)}
 
     @classmethod
@@ -151,9 +172,13 @@ class CostModel:
         if found != COST_FORMAT:
             raise ValueError(f"{source} has cost format {found!r} but this sacpolicy reads cost format {COST_FORMAT}. "
                              "Fix: re-profile this device with sacpolicy.profiling.profile() and save it again")
-        return cls(device=d["device"],
-                   verify={"tokens": PiecewiseLinear(**d["verify"]["tokens"]),
-                           "per_context": float(d["verify"]["per_context"])},
+        tokens = PiecewiseLinear(**d["verify"]["tokens"])
+        drops = [(a, b) for a, b, ya, yb in zip(tokens.xs, tokens.xs[1:], tokens.ys, tokens.ys[1:]) if yb < ya]
+        if drops and tokens.lo is None:
+            logger.warning("%s: the verify cost falls from %s to %s tokens fed with no interval to show it is beyond "
+                           "noise, which lets the simulator favour drafting that gains nothing. Fix: re-profile with "
+                           "sacpolicy.profiling.profile (repeats >= 5)", source, *drops[0])
+        return cls(device=d["device"], verify={"tokens": tokens, "per_context": float(d["verify"]["per_context"])},
                    draft={name: PiecewiseLinear(**curve) for name, curve in d["draft"].items()},
                    per_token_draft={name: bool(v) for name, v in d["per_token_draft"].items()},
                    meta=dict(d.get("meta", {})))

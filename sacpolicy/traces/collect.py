@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ _T1 = SamplingConfig(temperature=1.0)
 def resolve_shard(shard: tuple[int, int] | str | None) -> tuple[int, int]:
     """``(i, n)``, ``"i/n"``, or None: torchrun's RANK / WORLD_SIZE when set, else the whole set."""
     if shard is None:
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     i, n = (int(x) for x in shard.split("/")) if isinstance(shard, str) else shard
     if not 0 <= i < n:
         raise TraceError(f"shard {i}/{n} is out of range: use shard=i/n with 0 <= i < n")

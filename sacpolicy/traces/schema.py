@@ -82,6 +82,20 @@ def read_meta(trace_dir: str | Path) -> dict:
     return meta
 
 
+def trace_temperature(meta: dict) -> float:
+    """The sampling temperature the traces' target tokens were decoded with (0: greedy), from ``meta["sampling"]``.
+
+    Every collection of this schema records ``sampling``. A teacher-forced meta without it (written by hand or by other
+    tools) counts as greedy: ``collect_teacher_forced`` decodes greedily unless given a sampling config. A live meta
+    without it cannot be told apart (live decoding samples whenever its decoder does) and raises ``TraceError``."""
+    if "sampling" in meta:
+        return float(meta["sampling"].get("temperature", 0.0))
+    if meta.get("kind") == "teacher_forced":
+        return 0.0
+    raise TraceError(f"trace meta of kind {meta.get('kind')!r} does not record its sampling settings; collect the "
+                     "traces again with this sacpolicy version")
+
+
 def load_traces(trace_dir: str | Path, *, kind: str | None = None, target: str | None = None,
                 skip_corrupt: bool = False):
     """All shards of a trace directory as a ``datasets.Dataset`` (via ``load_dataset("parquet", ...)``).
@@ -103,9 +117,9 @@ def load_traces(trace_dir: str | Path, *, kind: str | None = None, target: str |
     files = []
     for path in sorted(Path(trace_dir).glob("*.parquet")):
         try:
-            pq.ParquetFile(path).schema_arrow  # reads the footer: fails on a truncated file
+            _ = pq.ParquetFile(path).schema_arrow  # reads the footer: fails on a truncated file
             files.append(str(path))
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for damaged files
+        except Exception as exc:  # pyarrow raises several types for damaged files
             if not skip_corrupt:
                 raise TraceError(f"corrupt trace shard {path}: {exc}; delete it and resume the collection, or load "
                                  "with skip_corrupt=True") from exc

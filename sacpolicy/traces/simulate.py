@@ -3,8 +3,13 @@
 The replay runs the real ``SpeculativeDecoder`` loop (so policies, fallback and bookkeeping are the live ones) with a
 ``ReplayTarget`` that reproduces the target's recorded greedy tokens and ``ReplayDrafter``s that propose what each
 drafter would have proposed: the recorded tokens while they match, a wrong token at the first mismatch. Target calls
-and accepted tokens therefore equal the live decoder's for any policy; times come from the cost model. For sampled
-traces, ``expected_tokens_per_s`` gives the static-k rate in expectation from the recorded beta.
+and accepted tokens therefore equal the live decoder's for any policy; times come from the cost model.
+
+That holds for greedy traces only: with sampling a drafted token is accepted with probability beta, not when it equals
+the recorded token, so ``simulate``, ``best_static`` (and everything built on them: the oracle, rule tuning) refuse
+traces recorded with temperature > 0 (``SampledTracesError``). ``group_traces(rows, meta)`` stamps each prompt with the
+traces' temperature (``schema.trace_temperature``). For sampled traces, ``expected_tokens_per_s`` and
+``expected_best_static`` give static-k rates in expectation from the recorded beta: the one honest number they allow.
 """
 
 from __future__ import annotations
@@ -24,6 +29,23 @@ from sacpolicy.decoding import (
 )
 from sacpolicy.policy import Decision, Policy, Static
 from sacpolicy.runtime.cost import CostModel
+from sacpolicy.traces.schema import trace_temperature
+
+
+class SampledTracesError(ValueError):
+    """Raised when asked to replay traces recorded with sampling (temperature > 0) as if they were greedy: the replay
+    is exact for greedy traces only."""
+
+
+def check_greedy(grouped: dict, what: str) -> None:
+    """Raise ``SampledTracesError`` if any prompt of ``grouped`` was recorded with sampling."""
+    temps = {p["temperature"] for p in grouped.values() if p.get("temperature", 0.0) > 0.0}
+    if temps:
+        raise SampledTracesError(
+            f"{what} replays traces as if they were greedy, but these were recorded with sampling (temperature "
+            f"{sorted(temps)}): a sampled draft is accepted with probability beta, not when it equals the recorded "
+            "token, so the replay's rates would be wrong. Fix: collect greedy traces (sampling.temperature=0) to "
+            "replay, or rank static k on these with expected_best_static / expected_tokens_per_s (in expectation)")
 
 
 class ReplayTarget(nn.Module):
@@ -95,12 +117,16 @@ def confidence(rows: dict, g: int, j: int) -> list[float]:
     return [rows["top1"][i], rows["entropy"][i], rows["margin"][i]]
 
 
-def group_traces(traces) -> dict:
-    """Teacher-forced rows -> {prompt_id: {"prompt_len", "category", "drafters": {name: {column: [...]}}}}, drafters
-    in collection order (the order the live decoder held them in, which the drafter-index feature depends on)."""
+def group_traces(traces, meta: dict | None = None) -> dict:
+    """Teacher-forced rows -> {prompt_id: {"prompt_len", "category", "temperature", "drafters": {name: {column:
+    [...]}}}}, drafters in collection order (the order the live decoder held them in, which the drafter-index feature
+    depends on). ``meta``: the trace directory's (``schema.read_meta``), whose sampling temperature each prompt
+    carries so that replays can refuse sampled traces; without it the rows are taken as greedy."""
+    temperature = 0.0 if meta is None else trace_temperature(meta)
     out: dict = {}
     for r in sorted(traces, key=lambda r: (r["prompt_id"], r["position"])):  # stable: keeps the drafter order
-        p = out.setdefault(r["prompt_id"], {"prompt_len": r["prompt_len"], "category": r["category"], "drafters": {}})
+        p = out.setdefault(r["prompt_id"], {"prompt_len": r["prompt_len"], "category": r["category"],
+                                            "temperature": temperature, "drafters": {}})
         cols = p["drafters"].setdefault(r["drafter"], defaultdict(list))
         for c in ("target_token", "draft_token", "top1", "entropy", "margin", "run_len", "proposal_len", "beta",
                   "proposal"):
@@ -124,9 +150,15 @@ class SimResult:
 
 
 def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
-             config: DecoderConfig | None = None, drafters: list[str] | None = None) -> SimResult:
+             config: DecoderConfig | None = None, drafters: list[str] | None = None,
+             allow_sampled: bool = False) -> SimResult:
     """Replay ``policy`` over every prompt of ``grouped`` (from ``group_traces``). Each replayed result carries the
-    cost model's seconds in place of wall times (prefill, every step's draft and verify, the total)."""
+    cost model's seconds in place of wall times (prefill, every step's draft and verify, the total).
+
+    Raises ``SampledTracesError`` on sampled traces, unless ``allow_sampled``: only for callers that use the replay
+    to walk the recorded positions and never read its rates or acceptances (training examples labelled with beta)."""
+    if not allow_sampled:
+        check_greedy(grouped, "simulate")
     res = SimResult()
     for pid, p in grouped.items():
         names = drafters or list(p["drafters"])
@@ -175,15 +207,21 @@ class Oracle(Policy):
         return Decision(best[1], best[2]) if best[1] else Decision.autoregressive()
 
 
+def _by_category(grouped: dict, by_category: bool) -> dict:
+    if not by_category:
+        return {"all": grouped}
+    groups: dict = defaultdict(dict)
+    for pid, p in grouped.items():
+        groups[p["category"]][pid] = p
+    return groups
+
+
 def best_static(grouped: dict, cost: CostModel, *, vocab_size: int, k_max: int = 8, by_category: bool = False) -> dict:
-    """The static (drafter, k) with the highest predicted tokens/s, over all prompts or per category."""
-    groups = {"all": grouped}
-    if by_category:
-        groups = defaultdict(dict)
-        for pid, p in grouped.items():
-            groups[p["category"]][pid] = p
+    """The static (drafter, k) with the highest replayed tokens/s, over all prompts or per category (greedy traces;
+    sampled ones raise ``SampledTracesError``: see ``expected_best_static``)."""
+    check_greedy(grouped, "best_static")
     out = {}
-    for cat, g in groups.items():
+    for cat, g in _by_category(grouped, by_category).items():
         drafters = list(next(iter(g.values()))["drafters"])
         scores = {(d, k): simulate(Static(k, d), g, cost, vocab_size=vocab_size, drafters=[d]).tokens_per_s
                   for d in drafters for k in range(1, k_max + 1)}
@@ -193,12 +231,29 @@ def best_static(grouped: dict, cost: CostModel, *, vocab_size: int, k_max: int =
 
 
 def expected_tokens_per_s(grouped: dict, cost: CostModel, drafter: str, k: int) -> float:
-    """Sampled traces, static k, in expectation: a step starting at any position emits
-    1 + sum_j prod_{i<=j} beta_i tokens on average and costs step_time."""
+    """Static k in expectation, for sampled traces (greedy ones too): a step from generated position g drafts
+    k_g = min(k, proposal_len[g], tokens left) tokens and emits 1 + sum_j prod_{i<=j} beta[g + i] on average (no
+    draft: one token at the autoregressive step's cost). Ratio of sums over every position a step can start from.
+    A one-proposal drafter (n-gram) records beta for the first token of its span only; later tokens of the span use
+    the beta of the span proposed from their own position, an approximation."""
     tokens = seconds = 0.0
     for p in grouped.values():
-        beta = p["drafters"][drafter]["beta"]
-        for g in range(1, len(beta)):
-            tokens += cost.expected_tokens(beta[g : g + k])
-            seconds += cost.step_time(drafter, min(k, len(beta) - g), p["prompt_len"] + g)
+        rows = p["drafters"][drafter]
+        beta, plen = rows["beta"], rows["proposal_len"]
+        for g in range(1, len(beta)):  # position 0 is the prefill's token
+            kg, ctx = min(k, plen[g], len(beta) - g), p["prompt_len"] + g
+            tokens += cost.expected_tokens([min(max(b, 0.0), 1.0) for b in beta[g: g + kg]])  # float32 rounding
+            seconds += cost.step_time(drafter if kg else None, kg, ctx)
     return tokens / seconds if seconds else 0.0
+
+
+def expected_best_static(grouped: dict, cost: CostModel, *, k_max: int = 8, by_category: bool = False) -> dict:
+    """``best_static`` for sampled traces: the static (drafter, k) with the highest ``expected_tokens_per_s``, in the
+    same format plus ``"estimate": "expected"``."""
+    out = {}
+    for cat, g in _by_category(grouped, by_category).items():
+        drafters = list(next(iter(g.values()))["drafters"])
+        scores = {(d, k): expected_tokens_per_s(g, cost, d, k) for d in drafters for k in range(1, k_max + 1)}
+        (d, k), tps = max(scores.items(), key=lambda kv: kv[1])
+        out[cat] = {"drafter": d, "k": k, "tokens_per_s": tps, "estimate": "expected"}
+    return out

@@ -27,10 +27,16 @@ logger = logging.getLogger(__name__)
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
 
 
+def _data_defaults() -> dict:
+    from sacpolicy.training.distill_data import data_defaults
+
+    return data_defaults()
+
+
 @dataclass
 class DistillSettings:
-    """Everything a distillation run depends on; the one home of its defaults (``conf/distill/fkl.yaml`` sets the data
-    settings and the seed, the other options only the loss)."""
+    """Everything a distillation run depends on; the one home of its defaults (the data settings' home is
+    ``DistillDataModule``'s signature; ``conf/distill/fkl.yaml`` sets the seed, the other options only the loss)."""
 
     loss: str = "fkl"  # fkl | rkl | jsd | tvd
     beta: float = 0.5  # generalized JSD weight (jsd only)
@@ -52,7 +58,7 @@ class DistillSettings:
     patience: int = 4
     val_check_interval: float = 0.5
     seed: int = 0
-    data: dict = field(default_factory=dict)  # DistillDataModule keyword arguments (conf/distill/fkl.yaml)
+    data: dict = field(default_factory=lambda: _data_defaults())  # DistillDataModule's keyword arguments
     prompts: list = field(default_factory=lambda: [{"source": "mt_bench", "turns": "all"}, "humaneval"])  # train split
     val_prompts: list = field(default_factory=lambda: ["mt_bench"])  # early stopping: val split, first turns
     fixed_text: list | None = None  # prompt sources used verbatim (no chat template, no generation), e.g. text:<path>

@@ -236,6 +236,20 @@ def collate(rows: list[dict]) -> dict:
             "topk_logp": top_logp, "prompt_len": torch.tensor([r["prompt_len"] for r in rows])}
 
 
+SYNTHETIC_DEFAULTS = {"count": 1024, "max_tokens": 64, "temperature": 1.0}
+
+
+def data_defaults() -> dict:
+    """DistillDataModule's settings with their defaults (its signature is their one home), as the pipeline's config
+    node ``distill.data`` holds them: what ``distill.data.<key>=...`` overrides."""
+    import inspect
+
+    params = inspect.signature(DistillDataModule.__init__).parameters.values()
+    out = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+           and p.name not in ("fixed_text", "seed", "synthetic")}  # fixed_text and seed come from the run
+    return {**out, "synthetic": dict(SYNTHETIC_DEFAULTS)}
+
+
 class DistillDataModule(L.LightningDataModule):
     """Train/val sequences with cached teacher top-k. Built once in ``prepare_data`` (rank 0), read in ``setup``.
 
@@ -244,17 +258,20 @@ class DistillDataModule(L.LightningDataModule):
     Val: the target's greedy continuations of held-out prompts, on which greedy match rate is measured.
     """
 
+    # the one home of the data defaults (conf/distill/*.yaml `data:` holds overrides only)
     def __init__(self, target: LoadedModel, train_prompts: datasets.Dataset, val_prompts: datasets.Dataset, *,
-                 max_new_tokens: int = 192, samples: int = 1, temperature: float = 0.0, greedy_too: bool = True,
+                 max_new_tokens: int = 160, samples: int = 1, temperature: float = 0.8, greedy_too: bool = True,
                  fixed_text: datasets.Dataset | None = None, synthetic: dict | None = None, topk: int = 64,
-                 batch_size: int = 8, gen_batch_size: int = 16, seed: int = 0):
+                 batch_size: int = 8, gen_batch_size: int = 48, seed: int = 0):
         super().__init__()
         if samples < 0 or (samples == 0 and not greedy_too):
             raise ValueError("distillation data needs greedy continuations (greedy_too) or samples >= 1")
         self.target, self.train_prompts, self.val_prompts, self.fixed_text = target, train_prompts, val_prompts, fixed_text
         self.settings = dict(max_new_tokens=max_new_tokens, samples=samples, temperature=temperature,
                              greedy_too=greedy_too, topk=topk, seed=seed)
-        self.synthetic = {"count": 0, "max_tokens": 64, "temperature": 1.0, **(synthetic or {})}
+        # Magpie requests the target writes itself, answered greedily: what lets a draft generalize to new prompts
+        # (batched generation runs ~200 tokens/s on 2 CPU cores at gen_batch_size 48, ~120 at 16)
+        self.synthetic = {**SYNTHETIC_DEFAULTS, **(synthetic or {})}
         unknown = set(self.synthetic) - {"count", "max_tokens", "temperature"}
         if unknown:
             raise ValueError(f"unknown distill.data.synthetic keys {sorted(unknown)}; use count, max_tokens, temperature")

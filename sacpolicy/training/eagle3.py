@@ -15,6 +15,7 @@ Validation: per step j, the greedy agreement with the target's argmax conditiona
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,11 +41,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["Eagle3Module", "Eagle3Settings", "draft_vocabulary", "init_head", "load_head", "save_head", "train_eagle3"]
 
 
+DEFAULT_DRAFT_VOCAB = 8192
+
+
 @dataclass
 class Eagle3Settings:
     """Everything an EAGLE-3 training run depends on."""
 
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int | None = None  # None: 8192 from scratch, the warm-start head's with init_from
     aux_layer_ids: list | None = None  # None: [2, L // 2, L - 3]
     steps: int = 3  # TTT steps (SpecForge trains 7)
     step_decay: float = 0.8
@@ -57,16 +61,41 @@ class Eagle3Settings:
     patience: int = 4
     val_check_interval: float = 1.0
     seed: int = 0
+    # warm start: None (from scratch: fc random, the layer from the target's last), "shipped" (the head that ships
+    # for this target, sacpolicy.heads) or a head directory; its vocabulary and aux layers are kept
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not 0 < self.step_decay <= 1 or self.lr <= 0:
             raise ValueError("eagle3 needs steps >= 1, 0 < step_decay <= 1 and lr > 0")
-        if not (self.budget_minutes or self.max_steps):
-            raise ValueError("give budget_minutes or max_steps: training needs a budget")
+        if not (self.budget_minutes or self.max_steps or self.init_from):
+            raise ValueError("give budget_minutes or max_steps: training from scratch needs a budget (a budget of 0 "
+                             "is allowed with init_from: the warm-start head is then used as it is)")
+
+    @property
+    def trains(self) -> bool:
+        return bool(self.budget_minutes or self.max_steps)
 
     def identity(self) -> dict:
-        """What a checkpoint must agree on to be resumed (the budget may change between runs)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("budget_minutes", "max_steps", "patience")}
+        """What a checkpoint must agree on to be resumed (the budget may change between runs; the warm-start head
+        enters by its checksum, not its path)."""
+        skip = ("budget_minutes", "max_steps", "patience", "init_from")
+        return {k: v for k, v in asdict(self).items() if k not in skip}
+
+
+def warm_start_dir(init_from: str | None, target) -> Path | None:
+    """The head directory ``init_from`` names for ``target``: None, "shipped" (verified by its checksum) or a path."""
+    if init_from is None:
+        return None
+    if init_from == "shipped":
+        from sacpolicy.heads import shipped_head
+
+        return shipped_head(target.spec)
+    path = Path(init_from)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"head.init_from={init_from!r} is not an EAGLE-3 head directory (no {CONFIG_FILE}); "
+                                "give a head directory, 'shipped' or null")
+    return path
 
 
 def draft_vocabulary(sequences, target, size: int) -> torch.Tensor:
@@ -128,7 +157,7 @@ class Eagle3Module(WarmupAdamW, L.LightningModule):
         steps = self.head.ttt_forward(batch["input_ids"], batch["aux"], self.steps, batch["valid"])
         with torch.no_grad():  # [B, T, Vd]: row u = the target at position u + 1, over the draft vocabulary
             log_p = torch.log_softmax(batch["final"].float() @ self.target_rows.T, dim=-1)
-        B, T = batch["input_ids"].shape
+        T = batch["input_ids"].shape[1]
         u = torch.arange(T, device=self.device)
         loss, preds, tops, rows = 0.0, [], [], []
         for j, logits in enumerate(steps):
@@ -199,16 +228,28 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     from sacpolicy.training.eagle3_data import build_feature_cache, collate_features
 
     s, out_dir = settings, Path(out_dir)
-    config = Eagle3Config.from_target(target.model.config, s.draft_vocab_size, s.aux_layer_ids, verifier=target.spec,
-                                      vocab_hash=vocab_hash(target.tokenizer))
-    draft_ids = draft_vocabulary(train_seqs, target, s.draft_vocab_size)
-    head = init_head(target, config, draft_ids, seed=s.seed)
+    init_dir = warm_start_dir(s.init_from, target)
+    if init_dir is None:
+        size = s.draft_vocab_size or DEFAULT_DRAFT_VOCAB
+        config = Eagle3Config.from_target(target.model.config, size, s.aux_layer_ids, verifier=target.spec,
+                                          vocab_hash=vocab_hash(target.tokenizer))
+        draft_ids = draft_vocabulary(train_seqs, target, size)
+        head = init_head(target, config, draft_ids, seed=s.seed)
+        origin = {}
+    else:
+        head, origin = _warm_head(init_dir, target, s)
+        config, draft_ids = head.config, head.draft_ids.cpu()
+    if not s.trains:  # budget 0: the warm-start head as it is
+        metrics = {"val/accept_len": None, "global_step": 0}
+        save_head(head, out_dir / "head", {**_provenance_of(init_dir), "settings": asdict(s), "metrics": metrics,
+                                           "target": target.spec, "trained_here": False})
+        return metrics
     caches = {split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
                                          progress=progress)
               for split, seqs in (("train", train_seqs), ("val", val_seqs))}
     rows = target.model.get_output_embeddings().weight[draft_ids.to(target.device)]
     module = Eagle3Module(head, rows, s, config_id={"target": target.spec, "draft_ids": draft_ids.tolist(),
-                                                 **s.identity()})
+                                                 **origin, **s.identity()})
     ckpt_dir = out_dir / "checkpoints"
     best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/accept_len", mode="max", save_last=True)
     kwargs = {"callbacks": [best, EarlyStopping(monitor="val/accept_len", mode="max", patience=s.patience,
@@ -231,5 +272,29 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     metrics = {"val/accept_len": None if score is None else float(score), "global_step": trainer.global_step}
     if trainer.is_global_zero:
         save_head(head, out_dir / "head", {"settings": asdict(s), "metrics": metrics, "target": target.spec,
-                                           "train_sequences": len(caches["train"])})
+                                           "train_sequences": len(caches["train"]),
+                                           **(_provenance_of(init_dir) if init_dir else {}), **origin})
     return metrics
+
+
+def _warm_head(init_dir: Path, target, s: Eagle3Settings):
+    """(head loaded from ``init_dir`` in float32 for training, {"init_sha256": ...}) after checking it fits."""
+    from sacpolicy.decoding.eagle3 import check_target
+    from sacpolicy.heads import sha256
+
+    config = Eagle3Config.from_dict(json.loads((init_dir / CONFIG_FILE).read_text()))
+    check_target(config, target, where=f"the warm-start head {init_dir}")
+    clash = [f"{name}: settings {mine}, head {theirs}" for name, mine, theirs in (
+        ("draft_vocab_size", s.draft_vocab_size, config.draft_vocab_size),
+        ("aux_layer_ids", s.aux_layer_ids, config.aux_layer_ids)) if mine is not None and mine != theirs]
+    if clash:
+        raise ValueError(f"the warm-start head {init_dir} was built with other shapes ({'; '.join(clash)}); set "
+                         "those settings to the head's, or head.init_from=null to train from scratch")
+    head = load_head(init_dir, target.model.get_input_embeddings(), device=target.device, dtype=torch.float32)
+    head.train()
+    return head, {"init_sha256": sha256(init_dir / WEIGHTS_FILE)}
+
+
+def _provenance_of(init_dir: Path) -> dict:
+    prov = init_dir / PROVENANCE_FILE
+    return {"init_from": str(init_dir), "init_provenance": json.loads(prov.read_text()) if prov.is_file() else None}

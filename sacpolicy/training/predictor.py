@@ -102,7 +102,7 @@ def acceptance_examples(grouped: dict, cost, *, vocab_size: int, k: int, soft: b
     rows = []
     for name in drafters:
         rec = _Recorder(k, name, soft)
-        simulate(rec, grouped, cost, vocab_size=vocab_size)
+        simulate(rec, grouped, cost, vocab_size=vocab_size, allow_sampled=soft)  # positions only, not rates
         rows += rec.rows
     if not rows:
         raise PredictorError("the traces hold no drafted positions; collect traces with at least one drafter")
@@ -220,7 +220,12 @@ def fit_mlp(train: Examples, val: Examples, *, hidden, lr: float, weight_decay: 
     mean, scale = _standardizer(train.X)
     dm = AcceptanceDataModule(train, val, mean, scale, batch_size=batch_size, seed=seed)
     module = AcceptanceMLP(train.X.shape[1], hidden=tuple(hidden), lr=lr, weight_decay=weight_decay)
-    ckpt_dir = Path(out_dir) / "checkpoints" if out_dir else None
+    scratch = None
+    if out_dir is None:  # no run directory (e.g. an in-sample refit): a scratch one, never the working directory
+        import tempfile
+
+        out_dir = scratch = tempfile.mkdtemp(prefix="sacpolicy-mlp-")
+    ckpt_dir = Path(out_dir) / "checkpoints"
     callbacks = [L.pytorch.callbacks.EarlyStopping("val_loss", patience=patience, mode="min")]
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1,
                                                filename="mlp-{epoch}-{val_loss:.4f}")
@@ -232,6 +237,10 @@ def fit_mlp(train: Examples, val: Examples, *, hidden, lr: float, weight_decay: 
     if ckpt.best_model_path:
         state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
         module.load_state_dict(state)
+    if scratch is not None:
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
     arrays = {"mean": mean, "scale": scale}
     linears = [m for m in module.net if isinstance(m, torch.nn.Linear)]
     for i, lin in enumerate(linears):

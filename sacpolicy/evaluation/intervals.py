@@ -1,0 +1,75 @@
+"""Every ratio with its uncertainty: paired bootstrap intervals over prompts, and the rows whose speedup the cost
+model invented.
+
+A row's throughput is summed tokens over summed seconds. Its ratio against a baseline row of the same mode (``ar``,
+``best-static``) is resampled over prompts: draw prompts with replacement, and take the ratio of both rows' summed
+tokens over summed seconds on the same draw, so prompt difficulty cancels between the two policies (paired). Rows are
+paired prompt by prompt in the order their results were given; every row of a mode covers the same prompts in the
+same order (``evaluate`` decodes and replays them so).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MIN_PROMPTS = 3  # fewer prompts than this in a category: no interval ("not enough prompts")
+BASELINES = {"ar": "speedup_vs_ar", "best-static": "speedup_vs_best_static"}  # baseline row -> the ratio's key
+
+
+def bootstrap_indices(n: int, *, resamples: int = 2000, seed: int = 0) -> np.ndarray:
+    """[resamples, n] prompt indices drawn with replacement (seeded: the same draw for every pair of rows)."""
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def paired_ratio_interval(tokens_a, seconds_a, tokens_b, seconds_b, *, idx: np.ndarray,
+                          level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of (tokens/s of a) / (tokens/s of b) over resamples ``idx`` [R, n] of n paired prompts.
+
+    tokens_*, seconds_*: [n] per prompt, prompt i of a paired with prompt i of b.
+    """
+    ta, sa, tb, sb = (np.asarray(v, dtype=float) for v in (tokens_a, seconds_a, tokens_b, seconds_b))
+    if not ta.shape == sa.shape == tb.shape == sb.shape or ta.ndim != 1:
+        raise ValueError(f"paired rows need one value per prompt each, got shapes {ta.shape}, {sa.shape}, "
+                         f"{tb.shape}, {sb.shape}")
+    ratio = (ta[idx].sum(1) / sa[idx].sum(1)) / (tb[idx].sum(1) / sb[idx].sum(1))
+    lo, hi = np.percentile(ratio, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+def add_intervals(rows: list[dict], *, resamples: int = 2000, seed: int = 0, level: float = 0.95) -> None:
+    """Set each row's ratio against ``ar`` and ``best-static`` of its mode with a paired bootstrap interval, overall
+    (``speedup_vs_ar_ci``, ``speedup_vs_best_static`` and ``_ci``) and per category with at least ``MIN_PROMPTS``
+    prompts (else the interval is None; ``n_prompts`` says why). Rows without per-prompt data or baseline are left
+    as they are. Call after ``add_speedups``."""
+    for mode in {r["mode"] for r in rows}:
+        base = {r["name"]: r for r in rows if r["mode"] == mode and r["name"] in BASELINES}
+        for row in (r for r in rows if r["mode"] == mode and "per_prompt" in r):
+            cats = np.array(row["per_prompt"]["category"])
+            for c, cell in row["per_category"].items():
+                cell["n_prompts"] = int((cats == c).sum())
+            for name, key in BASELINES.items():
+                ref = base.get(name)
+                if ref is None or "per_prompt" not in ref:
+                    continue
+                _check_paired(row, ref)
+                a, b = row["per_prompt"], ref["per_prompt"]
+                row[key] = row["tokens_per_s"] / ref["tokens_per_s"]
+                row[f"{key}_ci"] = list(paired_ratio_interval(
+                    a["tokens"], a["seconds"], b["tokens"], b["seconds"], level=level,
+                    idx=bootstrap_indices(len(cats), resamples=resamples, seed=seed)))
+                for c, cell in row["per_category"].items():
+                    ref_cell = ref["per_category"].get(c, {})
+                    cell[key] = (cell["tokens_per_s"] / ref_cell["tokens_per_s"]
+                                 if ref_cell.get("tokens_per_s") else None)
+                    cell[f"{key}_ci"] = None
+                    if cell[key] is not None and cell["n_prompts"] >= MIN_PROMPTS:
+                        m = cats == c
+                        cell[f"{key}_ci"] = list(paired_ratio_interval(
+                            *(np.asarray(v)[m] for v in (a["tokens"], a["seconds"], b["tokens"], b["seconds"])),
+                            idx=bootstrap_indices(int(m.sum()), resamples=resamples, seed=seed), level=level))
+
+
+def _check_paired(row: dict, ref: dict) -> None:
+    if row["per_prompt"]["category"] != ref["per_prompt"]["category"]:
+        raise ValueError(f"rows {row['name']!r} and {ref['name']!r} ({row['mode']}) do not cover the same prompts in "
+                         "the same order, so they cannot be paired; build every row of a mode from the same prompts")
