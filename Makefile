@@ -19,7 +19,7 @@ train: $(STAMP)
 # pytest-xdist: two workers, a test file each at a time (module fixtures are built once); conftest gives each
 # worker its share of the cores
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 $(ARGS)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_decoder.py $(ARGS)

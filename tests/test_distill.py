@@ -208,6 +208,12 @@ def test_draft_with_another_tokenizer_is_refused(tiny_target, tiny_draft, tmp_pa
 
 def test_ddp_two_cpu_processes(tmp_path):
     """The smoke distillation under Lightning DDP with 2 CPU processes (gloo)."""
+    from sacpolicy.models import cache_root
+
+    # its own distillation data, the converted models shared (converting the GGUF again costs ~20 s)
+    (cache_root() / "models").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "models").symlink_to(cache_root() / "models")
     env = {**os.environ, "SACPOLICY_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts/train.py"), "experiment=smoke", "stages=[distill]", "trainer=ddp_cpu",

@@ -257,8 +257,8 @@ def test_collection_resumes_after_a_kill(tmp_path):
     proc.wait()
     done = len(list((tmp_path / "killed").glob("*.parquet")))
     assert 3 <= done < 20, "the collection should have been killed midway"
-    assert run(tmp_path / "killed").wait() == 0
-    assert run(tmp_path / "clean").wait() == 0
+    resumed, clean = run(tmp_path / "killed"), run(tmp_path / "clean")  # side by side
+    assert resumed.wait() == 0 and clean.wait() == 0
     key = lambda r: (r["prompt_id"], r["position"])
     resumed = sorted(load_traces(tmp_path / "killed"), key=key)
     clean = sorted(load_traces(tmp_path / "clean"), key=key)
