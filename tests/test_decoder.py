@@ -220,13 +220,13 @@ def test_embedded_greedy_equals_generate(embedded):
     code = load_prompts("humaneval", tokenizer=embedded.tokenizer, limit=1)
     eos = embedded.eos_token_ids
     for ids in [chat[0]["input_ids"], code[0]["input_ids"]]:
-        ref = hf_greedy(target, ids, 32, eos=eos)
+        ref = hf_greedy(target, ids, 24, eos=eos)
         for drafter, policy in [
             (LayerSkipDrafter(target, 6), Static(3)),
             (NgramDrafter(), Heuristic()),
             (LayerSkipDrafter(target, 30), Confidence(0.4, k=5)),
         ]:
-            res = SpeculativeDecoder(target, [drafter], policy, stop_token_ids=eos).generate(ids, 32)
+            res = SpeculativeDecoder(target, [drafter], policy, stop_token_ids=eos).generate(ids, 24)
             assert res.tokens == ref, (drafter.name, policy)
         assert embedded.tokenizer.decode(ref).strip()
 

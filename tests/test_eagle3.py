@@ -371,7 +371,7 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution():
         p1 = p(prompt)
         expected = sum(p1[a] * torch.outer(p(prompt + [a]), torch.ones(v, dtype=torch.float64))
                        * torch.stack([p(prompt + [a, b]) for b in range(v)]) for a in range(v))
-    draws = 4000
+    draws = 2500
     counts = np.zeros((v, v))
     accepted = 0
     for i in range(draws):
