@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml scripts/install.sh
 train: $(STAMP)
 	$(PY) scripts/train.py $(ARGS)
 
-# pytest-xdist: two workers, a test file each at a time (module fixtures are built once); conftest gives each
+# pytest-xdist: two workers that steal each other's queued tests (206 s vs 255 s with a file per worker); conftest gives each
 # worker its share of the cores
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10 $(ARGS)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_decoder.py $(ARGS)
