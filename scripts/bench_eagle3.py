@@ -233,8 +233,8 @@ def ship(args) -> None:
     from safetensors.torch import load_file, save_file
 
     from sacpolicy.decoding.eagle3 import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE
-    from sacpolicy.heads import sha256
     from sacpolicy.io import write_dir
+    from sacpolicy.runtime.artifact import file_sha256
 
     head, out = Path(args.head), Path(args.out)
     state = load_file(str(head / WEIGHTS_FILE))
@@ -247,7 +247,7 @@ def ship(args) -> None:
         save_file(state, str(tmp / WEIGHTS_FILE))
         (tmp / CONFIG_FILE).write_text((head / CONFIG_FILE).read_text())
         write_json(tmp / PROVENANCE_FILE, {
-            "sha256": sha256(tmp / WEIGHTS_FILE), "dtype": "bfloat16 (trained in float32)",
+            "sha256": file_sha256(tmp / WEIGHTS_FILE), "dtype": "bfloat16 (trained in float32)",
             "commands": [leg.get("command") for leg in legs], "legs": legs,
             "settings": trained.get("settings"), "seed": (trained.get("settings") or {}).get("seed"),
             "metrics": trained.get("metrics"), "data": args.data, "curve": curve, "notes": args.notes})

@@ -11,8 +11,9 @@ from conftest import tiny_head_dir
 from safetensors.torch import load_file
 from test_eagle3 import sequences, tiny_target  # noqa: F401  (module fixtures)
 
-from sacpolicy.heads import HERE, SHIPPED, ShippedHeadError, sha256, shipped_head, verify
+from sacpolicy.heads import HERE, SHIPPED, ShippedHeadError, shipped_head, verify
 from sacpolicy.models import EMBEDDED_TARGET
+from sacpolicy.runtime.artifact import file_sha256
 from sacpolicy.training.eagle3 import Eagle3Settings, train_eagle3
 
 SHIPPED_DIR = HERE / SHIPPED[EMBEDDED_TARGET]
@@ -20,7 +21,7 @@ SHIPPED_DIR = HERE / SHIPPED[EMBEDDED_TARGET]
 
 def test_shipped_head_matches_its_provenance():
     prov = verify(SHIPPED_DIR)
-    assert prov["sha256"] == sha256(SHIPPED_DIR / "model.safetensors")
+    assert prov["sha256"] == file_sha256(SHIPPED_DIR / "model.safetensors")
     assert (SHIPPED_DIR / "model.safetensors").stat().st_size <= 25 * 2**20
     config = json.loads((SHIPPED_DIR / "config.json").read_text())
     assert config["verifier"] == EMBEDDED_TARGET

@@ -10,9 +10,10 @@ run's target; ``head.init_from=null`` trains from scratch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
+
+from sacpolicy.runtime.artifact import file_sha256
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = {"embedded:smollm2-135m-instruct": "smollm2-135m-instruct-eagle3"}  # target spec -> directory name
@@ -20,14 +21,6 @@ SHIPPED = {"embedded:smollm2-135m-instruct": "smollm2-135m-instruct-eagle3"}  # 
 
 class ShippedHeadError(ValueError):
     pass
-
-
-def sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def verify(path) -> dict:
@@ -38,7 +31,7 @@ def verify(path) -> dict:
         raise ShippedHeadError(f"{path} lacks provenance.json or model.safetensors; reinstall sacpolicy (pip install "
                                "-e .) or train a head with head.init_from=null")
     provenance = json.loads(prov_file.read_text())
-    actual = sha256(weights)
+    actual = file_sha256(weights)
     if provenance.get("sha256") != actual:
         raise ShippedHeadError(f"{weights} has SHA-256 {actual} but its provenance records "
                                f"{provenance.get('sha256')}: the file is corrupt or was replaced (a Git LFS pointer?). "

@@ -83,7 +83,7 @@ def save_policy(out_dir, rule: DecisionRule, *, drafters: dict[str, DrafterSpec 
             "predictor": {"kind": pred.kind, "meta": pred.meta}, "rule": rule.config(),
             "cost_model": rule.cost.to_dict(), "drafters": drafters,
             "provenance": _default_provenance() | dict(provenance), "metrics": dict(metrics),
-            "checksums": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
+            "checksums": {f.name: file_sha256(f) for f in sorted(tmp.iterdir())},
         }
         try:
             text = json.dumps(manifest, indent=2, default=_plain)
@@ -139,7 +139,8 @@ def _plain(o):
     raise TypeError(f"{type(o).__name__} {o!r} is not JSON-serializable")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path) -> str:
+    """SHA-256 of a file, read in 1 MiB blocks (artifact checksums, shipped heads)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -209,7 +210,7 @@ def load_artifact(path) -> PolicyArtifact:
             if not f.is_file():
                 raise ArtifactError(f"{path} lacks {name}, which {POLICY_FILE} lists; the artifact is incomplete; "
                                     "re-export it")
-            if _sha256(f) != digest:
+            if file_sha256(f) != digest:
                 raise ArtifactError(f"checksum mismatch for {f}: the artifact was modified or truncated; re-export it")
         if m["feature"] != feature_spec():
             raise ArtifactError(

@@ -280,7 +280,7 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
 def _warm_head(init_dir: Path, target, s: Eagle3Settings):
     """(head loaded from ``init_dir`` in float32 for training, {"init_sha256": ...}) after checking it fits."""
     from sacpolicy.decoding.eagle3 import check_target
-    from sacpolicy.heads import sha256
+    from sacpolicy.runtime.artifact import file_sha256
 
     config = Eagle3Config.from_dict(json.loads((init_dir / CONFIG_FILE).read_text()))
     check_target(config, target, where=f"the warm-start head {init_dir}")
@@ -292,7 +292,7 @@ def _warm_head(init_dir: Path, target, s: Eagle3Settings):
                          "those settings to the head's, or head.init_from=null to train from scratch")
     head = load_head(init_dir, target.model.get_input_embeddings(), device=target.device, dtype=torch.float32)
     head.train()
-    return head, {"init_sha256": sha256(init_dir / WEIGHTS_FILE)}
+    return head, {"init_sha256": file_sha256(init_dir / WEIGHTS_FILE)}
 
 
 def _provenance_of(init_dir: Path) -> dict:
