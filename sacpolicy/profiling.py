@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
+from sacpolicy.decoding.compat import with_cache
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear, _hinge_basis
 
 __all__ = ["COST_FORMAT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots", "pool_adjacent_violators",
@@ -65,11 +66,12 @@ def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, r
         return torch.randint(model.config.vocab_size, (1, n), generator=gen).to(device)
 
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids(context_len), cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids(context_len), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     times = {}
     for n in feeds:
         x = ids(n)
-        times[n] = _times(lambda x=x, n=n: model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=n),
+        times[n] = _times(lambda x=x, n=n: model(input_ids=x, **with_cache(model, cache), use_cache=True,
+                                                 logits_to_keep=n),
                           lambda n=n: cache.crop(-n),  # back to context_len cached tokens for the next repeat
                           device, repeats, warmup)
     return times

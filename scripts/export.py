@@ -4,8 +4,12 @@
         verify every checksum and the feature spec; with out=, write a verified copy there
     python scripts/export.py policy_dir=out/run/policies/hgb format=transformers draft_dir=out/run/distill/draft
         write the rule's static k and confidence threshold into draft_dir/generation_config.json
-    python scripts/export.py policy_dir=out/run/policies/hgb format=vllm [draft_dir=/models/draft] [out=vllm.json]
-        write vLLM's speculative_config (default out: <policy_dir>.vllm.json)
+    python scripts/export.py policy_dir=out/run/policies/hgb format=vllm [drafter=ngram] [out=deploy/vllm] [--check]
+        a directory that serves the policy in vLLM (default out: <policy_dir>.vllm): speculative_config.json (the
+        learned rule as vLLM's custom proposer for an n-gram drafter; a model drafter's static k as draft_model),
+        static_speculative_config.json, policy/ and vllm.env; then
+            env $(cat deploy/vllm/vllm.env) vllm serve <target> --speculative-config "$(cat deploy/vllm/speculative_config.json)"
+        --check: first check that vLLM imports in this environment (a clear error if it does not)
 
     python scripts/export.py head_dir=out/run/head/head format=speculators out=deploy/eagle3 [policy_dir=...]
         an EAGLE-3 head in vLLM's speculators format (``speculative_tokens``: the policy's static k for its feature
@@ -31,6 +35,9 @@ KEYS = ("policy_dir", "format", "draft_dir", "out", "drafter", "head_dir", "veri
 
 def parse(argv: list[str]) -> dict[str, str]:
     args = {}
+    if "--check" in argv:
+        args["check"] = "1"
+        argv = [a for a in argv if a != "--check"]
     for a in argv:
         key, eq, value = a.partition("=")
         if not eq or key not in KEYS:
@@ -66,9 +73,9 @@ def export_head(args: dict) -> None:
         k = max(1, static_k(art.rule, feature[0]))
     verifier = args.get("verifier")
     if verifier is None:
-        from sacpolicy.models import EMBEDDED_TARGET, _local_model_dir, _parse_spec
+        from sacpolicy.models import model_dir
 
-        verifier = str(_local_model_dir(*_parse_spec(EMBEDDED_TARGET)))
+        verifier = str(model_dir())
     print(f"wrote {export_speculators(args['head_dir'], args['out'], verifier, num_speculative_tokens=k)} "
           f"(speculative_tokens={k})")
 
@@ -101,13 +108,18 @@ def main(argv: list[str]) -> int:
             settings = export_generation_config(art, args["draft_dir"], drafter=args.get("drafter"))
             print(f"wrote {Path(args['draft_dir']) / 'generation_config.json'}: {json.dumps(settings)}")
         else:
-            from sacpolicy.export.vllm import speculative_config
-            from sacpolicy.io import write_json
+            from sacpolicy.export.vllm import export_vllm
 
-            out = Path(args.get("out") or policy_dir.with_name(policy_dir.name + ".vllm.json"))
-            config = speculative_config(art, args.get("draft_dir"), drafter=args.get("drafter"))
-            write_json(out, config)
-            print(f"wrote {out}: {json.dumps(config)}")
+            if "check" in args:
+                from sacpolicy.export.vllm_run import vllm_status
+
+                ok, why = vllm_status()
+                if not ok:
+                    raise SystemExit(f"export: --check: {why}")
+                print(f"vLLM {why} imports here")
+            out = Path(args.get("out") or policy_dir.with_name(policy_dir.name + ".vllm"))
+            export_vllm(art, out, draft_dir=args.get("draft_dir"), drafter=args.get("drafter"))
+            print(f"wrote {out}: speculative_config.json {(out / 'speculative_config.json').read_text().strip()}")
     except (ValueError, FileNotFoundError) as e:  # ArtifactError, RuleError: messages that name the fix
         raise SystemExit(f"export: {e}") from e
     return 0

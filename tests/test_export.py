@@ -5,6 +5,7 @@ the command line."""
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -19,6 +20,7 @@ from toys import PREDICTORS, synthetic_traces
 
 from sacpolicy.data import assign_split
 from sacpolicy.decoding import DecodeState, ModelDrafter, NgramDrafter, RequestInfo
+from sacpolicy.decoding.decoder import stop_callback
 from sacpolicy.decoding.sampling import SamplingConfig
 from sacpolicy.export import (
     build_drafters,
@@ -29,7 +31,7 @@ from sacpolicy.export import (
 from sacpolicy.export.hf import export_generation_config, generate_with_policy
 from sacpolicy.export.vllm import (
     PolicyNgramProposer,
-    draft_length,
+    learned_config,
     speculative_config,
     write_vllm_config,
 )
@@ -403,7 +405,8 @@ def test_ngram_proposal_matches_the_ngram_drafter():
         assert ngram_proposal(ctx, 5, 3, 1) == block.tokens.tolist()
 
 
-def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch):
+@pytest.mark.parametrize("mode", ["k", "stop"])
+def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch, mode):
     path = fitted["hgb"][2]
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=6),
                                   model_config=SimpleNamespace(max_model_len=64))
@@ -412,15 +415,17 @@ def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch):
         PolicyNgramProposer(vllm_config)
     monkeypatch.setenv("SACPOLICY_POLICY_DIR", str(path))
     proposer = PolicyNgramProposer(vllm_config)
+    proposer.rule.mode = proposer.policy.rule.mode = mode
+    proposer.policy.needs_token_feedback = mode == "stop"
     rule = proposer.rule
     rng = np.random.default_rng(1)
-    lens = np.array([10, 40, 63, 5])
-    tokens = np.zeros((4, 64), dtype=np.int64)
+    lens = np.array([10, 40, 63, 5, 30, 50])
+    tokens = np.zeros((len(lens), 64), dtype=np.int64)
     for i, n in enumerate(lens):
         tokens[i, :n] = np.tile(rng.integers(0, 50, 4), 16)[:n]  # repetitive: the n-gram lookup finds spans
-    drafts = proposer.propose([[1]] * 4, lens, tokens)
+    drafts = proposer.propose([[1]] * len(lens), lens, tokens)
     # the same decision through the framework's own path: sacpolicy's NgramDrafter peeks, LearnedPolicy decides
-    # (the model drafter is absent, as in vLLM), the drafter proposes
+    # (the model drafter is absent, as in vLLM), the drafter proposes under the stop rule
     for i, n in enumerate(lens):
         context = torch.as_tensor(tokens[i, :n])
         ngram, policy = NgramDrafter(), LearnedPolicy(rule)
@@ -429,17 +434,36 @@ def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch):
                             drafters=("ngram",), peeks={"ngram": ngram.peek(context)})
         policy.reset(request)
         d = policy.decide(state)
-        expected = ngram.propose(context, d.k, SamplingConfig()).tokens.tolist() if d.drafter else []
+        state.drafter = d.drafter
+        expected = ngram.propose(context, min(d.k, 6), SamplingConfig(),
+                                 stop=stop_callback(policy, state)).tokens.tolist() if d.drafter else []
         assert drafts[i] == expected, i
-    rows = np.array([reference_row(rule, "ngram", j, 40) for j in range(6)])
-    assert draft_length(rule, "ngram", 40, 6) == rule.plan({"ngram": rows}, 40, 6)[1]
-    assert draft_length(_constant_rule(-30.0, drafters=("ngram",)), "ngram", 40, 6) == 0
     assert len(drafts[2]) == 0  # no room left before max_model_len
+    assert len({len(d) for d in drafts}) > 1
+    if mode == "stop":  # the stop rule cuts blocks the plan let run to the cap
+        assert any(0 < len(d) < min(6, 63 - n) for d, n in zip(drafts, lens))
+    assert proposer.propose([[]] * len(lens), lens, tokens) == [[]] * len(lens)  # mid-prefill rows: no drafts
 
 
 # ---------------------------------------------------------------------- command line
-def _cli(*args):
-    return subprocess.run([sys.executable, "scripts/export.py", *args], cwd=ROOT, capture_output=True, text=True)
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "scripts/export.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')", "scripts/install.sh .venv --vllm"),
+    ("raise RuntimeError('operator torchvision::nms does not exist')", "pip uninstall -y torchvision"),
+])
+def test_vllm_check_names_the_problem_and_the_fix(fitted, tmp_path, broken, message):
+    """--check in an environment whose vLLM is missing or broken: a clear message, not a trace inside vLLM."""
+    (tmp_path / "shadow" / "vllm").mkdir(parents=True)
+    (tmp_path / "shadow" / "vllm" / "__init__.py").write_text(broken + "\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = _cli(f"policy_dir={fitted['hgb'][2]}", "format=vllm", "drafter=ngram", "--check", f"out={tmp_path / 'o'}",
+             env=env)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli(fitted, draft_dir, tmp_path):
@@ -448,8 +472,16 @@ def test_cli(fitted, draft_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "verified" in r.stdout and f"wrote {tmp_path / 'copy'}" in r.stdout
     assert _same_rule(load_policy(tmp_path / "copy"), load_policy(path))
-    r = _cli(f"policy_dir={path}", "format=vllm", f"out={tmp_path / 'v.json'}")
-    assert r.returncode == 0 and json.loads((tmp_path / "v.json").read_text()) == speculative_config(path)
+    r = _cli(f"policy_dir={path}", "format=vllm", "drafter=ngram", f"out={tmp_path / 'v'}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "v/speculative_config.json").read_text()) == learned_config(path, drafter="ngram")
+    assert json.loads((tmp_path / "v/static_speculative_config.json").read_text()) == speculative_config(
+        path, drafter="ngram")
+    env = dict(line.split("=", 1) for line in (tmp_path / "v/vllm.env").read_text().splitlines())
+    assert env == {"SACPOLICY_POLICY_DIR": str((tmp_path / "v/policy").resolve()), "SACPOLICY_POLICY_DRAFTER": "ngram"}
+    assert _same_rule(load_policy(env["SACPOLICY_POLICY_DIR"]), load_policy(path))
+    r = _cli(f"policy_dir={path}", "format=vllm", "drafter=draft", f"out={tmp_path / 'm'}")  # a model drafter: static
+    assert json.loads((tmp_path / "m/speculative_config.json").read_text())["method"] == "draft_model"
     d = _copy(draft_dir, tmp_path / "draft")
     r = _cli(f"policy_dir={path}", "format=transformers", f"draft_dir={d}")
     assert r.returncode == 0 and "num_assistant_tokens" in json.loads((d / "generation_config.json").read_text())
@@ -457,6 +489,8 @@ def test_cli(fitted, draft_dir, tmp_path):
                           (("format=vllm",), "policy_dir= is required"),
                           ((f"policy_dir={path}", "format=vllm", "colour=red"), "bad argument 'colour=red'"),
                           ((f"policy_dir={tmp_path}", "format=runtime"), "policy.json is missing"),
-                          ((f"policy_dir={path}", "format=transformers"), "needs draft_dir=")]:
+                          ((f"policy_dir={path}", "format=transformers"), "needs draft_dir="),
+                          ((f"policy_dir={path}", "format=vllm"), "Pass drafter=<name>"),
+                          ((f"policy_dir={path}", "format=vllm", "drafter=layerskip"), "not 'layerskip'")]:
         r = _cli(*args)
         assert r.returncode != 0 and message in r.stderr, (args, r.stderr)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
 from sacpolicy.decoding.aux import AuxCapture
+from sacpolicy.decoding.compat import with_cache
 from sacpolicy.decoding.sampling import (
     SamplingConfig,
     acceptance_stats,
@@ -37,8 +38,9 @@ from sacpolicy.decoding.types import (
     Policy,
     RequestInfo,
     StepRecord,
+    StopFn,
 )
-from sacpolicy.runtime.features import ACCEPT_EMA
+from sacpolicy.runtime.features import next_accept_ema
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,19 @@ class DecoderConfig:
             raise ValueError(f"cooldown_floor must be in [0, 1] or None, got {self.cooldown_floor}")
         if not 0.0 < self.cooldown_ema <= 1.0:
             raise ValueError(f"cooldown_ema must be in (0, 1], got {self.cooldown_ema}")
+
+
+def stop_callback(policy: Policy, state: DecodeState) -> StopFn | None:
+    """The ``stop`` a drafter calls after each drafted token: the policy's ``should_stop`` on that token's confidence
+    (None when the policy does not ask for token feedback). Production proposers that reuse a drafter call it too."""
+    if not policy.needs_token_feedback:
+        return None
+
+    def stop(position: int, stats: torch.Tensor) -> bool:
+        top1, entropy, margin = stats.tolist()
+        return policy.should_stop(state, DraftToken(position, top1, entropy, margin))
+
+    return stop
 
 
 class SpeculativeDecoder:
@@ -112,7 +127,8 @@ class SpeculativeDecoder:
 
     def _forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         with self.features:
-            out = self.target(input_ids=ids.view(1, -1), cache=cache, use_cache=True, logits_to_keep=keep)
+            out = self.target(input_ids=ids.view(1, -1), **with_cache(self.target, cache), use_cache=True,
+                              logits_to_keep=keep)
         return out.logits[0]
 
     def _prompt(self, input_ids) -> torch.Tensor:
@@ -138,16 +154,6 @@ class SpeculativeDecoder:
             raise ValueError(f"policy {self.policy!r} chose k={d.k!r}; k must be an integer in [0, {self.config.k_max}]")
         if d.drafter is not None and d.drafter not in self.drafters:
             raise ValueError(f"policy {self.policy!r} chose unknown drafter {d.drafter!r}; known: {list(self.drafters)}")
-
-    def _stop_fn(self, state: DecodeState):
-        if not self.policy.needs_token_feedback:
-            return None
-
-        def stop(position: int, stats: torch.Tensor) -> bool:
-            top1, entropy, margin = stats.tolist()
-            return self.policy.should_stop(state, DraftToken(position, top1, entropy, margin))
-
-        return stop
 
     def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
         if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
@@ -245,7 +251,7 @@ class SpeculativeDecoder:
         run.state.drafter = name
         try:
             return name, self.drafters[name].propose(run.buf[: run.n], k, self.sampling, self.generator,
-                                                     self._stop_fn(run.state))
+                                                     stop_callback(self.policy, run.state))
         except Exception as exc:
             self._drop(run, name, exc)
             return None, DraftBlock.empty(self.device)
@@ -333,8 +339,7 @@ class SpeculativeDecoder:
         if not rec.drafted or rec.drafter is None:
             return
         rate = rec.accepted / rec.drafted
-        prev = run.state.accept_ema.get(rec.drafter)
-        run.state.accept_ema[rec.drafter] = rate if prev is None else ACCEPT_EMA * rate + (1 - ACCEPT_EMA) * prev
+        run.state.accept_ema[rec.drafter] = next_accept_ema(run.state.accept_ema.get(rec.drafter), rate)
         a = self.config.cooldown_ema
         run.ema = rate if run.ema is None else a * rate + (1 - a) * run.ema
         run.spec_steps += 1

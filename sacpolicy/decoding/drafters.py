@@ -10,6 +10,7 @@ import copy
 import torch
 from torch import nn
 
+from sacpolicy.decoding.compat import with_cache
 from sacpolicy.decoding.sampling import draft_stats, select_token
 from sacpolicy.decoding.types import DraftBlock, Drafter, TeacherForced
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
@@ -67,7 +68,8 @@ class ModelDrafter(Drafter):
         feed = context[self._valid :]
         tokens, logits = [], []
         for i in range(k):
-            out = self.model(input_ids=feed.view(1, -1), cache=self._cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=feed.view(1, -1), **with_cache(self.model, self._cache), use_cache=True,
+                             logits_to_keep=1)
             step_logits = self.full_logits(out.logits[0, -1])
             tok = select_token(step_logits, sampling, generator)
             tokens.append(tok)

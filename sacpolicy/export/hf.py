@@ -34,7 +34,7 @@ from sacpolicy.export import (
     static_k,
 )
 from sacpolicy.io import write_json
-from sacpolicy.runtime.features import ACCEPT_EMA, RowContext, feature_row, plan_rows
+from sacpolicy.runtime.features import RowContext, feature_row, next_accept_ema, plan_rows
 from sacpolicy.runtime.rule import Block, DecisionRule
 
 MODEL_KINDS = ("model", "layer_skip")  # drafters an assistant model can stand for
@@ -101,7 +101,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         if r["drafted"]:
             r["accepted"] = int(num_matches)
             rate = r["accepted"] / r["drafted"]
-            self.accept_ema = rate if self.accept_ema is None else ACCEPT_EMA * rate + (1 - ACCEPT_EMA) * self.accept_ema
+            self.accept_ema = next_accept_ema(self.accept_ema, rate)
 
 
 class _RuleStop(StoppingCriteria):

@@ -1,42 +1,44 @@
-"""A learned policy in vLLM.
+"""A learned policy in vLLM (tested inside a real engine: tests/test_vllm.py, scripts/bench_vllm.py).
 
-Static: ``speculative_config(artifact)`` is the ``speculative_config`` (``LLM(..., speculative_config=...)`` or
-``vllm serve --speculative-config``) of the rule's static choice (``sacpolicy.export.static_k``): its fallback
-drafter and k (the best static setting on validation traces), or, when that one is autoregressive or a layer-skip
-drafter (no vLLM method), its model or n-gram drafter fastest at the reference state, as
+Learned, per step and request: ``PolicyNgramProposer`` is a vLLM custom proposer class (vLLM's experimental hook
+``{"method": "custom_class", "model": "sacpolicy.export.vllm.PolicyNgramProposer", "num_speculative_tokens": k_max}``,
+the policy directory in the ``SACPOLICY_POLICY_DIR`` environment variable). For every request in the batch it runs
+what sacpolicy's decoder runs: the n-gram drafter peeks, ``LearnedPolicy`` plans the block from the same feature row
+(context length, the peeked match length, the request's acceptance history), the drafter proposes under the stop
+rule; none when the rule prefers autoregressive decoding. vLLM's hook gives no request ids: ``_History`` finds a
+request again by its committed tokens. Greedy outputs and vLLM's own acceptance counters equal our decoder's.
+
+Static: ``speculative_config(artifact)`` is the rule's static choice (``sacpolicy.export.static_k``), as
 ``{"method": "draft_model", "model": <draft dir>, "num_speculative_tokens": k}`` or
-``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": .., "prompt_lookup_min": ..}``.
-``write_vllm_config`` writes it as JSON.
-
-Learned, per request: ``PolicyNgramProposer`` is a vLLM custom proposer class (experimental vLLM hook
-``{"method": "custom_class", "model": "sacpolicy.export.vllm.PolicyNgramProposer", "num_speculative_tokens": <cap>}``,
-policy directory in the ``SACPOLICY_POLICY_DIR`` environment variable). Each step, for each request, it plans k with
-the rule from the request's context length and proposes that many tokens by sacpolicy's n-gram lookup (the drafter
-the rule was trained with), or none when the rule prefers autoregressive decoding. The hook is duck-typed (a
-constructor taking ``VllmConfig`` and ``propose``), so this module never imports vLLM. The hook gives no request
-ids, so the acceptance-history features stay unknown, as at a request's first block; model drafters in vLLM keep
-the static k (vLLM offers no per-request draft-length hook for them).
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": .., "prompt_lookup_min": ..}``; model
+drafters in vLLM keep a static k (no per-step hook). ``export_vllm`` writes both with the policy and its environment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from sacpolicy.decoding import DecodeState, NgramDrafter, RequestInfo, SamplingConfig
+from sacpolicy.decoding.decoder import stop_callback
 from sacpolicy.export import pick_drafter, static_k
-from sacpolicy.io import write_json
+from sacpolicy.io import write_json, write_text
+from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
-from sacpolicy.runtime.features import RowContext, plan_rows
-from sacpolicy.runtime.ngram import ngram_confidence, ngram_match
-from sacpolicy.runtime.rule import DecisionRule
+from sacpolicy.runtime.features import next_accept_ema
 
 logger = logging.getLogger(__name__)
 
 VLLM_KINDS = ("model", "ngram")
 POLICY_ENV = "SACPOLICY_POLICY_DIR"
+DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's n-gram drafters the proposer runs
+_GREEDY = SamplingConfig()  # n-gram proposals are deterministic; the sampling settings do not reach them
 
 
 def speculative_config(artifact, draft_dir=None, *, drafter: str | None = None) -> dict:
@@ -61,45 +63,144 @@ def write_vllm_config(artifact_dir, out_path, draft_dir=None) -> Path:
     return write_json(out_path, speculative_config(artifact_dir, draft_dir))
 
 
-def draft_length(rule: DecisionRule, drafter: str, context_len: int, k_cap: int, *, load: float = 0.0,
-                 category: str | None = None, confidence: tuple[float, float, float] | None = None) -> int:
-    """The rule's k for one request about to draft on top of ``context_len`` tokens (0: decode without drafts).
-    ``confidence``: the peeked proposal's (top-1, entropy, margin), shared by all its tokens (n-gram match length)."""
-    k_cap = min(k_cap, rule.k_max)
-    if k_cap < 1:
-        return 0
-    ctx = RowContext(context_len=context_len, drafter_index=rule.drafters.index(drafter), load=load,
-                     category=category, peek=confidence)
-    return rule.plan({drafter: np.array(plan_rows(ctx, k_cap))}, context_len, k_cap)[1]
+VLLM_SUPPORT = ("vLLM runs an n-gram drafter per step under the learned rule (custom proposer), a model drafter as "
+                "method draft_model with the rule's static k, and an EAGLE-3 feature head as method eagle3 "
+                "(scripts/export.py head_dir=... format=speculators); it has nothing for layer-skip drafters")
+
+
+def learned_config(artifact, *, drafter: str | None = None) -> dict:
+    """vLLM's ``speculative_config`` that runs the learned rule (``PolicyNgramProposer``, with the policy directory in
+    ``SACPOLICY_POLICY_DIR``): k up to the rule's ``k_max``. Refuses a rule that chooses among drafters vLLM cannot
+    run beside n-gram lookup (a custom proposer proposes from token ids alone), unless ``drafter=`` names the n-gram
+    drafter to serve it with alone."""
+    art = artifact if isinstance(artifact, PolicyArtifact) else load_artifact(artifact)
+    others = {n: s.kind for n, s in art.drafters.items() if s.kind != "ngram"}
+    if drafter is None and others:
+        ngram = [n for n, s in art.drafters.items() if s.kind == "ngram"]
+        hint = (f"pass drafter={ngram[0]} to serve the rule with its n-gram drafter alone" if ngram else
+                "train a policy with an n-gram drafter (draft=[ngram])")
+        raise ArtifactError(f"the policy at {art.path} also chooses drafters {others}, which vLLM cannot run per "
+                            f"step: {VLLM_SUPPORT}; {hint}")
+    pick_drafter(art.rule, art.drafters, drafter, ("ngram",))
+    return {"method": "custom_class", "model": f"{__name__}.{PolicyNgramProposer.__name__}",
+            "num_speculative_tokens": art.rule.k_max}
+
+
+def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None) -> Path:
+    """A directory that serves the policy in vLLM:
+
+    - ``speculative_config.json``: the learned rule (``learned_config``) when the drafter is an n-gram one, else the
+      static setting (``speculative_config``: a model drafter as ``draft_model``);
+    - ``static_speculative_config.json``: the rule's static setting;
+    - ``policy/`` (a verified copy of the artifact) and ``vllm.env`` (``SACPOLICY_POLICY_DIR``, and
+      ``SACPOLICY_POLICY_DRAFTER`` when ``drafter=`` was given) for the custom proposer::
+
+        env $(cat out/vllm.env) vllm serve <target> --speculative-config "$(cat out/speculative_config.json)"
+
+    Refuses, naming them, drafters vLLM cannot run (layer-skip, a feature head: export the head itself)."""
+    from sacpolicy.runtime.artifact import save_policy
+
+    art = artifact if isinstance(artifact, PolicyArtifact) else load_artifact(artifact)
+    kinds = {n: s.kind for n, s in art.drafters.items()}
+    if drafter is None:
+        if set(kinds.values()) - {"ngram", "model"} or len(kinds) > 1:
+            raise ArtifactError(f"the policy at {art.path} chooses among drafters {kinds}; {VLLM_SUPPORT}. Pass "
+                                "drafter=<name> to export one of them for vLLM")
+        drafter = next(iter(kinds))
+    if kinds.get(drafter) not in ("ngram", "model"):
+        art.rule.check_drafter(drafter)
+        raise ArtifactError(f"drafter {drafter!r} is a {kinds[drafter]} drafter; {VLLM_SUPPORT}")
+    static = speculative_config(art, draft_dir, drafter=drafter)
+    learned = learned_config(art, drafter=drafter) if kinds[drafter] == "ngram" else static
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = save_policy(out / "policy", art.rule, drafters=art.drafters, provenance=art.provenance,
+                         metrics=art.metrics)
+    write_json(out / "speculative_config.json", learned)
+    write_json(out / "static_speculative_config.json", static)
+    env = {POLICY_ENV: Path(policy).resolve(), DRAFTER_ENV: drafter}
+    write_text(out / "vllm.env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    return out
+
+
+class _History:
+    """Each request's ``accept_ema`` across vLLM steps. The proposer hook gives no request ids, so a request is found
+    again by its committed tokens: after a step that committed s tokens (accepted drafts + the target's own), the
+    row's first n - s tokens are the context it was drafted on. Equal contexts share their history, which is exact
+    for greedy decoding (equal contexts saw equal blocks) and a close estimate when sampling."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.entries = capacity, OrderedDict()
+
+    @staticmethod
+    def _key(context: np.ndarray) -> tuple[int, bytes]:
+        return len(context), hashlib.blake2b(context.tobytes(), digest_size=16).digest()
+
+    def advance(self, context: np.ndarray, committed: int) -> float | None:
+        """The request's ``accept_ema`` now that its last step committed ``committed`` tokens (None: a new request)."""
+        entry = self.entries.pop(self._key(context[: len(context) - committed]), None)
+        if entry is None:
+            return None
+        ema, drafted = entry
+        return next_accept_ema(ema, (committed - 1) / drafted) if drafted else ema
+
+    def record(self, context: np.ndarray, ema: float | None, drafted: int) -> None:
+        self.entries[self._key(context)] = (ema, drafted)
+        while len(self.entries) > self.capacity:  # finished requests are never looked up again
+            self.entries.popitem(last=False)
 
 
 class PolicyNgramProposer:
-    """vLLM ``custom_class`` proposer: n-gram proposals, k per request from the learned rule."""
+    """vLLM ``custom_class`` proposer: n-gram proposals, the block decided per request by the learned rule.
+
+    It runs sacpolicy's own ``LearnedPolicy`` and ``NgramDrafter`` (peek, plan, stop rule) on each row, as the
+    decoder does, so vLLM decodes with the decisions sacpolicy's decoder makes on the same context: the rule's
+    drafter index, the request's acceptance history (``_History``), an unknown category and idle load. The rule's
+    other drafters are not on offer in vLLM, as when a decoder drops a drafter."""
 
     def __init__(self, vllm_config, policy=None, drafter: str | None = None):
-        policy = policy or os.environ.get(POLICY_ENV)
+        policy, drafter = policy or os.environ.get(POLICY_ENV), drafter or os.environ.get(DRAFTER_ENV) or None
         if not policy:
             raise ArtifactError(f"PolicyNgramProposer needs a policy artifact: set {POLICY_ENV}=<artifact dir>")
         art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
         self.rule, self.drafter = art.rule, pick_drafter(art.rule, art.drafters, drafter, ("ngram",))
         spec = art.drafters[self.drafter]
-        self.max_ngram, self.min_ngram = spec.max_ngram, spec.min_ngram
+        self.ngram = NgramDrafter(spec.max_ngram, spec.min_ngram, name=self.drafter)
+        self.policy = LearnedPolicy(self.rule)
         self.k_cap = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
+        seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        self.history = _History(4 * seqs)
+        self._request = RequestInfo(drafters=self.rule.drafters)
+        self.policy.reset(self._request)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         out = []
-        for i in range(len(sampled_token_ids)):
+        for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
-            context = np.asarray(token_ids_cpu[i, :n])
-            m = ngram_match(context, self.max_ngram, self.min_ngram)
-            if m is None:
+            if not len(sampled) or n >= self.max_model_len:  # a prefill chunk mid-way, or no room: no drafts
                 out.append([])
                 continue
-            conf = ngram_confidence(m[1], self.max_ngram)  # the drafter's peek: match length
-            k = draft_length(self.rule, self.drafter, n, min(self.k_cap, self.max_model_len - n - 1), confidence=conf)
-            out.append(context[m[0] : m[0] + k].tolist())
+            context = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
+            ema = self.history.advance(context, len(sampled))
+            block = self.block(context, ema)
+            self.history.record(context, ema, len(block))
+            out.append(block)
         return out
+
+    def block(self, context: np.ndarray, accept_ema: float | None = None) -> list[int]:
+        """The tokens the decoder would draft on ``context``: peek, plan, draft with the stop rule."""
+        n, ctx = len(context), torch.from_numpy(context)
+        room = min(self.k_cap, self.max_model_len - n - 1)  # the decoder's remaining - 1
+        state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=(self.drafter,),
+                            accept_ema={} if accept_ema is None else {self.drafter: accept_ema},
+                            peeks={self.drafter: self.ngram.peek(ctx)})
+        decision = self.policy.decide(state)
+        k = min(decision.k, room)
+        if decision.drafter is None or k < 1:
+            return []
+        state.drafter = decision.drafter
+        return self.ngram.propose(ctx, k, _GREEDY, stop=stop_callback(self.policy, state)).tokens.tolist()
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # nothing to load: vLLM calls this on every proposer

@@ -1,5 +1,7 @@
-"""Stage ``export``: per policy, vLLM's speculative_config and, when the policy has a model drafter, the
-transformers generation_config settings for stock assisted generation (``export/<predictor>``)."""
+"""Stage ``export``: per policy (``export/<predictor>``), vLLM's static speculative_config (``vllm.json``), the
+vLLM serving directory of ``sacpolicy.export.vllm.export_vllm`` (``vllm/``: the learned rule as vLLM's custom
+proposer) for its n-gram drafter, and, when the policy has a model drafter, the transformers generation_config
+settings for stock assisted generation."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ logger = logging.getLogger(__name__)
 
 def run(ctx: RunContext) -> dict:
     from sacpolicy.export.hf import export_generation_config
-    from sacpolicy.export.vllm import write_vllm_config
-    from sacpolicy.runtime.artifact import ArtifactError
+    from sacpolicy.export.vllm import export_vllm, write_vllm_config
+    from sacpolicy.runtime.artifact import ArtifactError, load_artifact
 
     out = {}
     for name in ctx.cfg.predictor:
@@ -22,6 +24,9 @@ def run(ctx: RunContext) -> dict:
         dest = ctx.out_dir / "export" / name
         dest.mkdir(parents=True, exist_ok=True)
         out[name] = {"runtime": str(policy_dir), "vllm": str(write_vllm_config(policy_dir, dest / "vllm.json"))}
+        ngram = [n for n, spec in load_artifact(policy_dir).drafters.items() if spec.kind == "ngram"]
+        if ngram:  # the learned rule in vLLM runs with its n-gram drafter (vLLM has no per-step hook for others)
+            out[name]["vllm_dir"] = str(export_vllm(policy_dir, dest / "vllm", drafter=ngram[0]))
         draft_dir = ctx.find("distill/draft")
         if draft_dir is not None and (draft_dir / "generation_config.json").is_file():
             shutil.copyfile(draft_dir / "generation_config.json", dest / "generation_config.json")

