@@ -7,12 +7,13 @@ head, a draft model), side by side on the same held-out prompts.
     python scripts/bench_vllm.py --policy ... --source humaneval_edit --prompts 8 --draft runs/x/distill/draft
 
 Every configuration runs in its own engine (float32, greedy, ``enforce_eager``: torch.compile costs ~2 minutes per
-engine here and ran no faster on this CPU), one after another: a phase ``serial`` (one request at a time) and a phase
-``concurrent`` (all prompts submitted together; vLLM batches them). Every output is checked against the engine
-without speculation. Ratios are against that engine (``vs none``) and against vLLM's n-gram at its documented
-settings (``vs ngram``: the docs' example, k = 5, ``prompt_lookup_max`` 4), with 95% paired-bootstrap intervals over
-prompts for the serial phase. Acceptance comes from vLLM's own counters. Prints a Markdown table and writes
-bench_vllm.json (``--out``).
+engine here), one after another: a phase ``serial`` (one request at a time) and a phase ``concurrent``
+(``--concurrency`` prompts, default 8, submitted together, wave after wave; vLLM batches them). Every output is
+checked against the engine without speculation. Ratios are against that engine (``vs none``) and against vLLM's
+n-gram at its documented settings (``vs ngram``: the docs' example, k = 5, ``prompt_lookup_max`` 4), with 95%
+paired-bootstrap intervals over prompts for the serial phase. Acceptance comes from vLLM's own counters. vLLM turns
+async scheduling off for custom proposers (the learned policy's path); ``--sync-rows`` adds the two baselines without
+it, to tell that cost apart. Prints a Markdown table and writes bench_vllm.json (``--out``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_looku
 def configs(args, target_dir, tmp) -> dict[str, dict]:
     """name -> run_engine keyword arguments."""
     runs = {"none": {}, "vllm-ngram": {"speculative_config": VLLM_NGRAM_DOCS}}
+    if args.sync_rows:  # vLLM turns async scheduling off for custom proposers: the same rows without it
+        sync = {"engine_args": {"async_scheduling": False}}
+        runs |= {"none-sync": sync, "vllm-ngram-sync": {"speculative_config": VLLM_NGRAM_DOCS, **sync}}
     if args.policy:
         art = load_artifact(args.policy)
         drafter = next(n for n, s in art.drafters.items() if s.kind == "ngram")
@@ -88,7 +92,7 @@ def table(rows: list[dict]) -> str:
     def ci(v):
         return f" [{v[0]:.2f}, {v[1]:.2f}]" if v else ""
 
-    out = ["| vLLM config | same output | serial tok/s | vs none | vs vLLM ngram | 8 concurrent tok/s | vs none "
+    out = ["| vLLM config | same output | serial tok/s | vs none | vs vLLM ngram | concurrent tok/s | vs none "
            "| tokens/step | accept per position |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r.get("accept_per_pos", [])) or "-"
@@ -109,8 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", help="a draft model directory (e.g. <run>/distill/draft) for method draft_model")
     ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--source", default="mt_bench", help="prompt set; its held-out test split is used")
-    ap.add_argument("--prompts", type=int, default=16, help="test prompts (the concurrent phase submits them all)")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out test prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8, help="requests submitted together in the concurrent phase")
+    ap.add_argument("--sync-rows", action="store_true",
+                    help="add none and vLLM-ngram rows without async scheduling, which vLLM turns off for custom "
+                         "proposers (ours)")
     ap.add_argument("--out", default="bench_vllm.json")
     args = ap.parse_args(argv)
 
@@ -129,7 +137,7 @@ def main(argv=None) -> int:
         for name, kw in configs(args, target_dir, tmp).items():
             t = time.perf_counter()
             results[name] = run_engine(target_dir, prompts, max_tokens=args.max_tokens,
-                                       phases=("serial", "concurrent"), **kw)
+                                       phases=("serial", "concurrent"), concurrency=args.concurrency, **kw)
             print(f"  {name}: {time.perf_counter() - t:.0f} s (startup {results[name]['startup_s']:.0f} s)",
                   flush=True)
     idx = bootstrap_indices(len(prompts))

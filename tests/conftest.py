@@ -16,6 +16,12 @@ import pytest
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 
 
+def pytest_collection_modifyitems(config, items):
+    """The vLLM engines first: the longest test (~5 minutes, one worker) then overlaps the rest of the suite on the
+    other worker instead of running after it."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The real embedded SmolLM2-135M target on CPU/float32 (first run converts the GGUF once, ~20 s)."""

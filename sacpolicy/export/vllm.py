@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 VLLM_KINDS = ("model", "ngram")
 POLICY_ENV = "SACPOLICY_POLICY_DIR"
 DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's n-gram drafters the proposer runs
+STATS_ENV = "SACPOLICY_PROPOSER_STATS"  # optional: a JSON file where the proposer reports its calls and seconds
 _GREEDY = SamplingConfig()  # n-gram proposals are deterministic; the sampling settings do not reach them
 
 
@@ -172,9 +174,18 @@ class PolicyNgramProposer:
         seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         self.history = _History(4 * seqs)
         self._request = RequestInfo(drafters=self.rule.drafters)
+        self.calls, self.seconds, self.stats_path = 0, 0.0, os.environ.get(STATS_ENV)
         self.policy.reset(self._request)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        t0 = time.perf_counter()
+        out = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - t0
+        if self.stats_path and self.calls % 20 == 0:  # the proposer lives in vLLM's worker: report through a file
+            write_json(self.stats_path, {"calls": self.calls, "seconds": self.seconds})
+        return out
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         out = []
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])

@@ -8,7 +8,8 @@ A child process per engine because vLLM spawns its own workers (the caller needs
 GB while it lives, and frees it all when the process ends. Phases, each on the same engine:
 
 - ``serial``: one request at a time (``LLM.generate`` per prompt): tokens/s at one request;
-- ``concurrent``: every prompt in one ``LLM.generate`` call (vLLM batches them): tokens/s under load.
+- ``concurrent``: the prompts in waves of ``concurrency`` (default: all at once), each wave one ``LLM.generate``
+  call (vLLM batches its requests): tokens/s under load.
 
 Greedy decoding (temperature 0), ``ignore_eos=False``; outputs are the generated token ids. Counters are per phase
 (the difference of vLLM's cumulative ``vllm:spec_decode_*`` counters before and after it).
@@ -63,12 +64,14 @@ def vllm_status() -> tuple[bool, str]:
 
 def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, speculative_config: dict | None = None,
                policy_dir=None, phases=("serial",), enforce_eager: bool = True, max_model_len: int = 2048,
-               timeout: float = 1200, log=None) -> dict:
+               engine_args: dict | None = None, concurrency: int | None = None, timeout: float = 1200,
+               log=None) -> dict:
     """Start one vLLM engine on ``model_dir`` (float32) in a child process and run ``phases`` over ``prompts``.
-    ``policy_dir``: the policy artifact a ``custom_class`` proposer of ours reads (``SACPOLICY_POLICY_DIR``).
+    ``policy_dir``: the policy artifact a ``custom_class`` proposer of ours reads (``SACPOLICY_POLICY_DIR``);
+    ``engine_args``: more ``vllm.LLM`` keyword arguments (e.g. ``{"async_scheduling": False}``).
 
     Returns {"outputs": {phase: [[token ids] per prompt]}, "seconds": {phase: s}, "tokens": {phase: n},
-    "per_prompt_s": [s per prompt of the serial phase],
+    "per_prompt_s": [s per prompt of the serial phase], "proposer": {"calls", "seconds"} (our custom proposer only),
     "spec": {phase: {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}},
     "startup_s": s, "vllm": version}. Raises ``VllmUnavailable`` or RuntimeError with the child's last lines."""
     unknown = [p for p in phases if p not in PHASES]
@@ -78,10 +81,12 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
         job, out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         write_json(job, {"model": str(model_dir), "prompts": [list(map(int, p)) for p in prompts],
                          "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
-                         "enforce_eager": enforce_eager, "max_model_len": max_model_len})
+                         "enforce_eager": enforce_eager, "max_model_len": max_model_len,
+                         "engine_args": engine_args or {}, "concurrency": concurrency or len(prompts)})
         env = {**os.environ, **{k: v for k, v in CPU_ENV.items() if k not in os.environ}}
         if policy_dir is not None:
             env["SACPOLICY_POLICY_DIR"] = str(Path(policy_dir).resolve())
+            env["SACPOLICY_PROPOSER_STATS"] = str(Path(tmp) / "proposer.json")
         proc = subprocess.run([sys.executable, "-m", "sacpolicy.export.vllm_run", str(job), str(out)],
                               capture_output=True, text=True, timeout=timeout, env=env)
         if log is not None:
@@ -91,7 +96,11 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
             if "No module named 'vllm'" in tail:
                 raise VllmUnavailable(vllm_status()[1])
             raise RuntimeError(f"the vLLM engine failed (exit code {proc.returncode}); its last lines:\n{tail}")
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        stats = Path(tmp) / "proposer.json"
+        if stats.is_file():  # our custom proposer's own time, as it reported it from vLLM's worker
+            result["proposer"] = json.loads(stats.read_text())
+        return result
 
 
 def _spec_counters(llm) -> dict:
@@ -125,7 +134,7 @@ def _child(job_path: str, out_path: str) -> None:
 
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=job["enforce_eager"],
               max_model_len=job["max_model_len"], speculative_config=job["speculative_config"],
-              disable_log_stats=False, seed=0)
+              disable_log_stats=False, seed=0, **job["engine_args"])
     import vllm
 
     result = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "outputs": {}, "seconds": {},
@@ -144,7 +153,9 @@ def _child(job_path: str, out_path: str) -> None:
                 per.append(time.perf_counter() - tp)
             result["per_prompt_s"] = per
         else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            c = job["concurrency"]
+            outs = [o for i in range(0, len(prompts), c) for o in llm.generate(prompts[i : i + c], params,
+                                                                              use_tqdm=False)]
         result["seconds"][phase] = time.perf_counter() - t
         ids = [list(map(int, o.outputs[0].token_ids)) for o in outs]
         result["outputs"][phase] = ids
