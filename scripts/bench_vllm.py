@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -45,7 +46,11 @@ def configs(args, target_dir, tmp) -> dict[str, dict]:
         runs |= {"none-sync": sync, "vllm-ngram-sync": {"speculative_config": VLLM_NGRAM_DOCS, **sync}}
     if args.policy:
         art = load_artifact(args.policy)
-        drafter = next(n for n, s in art.drafters.items() if s.kind == "ngram")
+        ngram = [n for n, s in art.drafters.items() if s.kind == "ngram"]
+        if not ngram:
+            raise SystemExit(f"bench_vllm: the policy at {args.policy} has no n-gram drafter, the one vLLM's custom "
+                             "proposer runs; train one with experiment=vllm_ngram")
+        drafter = ngram[0]
         runs["sacpolicy-learned"] = {"speculative_config": learned_config(art, drafter=drafter),
                                      "policy_dir": args.policy}
         static = speculative_config(art, drafter=drafter)
@@ -130,8 +135,6 @@ def main(argv=None) -> int:
     prompts = [r["input_ids"] for r in rows_in[: args.prompts]]
     target_dir = model_dir()
     print(f"vLLM {why}; {len(prompts)} {args.source} test prompts, {args.max_tokens} new tokens, greedy, float32")
-    import tempfile
-
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, kw in configs(args, target_dir, tmp).items():

@@ -28,7 +28,7 @@ from sacpolicy.runtime.features import feature_spec
 from sacpolicy.runtime.predictors import Predictor
 from sacpolicy.runtime.rule import DecisionRule
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = pytest.mark.slow
 MAX_TOKENS, K_HEAD = 40, 3
 
 
@@ -157,6 +157,7 @@ def _check_draft_is_lossless_and_accepts_as_ours(engines, target, prompts, kind)
     assert np.abs(rate(theirs) - rate(ours)).max() <= 0.05, (theirs, ours)
 
 
+@pytest.mark.vllm
 def test_exports_in_a_real_vllm_engine(engines, target, prompts):
     """One test (the engines start once, on one xdist worker): vLLM's greedy decoding equals ours; the learned policy,
     the EAGLE-3 head and the draft model are lossless in vLLM and vLLM's counters agree with our decoder's."""

@@ -60,9 +60,10 @@ def speculative_config(artifact, draft_dir=None, *, drafter: str | None = None) 
     return {"method": "draft_model", "model": str(draft_dir or spec.path), "num_speculative_tokens": k}
 
 
-def write_vllm_config(artifact_dir, out_path, draft_dir=None) -> Path:
-    """``speculative_config(artifact_dir, draft_dir)`` as JSON at ``out_path`` (atomically)."""
-    return write_json(out_path, speculative_config(artifact_dir, draft_dir))
+def write_vllm_config(artifact, out_path, draft_dir=None) -> Path:
+    """``speculative_config(artifact, draft_dir)`` (an artifact directory or ``PolicyArtifact``) as JSON at
+    ``out_path`` (atomically)."""
+    return write_json(out_path, speculative_config(artifact, draft_dir))
 
 
 VLLM_SUPPORT = ("vLLM runs an n-gram drafter per step under the learned rule (custom proposer), a model drafter as "
@@ -94,8 +95,8 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
     - ``speculative_config.json``: the learned rule (``learned_config``) when the drafter is an n-gram one, else the
       static setting (``speculative_config``: a model drafter as ``draft_model``);
     - ``static_speculative_config.json``: the rule's static setting;
-    - ``policy/`` (a verified copy of the artifact) and ``vllm.env`` (``SACPOLICY_POLICY_DIR``, and
-      ``SACPOLICY_POLICY_DRAFTER`` when ``drafter=`` was given) for the custom proposer::
+    - ``policy/`` (a verified copy of the artifact) and ``vllm.env`` (``SACPOLICY_POLICY_DIR`` and the drafter it
+      runs, ``SACPOLICY_POLICY_DRAFTER``) for the custom proposer::
 
         env $(cat out/vllm.env) vllm serve <target> --speculative-config "$(cat out/speculative_config.json)"
 
@@ -105,11 +106,11 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
     art = artifact if isinstance(artifact, PolicyArtifact) else load_artifact(artifact)
     kinds = {n: s.kind for n, s in art.drafters.items()}
     if drafter is None:
-        if set(kinds.values()) - {"ngram", "model"} or len(kinds) > 1:
+        if set(kinds.values()) - set(VLLM_KINDS) or len(kinds) > 1:
             raise ArtifactError(f"the policy at {art.path} chooses among drafters {kinds}; {VLLM_SUPPORT}. Pass "
                                 "drafter=<name> to export one of them for vLLM")
         drafter = next(iter(kinds))
-    if kinds.get(drafter) not in ("ngram", "model"):
+    if kinds.get(drafter) not in VLLM_KINDS:
         art.rule.check_drafter(drafter)
         raise ArtifactError(f"drafter {drafter!r} is a {kinds[drafter]} drafter; {VLLM_SUPPORT}")
     static = speculative_config(art, draft_dir, drafter=drafter)

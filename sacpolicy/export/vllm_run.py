@@ -43,9 +43,9 @@ class VllmUnavailable(RuntimeError):
 def vllm_status() -> tuple[bool, str]:
     """(usable, why) for ``import vllm`` in a child process (importing it here would start its machinery)."""
     code = "import vllm, sys; sys.stdout.write(vllm.__version__)"
-    env = {**os.environ, **{k: v for k, v in CPU_ENV.items() if k not in os.environ}}
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**CPU_ENV, **os.environ})
     except subprocess.TimeoutExpired:
         return False, "import vllm took over 300 s"
     if r.returncode == 0:
@@ -83,10 +83,12 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
                          "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
                          "enforce_eager": enforce_eager, "max_model_len": max_model_len,
                          "engine_args": engine_args or {}, "concurrency": concurrency or len(prompts)})
-        env = {**os.environ, **{k: v for k, v in CPU_ENV.items() if k not in os.environ}}
+        env = {**CPU_ENV, **os.environ}  # the caller's settings win
         if policy_dir is not None:
-            env["SACPOLICY_POLICY_DIR"] = str(Path(policy_dir).resolve())
-            env["SACPOLICY_PROPOSER_STATS"] = str(Path(tmp) / "proposer.json")
+            from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
+
+            env[POLICY_ENV] = str(Path(policy_dir).resolve())
+            env[STATS_ENV] = str(Path(tmp) / "proposer.json")
         proc = subprocess.run([sys.executable, "-m", "sacpolicy.export.vllm_run", str(job), str(out)],
                               capture_output=True, text=True, timeout=timeout, env=env)
         if log is not None:
@@ -113,10 +115,10 @@ def _spec_counters(llm) -> dict:
         if isinstance(m, Counter) and name in got:
             got[name] += int(m.value)
         elif isinstance(m, Vector) and name == "num_accepted_tokens_per_pos":
-            vals = list(map(int, m.values))
             acc = got["accepted_per_pos"]
-            acc.extend([0] * (len(vals) - len(acc)))
-            got["accepted_per_pos"] = [a + v for a, v in zip(acc, vals + [0] * (len(acc) - len(vals)))]
+            acc.extend([0] * (len(m.values) - len(acc)))
+            for i, v in enumerate(m.values):
+                acc[i] += int(v)
     return got
 
 

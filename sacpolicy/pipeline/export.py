@@ -23,15 +23,16 @@ def run(ctx: RunContext) -> dict:
         policy_dir = ctx.need(f"policies/{name}", "export")
         dest = ctx.out_dir / "export" / name
         dest.mkdir(parents=True, exist_ok=True)
-        out[name] = {"runtime": str(policy_dir), "vllm": str(write_vllm_config(policy_dir, dest / "vllm.json"))}
-        ngram = [n for n, spec in load_artifact(policy_dir).drafters.items() if spec.kind == "ngram"]
+        art = load_artifact(policy_dir)  # verified once, for every export below
+        out[name] = {"runtime": str(policy_dir), "vllm": str(write_vllm_config(art, dest / "vllm.json"))}
+        ngram = [n for n, spec in art.drafters.items() if spec.kind == "ngram"]
         if ngram:  # the learned rule in vLLM runs with its n-gram drafter (vLLM has no per-step hook for others)
-            out[name]["vllm_dir"] = str(export_vllm(policy_dir, dest / "vllm", drafter=ngram[0]))
+            out[name]["vllm_dir"] = str(export_vllm(art, dest / "vllm", drafter=ngram[0]))
         draft_dir = ctx.find("distill/draft")
         if draft_dir is not None and (draft_dir / "generation_config.json").is_file():
             shutil.copyfile(draft_dir / "generation_config.json", dest / "generation_config.json")
         try:
-            out[name]["transformers"] = export_generation_config(policy_dir, dest)
+            out[name]["transformers"] = export_generation_config(art, dest)
         except ArtifactError as exc:  # no model drafter among the policy's drafters
             logger.info("no transformers export for %s: %s", name, exc)
     return out
