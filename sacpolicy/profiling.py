@@ -77,6 +77,37 @@ def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, r
     return times
 
 
+def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int], device, gen, repeats: int,
+                         warmup: int) -> dict:
+    """``_forward_times`` for a batch: ``rows`` rows of n new tokens each, on the ragged cache the batched decoder
+    keeps (rows of context_len - i tokens, joined as requests join, so the pass carries its 4D mask as in decoding)."""
+    from transformers import DynamicCache
+
+    from sacpolicy.decoding.ragged import RaggedCache
+
+    def ids(b, n):
+        return torch.randint(model.config.vocab_size, (b, n), generator=gen).to(device)
+
+    batch = None
+    for i in range(rows):
+        L = max(1, context_len - i)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids(1, L), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+        row = RaggedCache(cache, L, device)
+        if batch is None:
+            batch = row
+        else:
+            batch.join(row)
+    dtype = next(model.parameters()).dtype
+    times = {}
+    for n in feeds:
+        x, extra = ids(rows, n), batch.inputs(n, dtype)
+        times[n] = _times(lambda x=x, n=n, extra=extra: model(input_ids=x, **with_cache(model, batch.cache),
+                                                              use_cache=True, logits_to_keep=n, **extra),
+                          lambda n=n: batch.cache.crop(-n), device, repeats, warmup)
+    return times
+
+
 def _fits(model, context_len: int, new_tokens: int) -> bool:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and context_len + new_tokens > limit:
@@ -172,14 +203,19 @@ def _fit_draft(name: str, cells: list[tuple[int, np.ndarray]], per_token: bool, 
 
 def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
                    draft_cells: Mapping[str, list[tuple[int, np.ndarray]]], per_token: Mapping[str, bool],
-                   meta: Mapping | None = None, *, n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
+                   meta: Mapping | None = None, *, batch_cells: Mapping[int, list] | None = None,
+                   n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
     """A CostModel from timings: ``verify_cells`` (tokens fed, context, [repeats] seconds of one target forward),
-    ``draft_cells`` {drafter: [(context, [repeats] seconds of one draft step or proposal)]}."""
+    ``draft_cells`` {drafter: [(context, [repeats] seconds of one draft step or proposal)]}, ``batch_cells`` {batch
+    size > 1: verify cells of a pass over that many rows}."""
     rng = np.random.default_rng(seed)
     repeats = min(len(t) for *_, t in verify_cells)
     draft = {name: _fit_draft(name, cells, per_token[name], n_boot, rng) for name, cells in draft_cells.items()}
+    batch = {b: _fit_verify(cells, min(len(t) for *_, t in cells), n_boot, rng)
+             for b, cells in sorted((batch_cells or {}).items())}
     meta = {**(meta or {}), "knot_interval": f"95% bootstrap over repeats ({n_boot} resamples)"}
-    return CostModel(device, _fit_verify(verify_cells, repeats, n_boot, rng), draft, dict(per_token), meta)
+    return CostModel(device, _fit_verify(verify_cells, repeats, n_boot, rng), draft, dict(per_token), meta,
+                     batch=batch)
 
 
 # ---------------------------------------------------------------------- measuring
@@ -228,7 +264,7 @@ def _feature_step_time(target, drafter, c: int, k_max: int, device, gen, repeats
 
 @torch.inference_mode()
 def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 256, 1024), repeats: int = 5,
-            device=None, warmup: int = 2, seed: int = 0) -> CostModel:
+            device=None, warmup: int = 2, seed: int = 0, batch_sizes=(1,)) -> CostModel:
     """Measure the target's verify pass and each drafter's step on the device the models live on; fit a CostModel.
 
     drafters: a list of drafters or {name: drafter}. A drafter with a `.model` (ModelDrafter, LayerSkipDrafter) is
@@ -236,6 +272,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     chain on the target's hidden states; any other drafter as one propose() call on random tokens
     (for the n-gram drafter that is the no-match case, its slowest lookup). Every cell is timed `repeats` times
     (>= 5 for knot intervals that can tell a real decrease in verify cost from noise; see the module docstring).
+    ``batch_sizes``: also time the verify pass over that many rows (the batched decoder's ragged cache and mask), so
+    policies can weigh drafting at the live batch size.
     """
     import transformers
 
@@ -254,7 +292,15 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     gen = torch.Generator().manual_seed(seed)  # CPU generator: same token ids on every device
     per_token = {name: isinstance(getattr(d, "model", None), torch.nn.Module) or bool(d.aux_layers)
                  for name, d in named.items()}
+    if not batch_sizes or min(batch_sizes) < 1 or 1 not in batch_sizes:
+        raise ValueError(f"batch_sizes must hold 1 and sizes >= 1, got {batch_sizes}")
     verify_rows, draft_rows = _measure(target, named, per_token, ks, context_lens, device, gen, repeats, warmup)
+    feeds = sorted({k + 1 for k in ks})
+    batch_rows = {}
+    for b in sorted(set(batch_sizes) - {1}):
+        logger.info("profiling batch size %d on %s", b, device)
+        batch_rows[b] = [(n, c, t) for c in context_lens if _fits(target, c, feeds[-1])
+                         for n, t in _batch_forward_times(target, b, c, feeds, device, gen, repeats, warmup).items()]
     if not verify_rows:
         raise ValueError(f"every context length in {tuple(context_lens)} exceeds the target's context window; "
                          "pass shorter context_lens")
@@ -266,5 +312,6 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
             "device_name": device_name or platform.machine(),
             "profiled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "target": getattr(target.config, "name_or_path", "") or type(target).__name__,
-            "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats}
-    return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, seed=seed)
+            "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats,
+            "batch_sizes": sorted(set(batch_sizes))}
+    return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, batch_cells=batch_rows, seed=seed)

@@ -145,9 +145,10 @@ def test_seed_rule_speculates_less_for_long_prompts_and_under_load():
     assert rule.k_for(256, 0.0) == 4  # log-linear: 256 is halfway between 64 and 1024 in log space
     assert [rule.k_for(10, load) for load in (0.0, 0.5, 1.0)] == [6, 3, 0]  # load scales k down to autoregressive
     rule.validate(("ngram",), 8)
-    rule.reset(RequestInfo(prompt_len=10, max_new_tokens=8, drafters=("ngram",), load=0.5))
-    state = DecodeState(RequestInfo(prompt_len=10, drafters=("ngram",)), drafters=("ngram",))
-    assert rule.decide(state) == Decision("ngram", 3)
+    state = DecodeState(RequestInfo(prompt_len=10, drafters=("ngram",), load=0.5), drafters=("ngram",))
+    assert rule.decide(state) == Decision("ngram", 3)  # the request's load signal
+    state.load = 1.0  # the live load a batched decoder measures (rows / max_batch) takes its place
+    assert rule.decide(state) == Decision.autoregressive()
     with pytest.raises(ValueError, match="load must be in"):
         rule.k_for(10, 1.5)
 

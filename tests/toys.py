@@ -23,7 +23,8 @@ class Markov(torch.nn.Module):
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1, **batch):
+        # batch: a batched decoder's position_ids and 4D mask; an order-1 chain reads neither
         if cache is not None:  # hold one (empty) entry per token, as a real model's cache does, so crops have rows
             z = torch.zeros(input_ids.shape[0], 1, input_ids.shape[1], 1)
             cache.update(z, z, 0)

@@ -1,16 +1,17 @@
 """SpeculativeDecoder: draft k tokens, verify them in one target pass, keep what the target would have produced.
 
 One loop serves every setting: k = 0 (no drafter) is plain autoregressive decoding, so AR and speculative timings
-come from the same code. Batch size 1. The decoder never knows which policy it runs; the policy never sees a cache.
-Each step is four small methods: decide, draft, verify-and-commit, record.
+come from the same code, and one request (``generate``) is a batch of one row (``generate_batch``: continuous batching
+over B rows, each with its own draft block and accepted prefix, verified together in one target pass; the ragged KV
+cache is ``sacpolicy.decoding.ragged``). The decoder never knows which policy it runs; the policy never sees a cache.
+Each step is four small methods: decide, draft, verify-and-commit, record (``sacpolicy.decoding.step``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -18,33 +19,23 @@ from transformers import DynamicCache
 
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.decoding.compat import with_cache
-from sacpolicy.decoding.sampling import (
-    SamplingConfig,
-    acceptance_stats,
-    draft_stats,
-    probs_from_logits,
-    select_token,
-    verify,
-    verify_greedy,
-)
+from sacpolicy.decoding.ragged import RaggedCache
+from sacpolicy.decoding.sampling import SamplingConfig, select_token
+from sacpolicy.decoding.step import BatchStep, Clock, Row, WallClock, stop_callback
 from sacpolicy.decoding.types import (
     Autoregressive,
-    Decision,
     DecodeState,
-    DraftBlock,
     Drafter,
-    DraftToken,
     GenerationResult,
     Policy,
     RequestInfo,
-    StepRecord,
-    StopFn,
 )
-from sacpolicy.runtime.features import next_accept_ema
+
+__all__ = ["BATCH_K", "DecoderConfig", "SpeculativeDecoder", "WallClock", "stop_callback"]
 
 logger = logging.getLogger(__name__)
 
-_T1 = SamplingConfig(temperature=1.0)  # distributions behind the records when decoding greedily
+BATCH_K = ("row", "shared")
 
 
 @dataclass
@@ -57,8 +48,15 @@ class DecoderConfig:
     cooldown_steps: int = 8
     cooldown_min_steps: int = 3  # speculative steps observed before the floor applies
     timing: bool = True  # per-step wall times (synchronizes the device once more per step on GPUs)
+    max_batch: int = 1  # rows generate_batch decodes together by default; the live load is rows / max_batch
+    batch_k: str = "row"  # "row": each row's own k (blocks padded to the longest); "shared": one k for the batch (vLLM)
+    compact_slack: float = 0.25  # compact the batch's KV cache when rejected columns exceed this share of its width
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"decoder max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if self.batch_k not in BATCH_K:
+            raise ValueError(f"decoder batch_k must be one of {list(BATCH_K)}, got {self.batch_k!r}")
         if self.k_max < 0:
             raise ValueError(f"decoder k_max must be >= 0, got {self.k_max}")
         if self.cooldown_floor is not None and not 0.0 <= self.cooldown_floor <= 1.0:
@@ -67,20 +65,7 @@ class DecoderConfig:
             raise ValueError(f"cooldown_ema must be in (0, 1], got {self.cooldown_ema}")
 
 
-def stop_callback(policy: Policy, state: DecodeState) -> StopFn | None:
-    """The ``stop`` a drafter calls after each drafted token: the policy's ``should_stop`` on that token's confidence
-    (None when the policy does not ask for token feedback). Production proposers that reuse a drafter call it too."""
-    if not policy.needs_token_feedback:
-        return None
-
-    def stop(position: int, stats: torch.Tensor) -> bool:
-        top1, entropy, margin = stats.tolist()
-        return policy.should_stop(state, DraftToken(position, top1, entropy, margin))
-
-    return stop
-
-
-class SpeculativeDecoder:
+class SpeculativeDecoder(BatchStep):
     def __init__(
         self,
         target: nn.Module,
@@ -115,53 +100,37 @@ class SpeculativeDecoder:
             stop_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.device = next(target.parameters()).device
+        self.dtype = next(target.parameters()).dtype
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.sampling.seed or 0)
         self.features = AuxCapture(target, [i for d in self.drafters.values() for i in d.aux_layers])
+        self.clock: Clock = WallClock()  # every time the decoder reads or waits on (a replay sets a virtual one)
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:
         if self.config.timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return self.clock.now()
 
-    def _forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
-        with self.features:
-            out = self.target(input_ids=ids.view(1, -1), **with_cache(self.target, cache), use_cache=True,
-                              logits_to_keep=keep)
-        return out.logits[0]
-
-    def _prompt(self, input_ids) -> torch.Tensor:
+    def _prompt(self, input_ids, index: int = 0) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() == 2:
             if ids.shape[0] != 1:
                 raise ValueError(
-                    f"SpeculativeDecoder decodes one sequence at a time; got a batch of {ids.shape[0]}. "
-                    "Loop over the prompts (see README: batched speculation)"
+                    f"generate decodes one sequence; got a batch of {ids.shape[0]}. Pass the prompts as a list to "
+                    "generate_batch (rows of different lengths need no padding)"
                 )
             ids = ids[0]
         if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError("empty prompt: give at least one token (e.g. the chat template's generation prompt)")
+            raise ValueError(f"empty prompt (request {index}): give at least one token (e.g. the chat template's "
+                             "generation prompt)")
         if self.max_context is not None and ids.numel() >= self.max_context:
             raise ValueError(
-                f"prompt of {ids.numel()} tokens does not fit the target's context of {self.max_context} tokens; "
-                "truncate it (data.max_prompt_tokens) or use a longer-context target"
+                f"prompt of request {index} has {ids.numel()} tokens and does not fit the target's context of "
+                f"{self.max_context} tokens; truncate it (data.max_prompt_tokens) or use a longer-context target"
             )
         return ids.to(self.device)
 
-    def _check_decision(self, d: Decision) -> None:
-        if not isinstance(d.k, int) or d.k < 0 or d.k > self.config.k_max:
-            raise ValueError(f"policy {self.policy!r} chose k={d.k!r}; k must be an integer in [0, {self.config.k_max}]")
-        if d.drafter is not None and d.drafter not in self.drafters:
-            raise ValueError(f"policy {self.policy!r} chose unknown drafter {d.drafter!r}; known: {list(self.drafters)}")
-
-    def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
-        if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
-            return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
-        return probs_from_logits(block.logits, cfg)
-
-    # ------------------------------------------------------------------ the loop
-    @torch.inference_mode()
     def generate(
         self,
         input_ids,
@@ -176,199 +145,136 @@ class SpeculativeDecoder:
         ``request``: what the policy may know of the request (category, load) and its sampling seed; the decoder
         fills prompt length, token budget and drafters. ``keep_logits``: also return the target's raw logits behind
         every new token (``result.logits``, [new, V], on the device), the distributions the target's own decode saw:
-        trace collection reads them instead of running the target again."""
+        trace collection reads them instead of running the target again. The same loop as ``generate_batch`` with
+        one row."""
+        return self.generate_batch([input_ids], max_new_tokens, requests=[request], stop_token_ids=stop_token_ids,
+                                   keep_logits=keep_logits, max_batch=1)[0]
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        prompts: Sequence,
+        max_new_tokens: int | Sequence[int] = 128,
+        *,
+        requests: Sequence[RequestInfo | None] | None = None,
+        max_batch: int | None = None,
+        arrivals: Sequence[float] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        keep_logits: bool = False,
+    ) -> list[GenerationResult]:
+        """Decode many prompts, up to ``max_batch`` rows at a time (default ``config.max_batch``) with continuous
+        batching: a finished row leaves the batch at once and the next waiting request takes its place. Each row
+        drafts its own block; the target verifies all rows in one pass; each row keeps its own accepted prefix, so
+        every row's output is what decoding it alone would give.
+
+        ``arrivals``: seconds after the call at which each request arrives (Poisson traces); a request is admitted
+        when it has arrived and a row is free, and its ``queued_s`` is the wait. Results come back in input order."""
+        B = self.config.max_batch if max_batch is None else max_batch
+        if not isinstance(B, int) or B < 1:
+            raise ValueError(f"max_batch must be an integer >= 1 (rows decoded together), got {B!r}")
+        if not len(prompts):
+            raise ValueError("generate_batch needs at least one prompt")
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        requests = [None] * len(prompts) if requests is None else list(requests)
+        arrivals = [0.0] * len(prompts) if arrivals is None else [float(a) for a in arrivals]
+        if not len(budgets) == len(requests) == len(arrivals) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need as many token budgets, requests and arrival times; got "
+                             f"{len(budgets)}, {len(requests)} and {len(arrivals)}")
+        if any(a < 0 for a in arrivals):
+            raise ValueError("arrival times are seconds after the call: they must be >= 0")
+        stops = self.stop_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids)
+        runs = [self._new_run(i, p, m, r, a, stops, keep_logits, B)
+                for i, (p, m, r, a) in enumerate(zip(prompts, budgets, requests, arrivals))]
+        waiting = sorted(runs, key=lambda r: r.arrival)[::-1]  # pop() takes the earliest
+        batch: list[Row] = []
+        cache: RaggedCache | None = None
+        t0 = self._now()
+        while waiting or batch:
+            while waiting and len(batch) < B and waiting[-1].arrival <= self._now() - t0:
+                run = waiting.pop()
+                run.queued_s = self._now() - t0 - run.arrival
+                row_cache = self._prefill(run)
+                if run.finish is None and len(run.out) < run.limit:
+                    if cache is None:
+                        cache = row_cache
+                    else:
+                        cache.join(row_cache)
+                    batch.append(run)
+                else:
+                    self._finish(run)
+            if not batch:
+                if waiting:
+                    self.clock.sleep(max(0.0, waiting[-1].arrival - (self._now() - t0)))
+                continue
+            for rec, run in zip(self._step(batch, cache, B), batch):
+                self._track_acceptance(run, rec)
+                run.policy.observe(rec)
+            live = [i for i, r in enumerate(batch) if r.finish is None and len(r.out) < r.limit]
+            for i, r in enumerate(batch):
+                if i not in live:
+                    self._finish(r)
+            if len(live) < len(batch):
+                batch = [batch[i] for i in live]
+                if batch:
+                    cache.select(live)
+                else:
+                    cache = None
+        return [r.result for r in runs]
+
+    def _new_run(self, index, input_ids, max_new_tokens, request, arrival, stops, keep_logits, B) -> Row:
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompt = self._prompt(input_ids)
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens} (request {index})")
+        prompt = self._prompt(input_ids, index)
         L = prompt.numel()
         request = replace(request or RequestInfo(), prompt_len=L, max_new_tokens=max_new_tokens,
                           drafters=tuple(self.drafters))
-        if request.seed is not None:
-            self.generator.manual_seed(request.seed)
+        if request.sampling is not None and not isinstance(request.sampling, SamplingConfig):
+            raise ValueError(f"request {index}: sampling must be a SamplingConfig (or None for the decoder's), got "
+                             f"{type(request.sampling).__name__}")
         limit = max_new_tokens if self.max_context is None else min(max_new_tokens, self.max_context - L)
-        run = _Run(
+        if B == 1:  # one row at a time: the decoder's own policy, drafters and generator, as they always were
+            policy, drafters, generator = self.policy, self.drafters, self.generator
+        else:  # per-row state: forks share weights and models, never caches
+            policy, drafters = self.policy.fork(), {n: d.fork() for n, d in self.drafters.items()}
+            generator = self.generator if request.seed is None else torch.Generator(device=self.device)
+        run = Row(
             buf=torch.empty(L + limit + self.config.k_max + 1, dtype=torch.long, device=self.device),
-            cache=DynamicCache(config=self.target.config),
-            stops=self.stop_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids),
-            limit=limit,
+            stops=stops, limit=limit, max_new_tokens=max_new_tokens,
             state=DecodeState(request, drafters=tuple(self.drafters)),
-            logits=[] if keep_logits else None,
+            logits=[] if keep_logits else None, policy=policy, drafters=drafters, generator=generator,
+            arrival=arrival, index=index, sampling=request.sampling or self.sampling,
         )
         run.buf[:L] = prompt
-        for d in self.drafters.values():
-            d.reset()
-        self.policy.reset(request)
+        run.n = L
+        return run
 
-        t_start = self._now()
-        prefill = self._forward(run.buf[:L], run.cache, 1)
-        first = select_token(prefill[-1], self.sampling, self.generator)
-        self._extend_features(run, L)
-        if keep_logits:
+    def _prefill(self, run: Row) -> RaggedCache:
+        """Admit a request: prefill its prompt alone, pick its first token. -> its one-row cache."""
+        request, L = run.state.request, run.n
+        if request.seed is not None:
+            run.generator.manual_seed(request.seed)
+        for d in run.drafters.values():
+            d.reset()
+        run.policy.reset(request)
+        run.t_start = self._now()
+        cache = DynamicCache(config=self.target.config)
+        with self.features:
+            prefill = self.target(input_ids=run.buf[:L].view(1, -1), **with_cache(self.target, cache),
+                                  use_cache=True, logits_to_keep=1).logits[0]
+        first = select_token(prefill[-1], run.sampling, run.generator)
+        self._extend_features(run, 0, L)
+        if run.logits is not None:
             run.logits.append(prefill[-1:])
         run.buf[L] = first
         run.out, run.n = [int(first)], L + 1
-        prefill_s = self._now() - t_start
+        run.prefill_s = self._now() - run.t_start
         if run.out[0] in run.stops:
             run.finish = "eos"
-        while run.finish is None and len(run.out) < limit:
-            rec = self._step(run)
-            self._track_acceptance(run, rec)
-            self.policy.observe(rec)
+        return RaggedCache(cache, L, self.device, self.config.compact_slack)
+
+    def _finish(self, run: Row) -> None:
         if run.finish is None:
-            run.finish = "length" if len(run.out) >= max_new_tokens else "context"
-        total_s = self._now() - t_start
-        logits = torch.cat(run.logits)[: len(run.out)] if keep_logits else None
-        return GenerationResult(run.out, run.records, L, prefill_s, total_s, run.finish, run.dropped, logits)
-
-    def _step(self, run: _Run) -> StepRecord:
-        """Decide, draft, verify in one target pass and commit the accepted tokens, record."""
-        decision, cooldown = self._decide(run)
-        t0 = self._now()
-        name, block = self._draft(run, decision)
-        t1 = self._now()
-        acc, new, stats = self._verify_and_commit(run, name, block)
-        return self._record(run, decision, name, block, acc, new, stats, cooldown, (t1 - t0, self._now() - t1))
-
-    def _decide(self, run: _Run) -> tuple[Decision, bool]:
-        """The policy's decision for this step (autoregressive while the decoder cools down)."""
-        state, n = run.state, run.n
-        state.context_len, state.generated, state.remaining, state.drafter = n, len(run.out), run.left, None
-        if run.cooldown > 0:
-            run.cooldown -= 1
-            return Decision.autoregressive(), True
-        if self.policy.uses_peeks:
-            state.peeks = {d: self.drafters[d].peek(run.buf[:n]) for d in state.drafters if self.drafters[d].peekable}
-        decision = self.policy.decide(state)
-        self._check_decision(decision)
-        return decision, False
-
-    def _draft(self, run: _Run, decision: Decision) -> tuple[str | None, DraftBlock]:
-        """(drafter used or None, its block); a drafter that raises is dropped for the request (output stays exact)."""
-        name = decision.drafter if decision.drafter in run.state.drafters else None
-        k = min(decision.k, run.left - 1) if name is not None else 0
-        if k <= 0:
-            return name, DraftBlock.empty(self.device)
-        run.state.drafter = name
-        try:
-            return name, self.drafters[name].propose(run.buf[: run.n], k, self.sampling, self.generator,
-                                                     stop_callback(self.policy, run.state))
-        except Exception as exc:
-            self._drop(run, name, exc)
-            return None, DraftBlock.empty(self.device)
-
-    def _verify_and_commit(self, run: _Run, name: str | None, block: DraftBlock):
-        """One target pass over [last committed token, block]; commit accepted + 1 tokens and roll the caches back.
-        -> (accepted, new tokens, [k, 6] record stats or None)."""
-        n, kb = run.n, block.k
-        logits = self._forward(torch.cat([run.buf[n - 1 : n], block.tokens]), run.cache, kb + 1)
-        if self.sampling.greedy:
-            n_acc, nxt, pq = *verify_greedy(logits, block.tokens), None
-        else:
-            p, q = probs_from_logits(logits, self.sampling), self._draft_probs(block, self.sampling)
-            n_acc, nxt, pq = *verify(p, q, block.tokens, self.generator), (p, q)
-        run.buf[n : n + kb] = block.tokens
-        run.buf[n + n_acc] = nxt  # device-side index: no sync before the write
-        stats = self._block_stats(block, logits, pq) if kb else None
-        head = torch.cat([n_acc.view(1), nxt.view(1), block.tokens]).tolist()  # the step's one host sync
-        acc = head[0]
-        if kb - acc:
-            run.cache.crop(-(kb - acc))
-        self._extend_features(run, acc + 1)
-        if name is not None:
-            try:
-                self.drafters[name].accept(acc)
-            except Exception as exc:
-                self._drop(run, name, exc)
-        new = head[2 : 2 + acc] + [head[1]]
-        for i, tok in enumerate(new):
-            if tok in run.stops:
-                new, run.finish = new[: i + 1], "eos"
-                break
-        new = new[: run.left]
-        if run.logits is not None:  # row i of the verify pass is the distribution of the step's i-th new token
-            run.logits.append(logits[: len(new)])
-        run.out.extend(new)
-        run.n += len(new)
-        return acc, new, stats
-
-    def _record(self, run: _Run, decision: Decision, name, block, acc, new, stats, cooldown, times) -> StepRecord:
-        rec = StepRecord(step=run.state.step, drafter=name, k=decision.k, drafted=block.k, accepted=acc,
-                         emitted=len(new), context_len=run.state.context_len, draft_s=times[0], verify_s=times[1],
-                         cooldown=cooldown)
-        if stats is not None:
-            rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = stats.t().tolist()
-        run.records.append(rec)
-        run.state.step += 1
-        run.state.last = rec
-        return rec
-
-    def _block_stats(self, block: DraftBlock, logits: torch.Tensor, pq) -> torch.Tensor:
-        """[k, 6] = draft (top1, entropy, margin) + (q(x), p(x), beta), on device. ``pq``: the processed (p, q)
-        verification used when sampling; None when greedy, where the records use temperature-1 distributions."""
-        k = block.k
-        p, q = (probs_from_logits(logits[:k], _T1), self._draft_probs(block, _T1)) if pq is None else pq
-        if block.logits is not None:
-            conf = draft_stats(block.logits)
-        elif block.confidence is not None:
-            conf = block.confidence.to(self.device, torch.float32)
-        else:
-            conf = torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(k, 3)
-        return torch.cat([conf, acceptance_stats(p, q, block.tokens)], dim=-1)
-
-    def _extend_features(self, run: _Run, m: int) -> None:
-        """Hand feature drafters the target's hidden states of the first m positions of the last pass: the ones that
-        are now committed (the prompt after prefill; the last token and the accepted drafts after a verify)."""
-        if not self.features.layers:
-            return
-        for name in run.state.drafters:
-            d = self.drafters[name]
-            if d.aux_layers:
-                try:
-                    d.extend_features(self.features.rows(d.aux_layers, m))
-                except Exception as exc:
-                    self._drop(run, name, exc)
-
-    def _drop(self, run: _Run, name: str, exc: Exception) -> None:
-        logger.warning("drafter %r raised %r; dropped for this request, decoding continues", name, exc)
-        run.dropped.append(name)
-        run.state.drafters = tuple(d for d in run.state.drafters if d != name)
-
-    def _track_acceptance(self, run: _Run, rec: StepRecord) -> None:
-        """Per-drafter EMA for policies (the ``accept_ema`` feature, weight fixed by the feature spec); the overall
-        EMA drives the cooldown (autoregressive steps)."""
-        if not rec.drafted or rec.drafter is None:
-            return
-        rate = rec.accepted / rec.drafted
-        run.state.accept_ema[rec.drafter] = next_accept_ema(run.state.accept_ema.get(rec.drafter), rate)
-        a = self.config.cooldown_ema
-        run.ema = rate if run.ema is None else a * rate + (1 - a) * run.ema
-        run.spec_steps += 1
-        floor = self.config.cooldown_floor
-        if floor is not None and run.spec_steps >= self.config.cooldown_min_steps and run.ema < floor:
-            logger.info("moving acceptance %.3f < floor %.3f: autoregressive for %d steps",
-                        run.ema, floor, self.config.cooldown_steps)
-            run.cooldown, run.ema, run.spec_steps = self.config.cooldown_steps, None, 0
-
-
-@dataclass
-class _Run:
-    """Mutable state of one request."""
-
-    buf: torch.Tensor  # [prompt + limit + k_max + 1] committed tokens, then scratch space for a block
-    cache: object  # the target's KV cache: always holds buf[:n - 1]
-    stops: frozenset
-    limit: int
-    state: DecodeState
-    n: int = 0  # committed tokens in buf
-    out: list = field(default_factory=list)
-    records: list = field(default_factory=list)
-    dropped: list = field(default_factory=list)
-    finish: str | None = None
-    ema: float | None = None
-    cooldown: int = 0
-    spec_steps: int = 0
-    logits: list | None = None  # keep_logits: the target's logits of each new token
-
-    @property
-    def left(self) -> int:
-        return self.limit - len(self.out)
+            run.finish = "length" if len(run.out) >= run.max_new_tokens else "context"
+        logits = torch.cat(run.logits)[: len(run.out)] if run.logits is not None else None
+        run.result = GenerationResult(run.out, run.records, run.state.request.prompt_len, run.prefill_s,
+                                      self._now() - run.t_start, run.finish, run.dropped, logits, run.queued_s)

@@ -16,6 +16,9 @@ from sacpolicy.decoding.types import DraftBlock, Drafter, TeacherForced
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
 
 
+_MAX_BATCHED_FEED = 8  # committed tokens a row may feed its draft in a batched proposal (more: it proposes alone)
+
+
 class ModelDrafter(Drafter):
     """Any causal LM sharing the target's tokenizer, drafting autoregressively with its own KV cache.
 
@@ -82,6 +85,64 @@ class ModelDrafter(Drafter):
         if not tokens:
             return DraftBlock.empty(context.device)
         return DraftBlock(torch.stack(tokens), torch.stack(logits))
+
+    @torch.inference_mode()
+    def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
+        """All rows' blocks with one forward of the draft per drafted token: the rows' caches are stacked into one
+        ragged cache (``RaggedCache``), each row leaves it (back to its own cache) when its block ends. A row whose
+        cache is empty or far behind its context (the request's first proposal) proposes alone first."""
+        from sacpolicy.decoding.ragged import RaggedCache
+
+        out: list[DraftBlock | None] = [None] * len(rows)
+        batched = []
+        for i, (d, c, k) in enumerate(zip(rows, contexts, ks)):
+            if d._pending:  # the previous proposal was never settled: drop its drafts
+                d.accept(0)
+            if k <= 0:
+                out[i] = DraftBlock.empty(c.device)
+            elif d._cache is None or d._valid == 0 or c.shape[0] - d._valid > _MAX_BATCHED_FEED or len(rows) == 1:
+                out[i] = d.propose(c, k, samplings[i], generators[i], stops[i])
+            else:
+                batched.append(i)
+        if not batched:
+            return out
+        device, dtype = contexts[batched[0]].device, next(self.model.parameters()).dtype
+        feeds = [contexts[i][rows[i]._valid :] for i in batched]
+        cache = RaggedCache.stack([rows[i]._cache for i in batched], [rows[i]._valid for i in batched], device,
+                                  self.model.config)
+        live = list(batched)  # rows still drafting, in cache order
+        tokens: dict[int, list] = {i: [] for i in batched}
+        logits: dict[int, list] = {i: [] for i in batched}
+        T = max(f.shape[0] for f in feeds)
+        ids = torch.stack([torch.cat([f, f[-1:].expand(T - f.shape[0])]) for f in feeds])
+        last = [f.shape[0] - 1 for f in feeds]
+        while live:
+            step = self.model(input_ids=ids, **with_cache(self.model, cache.cache), use_cache=True,
+                              logits_to_keep=T, **cache.inputs(T, dtype)).logits
+            cache.commit([j + 1 for j in last], T)  # row r fed last[r] + 1 tokens
+            done, nxt = [], []
+            for r, i in enumerate(live):
+                step_logits = self.full_logits(step[r, last[r]])
+                tok = select_token(step_logits, samplings[i], generators[i])
+                tokens[i].append(tok)
+                logits[i].append(step_logits)
+                n = len(tokens[i])
+                if n == ks[i] or (stops[i] is not None and stops[i](n - 1, draft_stats(step_logits))):
+                    done.append(r)
+                else:
+                    nxt.append(tok)
+            for r in done:  # the row's cache now holds its context and its drafts but the last
+                d = rows[live[r]]
+                d._cache, d._valid = cache.row_cache(r, self.model.config), contexts[live[r]].shape[0]
+                d._pending = len(tokens[live[r]]) - 1
+            keep = [r for r in range(len(live)) if r not in done]
+            live = [live[r] for r in keep]
+            if live:
+                cache.select(keep)
+                ids, T, last = torch.stack(nxt).view(-1, 1), 1, [0] * len(live)
+        for i in batched:
+            out[i] = DraftBlock(torch.stack(tokens[i]), torch.stack(logits[i]))
+        return out
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., head] -> [..., vocab_size] over the target's ids (-inf where a trimmed draft has no

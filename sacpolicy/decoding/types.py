@@ -11,6 +11,7 @@ New inputs go into these dataclasses, never into new method parameters.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -34,6 +35,8 @@ class RequestInfo:
     category: str | None = None
     load: float = 0.0  # serving load signal in [0, 1]; 0 = idle
     seed: int | None = None  # sampling seed of this request (None: the decoder's generator continues)
+    sampling: SamplingConfig | None = None  # this request's sampling settings (None: the decoder's); rows of one
+    # batch may differ, each is verified with its own
 
 
 @dataclass
@@ -52,6 +55,13 @@ class DecodeState:
     # before deciding, for policies that ask (``uses_peeks``): drafters that can tell cheaply what they would propose
     # (n-gram) -> its confidence (top-1, entropy, margin), or None when they would propose nothing
     peeks: dict[str, tuple[float, float, float] | None] = field(default_factory=dict)
+    batch_size: int = 1  # rows the decoder verifies together this step (live, not configured)
+    load: float | None = None  # live load in [0, 1] (rows / max_batch when decoding in batches); None: the request's
+
+    @property
+    def load_signal(self) -> float:
+        """The load policies and features read: live when the decoder measures it, else the request's."""
+        return self.request.load if self.load is None else self.load
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,7 @@ class StepRecord:
     draft_s: float
     verify_s: float
     cooldown: bool = False  # the decoder overrode the policy with an autoregressive step (low moving acceptance)
+    batch_size: int = 1  # rows verified in the same target pass (verify_s is that whole pass)
     top1: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
     margin: list[float] = field(default_factory=list)
@@ -117,6 +128,12 @@ class GenerationResult:
     finish_reason: str  # "eos" | "length" | "context"
     dropped_drafters: list[str] = field(default_factory=list)
     logits: object = None  # generate(keep_logits=True): the target's logits behind each new token, [new, V] tensor
+    queued_s: float = 0.0  # generate_batch: from the request's arrival to its admission into the batch
+
+    @property
+    def latency_s(self) -> float:
+        """Arrival to last token: time queued + prefill + decoding."""
+        return self.queued_s + self.total_s
 
     @property
     def target_calls(self) -> int:
@@ -209,10 +226,24 @@ class Drafter:
     def reset(self) -> None:
         """Forget all per-request state; called before each request."""
 
+    def fork(self) -> Drafter:
+        """A drafter for another row of a batch: shares weights and models, has its own per-request state. The
+        default (a shallow copy, then ``reset``) is right for drafters whose ``reset`` re-creates all of that state."""
+        clone = copy.copy(self)
+        clone.reset()
+        return clone
+
     def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None = None,
                 stop: StopFn | None = None) -> DraftBlock:
         """context [n]: committed tokens (prompt + output so far). Return at most k tokens."""
         raise NotImplementedError
+
+    def propose_batch(self, rows: list[Drafter], contexts: list[torch.Tensor], ks: list[int],
+                      samplings: list[SamplingConfig], generators: list, stops: list) -> list[DraftBlock]:
+        """Blocks for several rows of a batch at once: row i is ``rows[i].propose(contexts[i], ks[i], samplings[i],
+        generators[i], stops[i])`` (``rows``: this drafter's forks). The default proposes row after row; model
+        drafters run all rows through one forward per drafted token."""
+        return [d.propose(c, k, s, g, st) for d, c, k, s, g, st in zip(rows, contexts, ks, samplings, generators, stops)]
 
     def accept(self, n_accepted: int) -> None:
         """The target accepted the first n_accepted tokens of the last proposal."""
@@ -269,6 +300,17 @@ class Policy:
 
     def decide(self, state: DecodeState) -> Decision:
         raise NotImplementedError
+
+    def fork(self) -> Policy:
+        """This policy for one row of a batch (``reset`` per request follows). The default shallow copy shares
+        fitted models and configuration; per-request state is re-created by ``reset`` and ``decide``."""
+        return copy.copy(self)
+
+    def decide_batch(self, policies: list[Policy], states: list[DecodeState]) -> list[Decision]:
+        """Decisions for the rows of a batch, row i by ``policies[i]`` (this policy's forks) on ``states[i]``. The
+        default decides row by row; a policy that plans for the whole batch (the learned rule: tokens/s of the batch
+        at its live size) overrides it. With one row it must equal ``decide``."""
+        return [p.decide(s) for p, s in zip(policies, states)]
 
     def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
         """Called after each drafted token when ``needs_token_feedback``; True ends the block after this token."""

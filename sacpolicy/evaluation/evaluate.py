@@ -54,17 +54,33 @@ class EvalSettings:
 
 
 class Timed(Policy):
-    """Forwards to a policy and adds up the seconds spent in it (the policy's own overhead)."""
+    """Forwards to a policy and adds up the seconds spent in it (the policy's own overhead); the forks a batched
+    decoder makes for its rows add to the same total."""
 
-    def __init__(self, inner: Policy):
-        self.inner, self.name, self.seconds = inner, inner.name, 0.0
+    def __init__(self, inner: Policy, _clock: list[float] | None = None):
+        self.inner, self.name = inner, inner.name
         self.needs_token_feedback, self.uses_peeks = inner.needs_token_feedback, inner.uses_peeks
+        self._clock = [0.0] if _clock is None else _clock
+
+    @property
+    def seconds(self) -> float:
+        return self._clock[0]
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._clock[0] = value
 
     def _call(self, fn, *args):
         t0 = time.perf_counter()
         out = fn(*args)
-        self.seconds += time.perf_counter() - t0
+        self._clock[0] += time.perf_counter() - t0
         return out
+
+    def fork(self) -> Timed:
+        return Timed(self.inner.fork(), self._clock)
+
+    def decide_batch(self, policies, states):
+        return self._call(self.inner.decide_batch, [p.inner for p in policies], states)
 
     def validate(self, drafters, k_max):
         self.inner.validate(drafters, k_max)
@@ -147,6 +163,8 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
         chosen = {"best_static": best_static, "confidence_threshold": None}  # nothing to tune the threshold on
         skipped = ("No simulated rows (nor ceilings): these traces were recorded with sampling (temperature > 0), "
                    "which the simulator cannot replay exactly; collect greedy traces (sampling.temperature=0) for them.")
+    load = [] if skipped else load_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab,
+                                        config=decoder_config)
     n_live = len(test_prompts) if settings.live_prompts is None else min(settings.live_prompts, len(test_prompts))
     if n_live:
         rows += live_rows(settings, chosen, cost, rules, target, drafters, test_prompts[:n_live], sampling=sampling,
@@ -160,6 +178,8 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
             "price_per_hour": settings.price_per_hour, "bootstrap_resamples": settings.resamples, **chosen,
             **targets(rows, list(rules)), **({"simulated_skipped": skipped} if skipped else {}),
             **({"in_sample_skipped": no_ceiling} if no_ceiling else {}), **settings.extra}
+    if load:
+        meta["load"] = load
     return rows, meta
 
 
@@ -216,6 +236,52 @@ def live_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, target, d
     return [row_from_results(name, "live", results[name], price_per_hour=settings.price_per_hour,
                              policy_s=dec.policy.seconds, extra={"fallbacks": getattr(dec.policy.inner, "fallbacks", 0)})
             for name, dec in decoders.items()]
+
+
+LOAD_POLICIES = ("ar", "best-static", "heuristic", "seed-rule")  # + static-k<N> and the learned rules
+LOAD_RATES = (0.25, 0.5, 1.0)  # Poisson arrival rates, as fractions of AR's request throughput at the largest batch
+
+
+def load_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test_grouped: dict, *, vocab_size: int,
+              config=None, seed: int = 0) -> list[dict]:
+    """Every policy under load, replayed over the test traces by the batched decoder (``simulate_batch``): at each
+    batch size the cost model was profiled at, then with Poisson arrivals at ``LOAD_RATES`` of AR's throughput at the
+    largest. Empty when the cost model has no batch curves (``collect.profile.batch_sizes``) or the traces were
+    sampled. Ratios: against AR and against the best static k of the same load (k = 0 included)."""
+    import numpy as np
+
+    from sacpolicy.traces.simulate import simulate_batch
+
+    if not cost.batch or not test_grouped or any(p.get("temperature", 0.0) > 0 for p in test_grouped.values()):
+        return []
+    make = policy_factories(settings, chosen, cost, rules, live=False)
+    names = [n for n in make if n in LOAD_POLICIES or n.startswith(("static-k", "learned-"))]
+    top = max(cost.batch_sizes)
+
+    def row(load, name, res):
+        return {"load": load, "policy": name, "tokens_per_s": res.tokens_per_s,
+                "tokens_per_call": res.tokens / res.target_calls, "p50_s": res.latency_percentile(50),
+                "p90_s": res.latency_percentile(90), "p99_s": res.latency_percentile(99)}
+
+    def run(name, B, arrivals=None):
+        return simulate_batch(make[name](), test_grouped, cost, vocab_size=vocab_size, max_batch=B,
+                              arrivals=arrivals, config=config, load_batch=top)
+
+    rows = [row(f"B={B}", n, run(n, B)) for B in cost.batch_sizes for n in names]
+    ar_top = next(r for r in rows if r["load"] == f"B={top}" and r["policy"] == "ar")
+    per_request = ar_top["tokens_per_s"] / (sum(len(p["drafters"][next(iter(p["drafters"]))]["target_token"])
+                                                 for p in test_grouped.values()) / len(test_grouped))
+    gaps = np.random.default_rng(seed).exponential(1.0, len(test_grouped))
+    for frac in LOAD_RATES:
+        arrivals = (np.cumsum(gaps) / (frac * per_request)).tolist()
+        rows += [row(f"poisson {frac:g}x", n, run(n, top, arrivals)) for n in names]
+    for load in dict.fromkeys(r["load"] for r in rows):
+        group = [r for r in rows if r["load"] == load]
+        ar = next(r for r in group if r["policy"] == "ar")["tokens_per_s"]
+        best = max(r["tokens_per_s"] for r in group if r["policy"] == "ar" or r["policy"].startswith("static-k"))
+        for r in group:
+            r["vs_ar"], r["vs_best_static"] = r["tokens_per_s"] / ar, r["tokens_per_s"] / best
+    return rows
 
 
 def targets(rows: list[dict], predictors: list[str]) -> dict:

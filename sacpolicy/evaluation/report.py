@@ -71,9 +71,17 @@ def write_report(out_dir, eval: dict, *, command: str, sections: dict[str, str] 
     return md, js
 
 
+def load_table(rows: list[dict]) -> str:
+    out = ["| load | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    out += [f"| {r['load']} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {r['vs_best_static']:.2f}x "
+            f"| {r['p50_s']:.2f} | {r['p90_s']:.2f} | {r['p99_s']:.2f} | {r['tokens_per_call']:.2f} |" for r in rows]
+    return "\n".join(out)
+
+
 def _eval_markdown(eval: dict) -> str:
     meta, rows = eval.get("meta", {}), eval["rows"]
-    setup = "\n".join(f"- {k}: {v}" for k, v in meta.items())
+    setup = "\n".join(f"- {k}: {v}" for k, v in meta.items() if k != "load")
     notes = [meta["simulated_skipped"]] if meta.get("simulated_skipped") else []
     notes.append("Ratios compare tokens/s with the row of the same mode; [a, b]: 95% paired bootstrap interval over "
                  f"prompts ({meta.get('bootstrap_resamples', 2000)} resamples); no interval under {MIN_PROMPTS} "
@@ -86,6 +94,10 @@ def _eval_markdown(eval: dict) -> str:
     if ceilings:
         parts.append(f"## Ceilings (simulated on the test traces)\n\n{ceilings}")
     parts.append(f"## Speedup vs AR by category\n\n{category_table(rows)}")
+    if meta.get("load"):
+        parts.append("## Under load (simulated: the test traces replayed by the batched decoder, cost model at each "
+                     f"batch size; Poisson rates are fractions of AR's throughput at the largest batch)\n\n"
+                     f"{load_table(meta['load'])}")
     if any("speedup_vs_best_static" in r for r in rows):
         parts.append(f"## Speedup vs best static by category\n\n{category_table(rows, 'speedup_vs_best_static')}")
     return "\n\n".join(parts)

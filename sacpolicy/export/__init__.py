@@ -81,6 +81,29 @@ def _reference_best(rule: DecisionRule, drafter: str, context_len: int = REFEREN
     return rule.cost.best_k(drafter, context_len, rule.predictor.predict(rows).tolist(), rule.k_max)
 
 
+def k_by_batch(rule: DecisionRule, drafter: str, max_batch: int | None = None,
+               context_len: int = REFERENCE_CONTEXT) -> list[tuple[int, int, int]] | None:
+    """The learned k-by-load map: for every batch size 1..``max_batch`` (default: the largest the cost model was
+    profiled at), the one k for all rows (``CostModel.best_batch_k``, shared k) at the acceptance the predictor expects
+    at the reference state, as vLLM's ``num_speculative_tokens_per_batch_size`` schedule: inclusive ranges
+    ``[(first B, last B, k), ...]`` (k = 0: do not speculate at those sizes). None when the cost model was profiled
+    at batch size 1 only."""
+    if not rule.cost.batch:
+        return None
+    top = max_batch or max(rule.cost.batch_sizes)
+    rows = np.array([reference_row(rule, drafter, j, context_len) for j in range(rule.k_max)])
+    probs = rule.predictor.predict(rows).tolist()
+    ks = [rule.cost.best_batch_k([(drafter, context_len, probs)] * b, rule.k_max, per_row=False)[0][0]
+          for b in range(1, top + 1)]
+    schedule: list[tuple[int, int, int]] = []
+    for b, k in enumerate(ks, start=1):
+        if schedule and schedule[-1][2] == k:
+            schedule[-1] = (schedule[-1][0], b, k)
+        else:
+            schedule.append((b, b, k))
+    return schedule
+
+
 def confidence_threshold(rule: DecisionRule, drafter: str, context_len: int = REFERENCE_CONTEXT) -> float:
     """The draft top-1 probability below which a static decoder should stop drafting: the smallest t on a 0.01 grid
     from which on (every larger t too) the stop rule keeps drafting after the block's first token at the reference

@@ -28,7 +28,7 @@ import torch
 
 from sacpolicy.decoding import DecodeState, NgramDrafter, RequestInfo, SamplingConfig
 from sacpolicy.decoding.decoder import stop_callback
-from sacpolicy.export import pick_drafter, static_k
+from sacpolicy.export import k_by_batch, pick_drafter, static_k
 from sacpolicy.io import write_json, write_text
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
@@ -55,9 +55,15 @@ def speculative_config(artifact, draft_dir=None, *, drafter: str | None = None) 
                        "(consider serving without speculative decoding)", art.path, name)
         k = 1
     if spec.kind == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.max_ngram,
-                "prompt_lookup_min": spec.min_ngram}
-    return {"method": "draft_model", "model": str(draft_dir or spec.path), "num_speculative_tokens": k}
+        out = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.max_ngram,
+               "prompt_lookup_min": spec.min_ngram}
+    else:
+        out = {"method": "draft_model", "model": str(draft_dir or spec.path), "num_speculative_tokens": k}
+    schedule = k_by_batch(art.rule, name)
+    if schedule is not None:  # the learned k-by-load map (cost model profiled over batch sizes)
+        out["num_speculative_tokens"] = max(1, *(k for *_, k in schedule))
+        out["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
+    return out
 
 
 def write_vllm_config(artifact, out_path, draft_dir=None) -> Path:
@@ -94,7 +100,8 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
 
     - ``speculative_config.json``: the learned rule (``learned_config``) when the drafter is an n-gram one, else the
       static setting (``speculative_config``: a model drafter as ``draft_model``);
-    - ``static_speculative_config.json``: the rule's static setting;
+    - ``static_speculative_config.json``: the rule's static setting, with the learned k-by-batch-size map
+      (``num_speculative_tokens_per_batch_size``) when the policy's cost model was profiled over batch sizes;
     - ``policy/`` (a verified copy of the artifact) and ``vllm.env`` (``SACPOLICY_POLICY_DIR`` and the drafter it
       runs, ``SACPOLICY_POLICY_DRAFTER``) for the custom proposer::
 

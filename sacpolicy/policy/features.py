@@ -26,6 +26,9 @@ __all__ = ["CATEGORIES", "FEATURE_NAMES", "FEATURE_VERSION", "category_index", "
 
 
 def row_context(state: DecodeState, drafter: str | None) -> RowContext:
+    """The ``load`` feature is the request's signal, not the live batch size: acceptance does not depend on how many
+    rows share the target pass, the cost of the pass does, and the learned rule reads that from the cost model at the
+    live batch size (``DecodeState.batch_size``)."""
     drafters = state.request.drafters
     return RowContext(context_len=state.context_len, drafter_index=drafters.index(drafter) if drafter in drafters else -1,
                       accept_ema=state.accept_ema.get(drafter) if drafter is not None else None,

@@ -20,12 +20,14 @@ from sacpolicy.runtime.rule import Block, DecisionRule
 
 class LearnedPolicy(Policy):
     """``select="step"`` picks the drafter every step; ``"request"`` keeps the first step's choice for the request.
+    In a batch, ``per_row=False`` drafts the same k in every row that drafts (``True``: rows may draft less than the
+    longest block when their tokens do not pay for their draft time).
     (``sacpolicy.evaluation.evaluate.Timed`` measures the seconds it costs, as for any policy.)"""
 
-    def __init__(self, rule: DecisionRule, name: str = "learned", select: str = "step"):
+    def __init__(self, rule: DecisionRule, name: str = "learned", select: str = "step", per_row: bool = True):
         if select not in ("step", "request"):
             raise ValueError(f"select must be 'step' or 'request', got {select!r}")
-        self.rule, self.name, self.select = rule, name, select
+        self.rule, self.name, self.select, self.per_row = rule, name, select, per_row
         self.needs_token_feedback = rule.mode == "stop"
         self.uses_peeks = True  # an n-gram drafter's match length is known before drafting
         self.block: Block | None = None
@@ -46,18 +48,29 @@ class LearnedPolicy(Policy):
         self.block, self.prev_top1 = None, None
 
     def decide(self, state: DecodeState) -> Decision:
-        k_cap = min(self.rule.k_max, state.remaining - 1)
-        names = state.drafters if self.request_drafter is None else (self.request_drafter,)
-        # a drafter that peeked and found nothing to propose is no option this step
-        names = tuple(n for n in names if n in state.drafters and not (n in state.peeks and state.peeks[n] is None))
-        rows = {n: np.array([token_features(state, None, None, drafter=n, position=j) for j in range(k_cap)])
-                for n in names} if k_cap > 0 else {}
-        name, k = self.rule.plan(rows, state.context_len, k_cap)
-        if self.select == "request" and name is not None:
-            self.request_drafter = name
-        self.block = Block(name, state.context_len, k) if name is not None else None
-        self.prev_top1 = None
-        return Decision(name, k) if name is not None else Decision.autoregressive()
+        return self.decide_batch([self], [state])[0]
+
+    def decide_batch(self, policies: list[LearnedPolicy], states: list[DecodeState]) -> list[Decision]:
+        """One plan for the rows of a batch (``DecisionRule.plan_batch``: the batch's expected tokens/s at its live
+        size, rows' k may differ); row i's block state goes to ``policies[i]``, this policy's fork for that row."""
+        rows, caps = [], []
+        for p, state in zip(policies, states):
+            k_cap = min(self.rule.k_max, state.remaining - 1)
+            names = state.drafters if p.request_drafter is None else (p.request_drafter,)
+            # a drafter that peeked and found nothing to propose is no option this step
+            names = tuple(n for n in names if n in state.drafters and not (n in state.peeks and state.peeks[n] is None))
+            rows.append({n: np.array([token_features(state, None, None, drafter=n, position=j) for j in range(k_cap)])
+                         for n in names} if k_cap > 0 else {})
+            caps.append(k_cap)
+        plans = self.rule.plan_batch(rows, [s.context_len for s in states], caps, per_row=self.per_row)
+        out = []
+        for p, state, (name, k) in zip(policies, states, plans):
+            if p.select == "request" and name is not None:
+                p.request_drafter = name
+            p.block = Block(name, state.context_len, k, batch=state.batch_size) if name is not None else None
+            p.prev_top1 = None
+            out.append(Decision(name, k) if name is not None else Decision.autoregressive())
+        return out
 
     def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
         row = token_features(state, token, self.prev_top1)

@@ -110,7 +110,8 @@ class SeedRule(_OneDrafter):
     """The seed article's rule: short prompts speculate more, long prompts less, and load scales it down.
 
     k interpolates log-linearly from ``k_short`` (prompts of <= ``short_len`` tokens) to ``k_long`` (>= ``long_len``),
-    then is multiplied by (1 - load_weight * load) and rounded; the load signal comes with the request in [0, 1].
+    then is multiplied by (1 - load_weight * load) and rounded. The load is live when the decoder decodes in batches
+    (rows / ``decoder.max_batch``, every step), else the request's signal in [0, 1].
     """
 
     def __init__(self, k_short: int = 6, k_long: int = 2, short_len: int = 64, long_len: int = 1024,
@@ -123,7 +124,6 @@ class SeedRule(_OneDrafter):
         self.k_short, self.k_long, self.short_len, self.long_len = k_short, k_long, short_len, long_len
         self.load_weight = load_weight
         self.name = "seed-rule"
-        self._k = k_short
 
     def validate(self, drafters, k_max):
         super().validate(drafters, k_max)
@@ -137,11 +137,8 @@ class SeedRule(_OneDrafter):
         base = self.k_short + t * (self.k_long - self.k_short)
         return max(0, round(base * (1.0 - self.load_weight * load)))
 
-    def reset(self, request: RequestInfo) -> None:
-        self._k = self.k_for(request.prompt_len, request.load)
-
     def decide(self, state: DecodeState) -> Decision:
-        return self._pick(state, self._k)
+        return self._pick(state, self.k_for(state.request.prompt_len, state.load_signal))
 
 
 class Bandit(Policy):

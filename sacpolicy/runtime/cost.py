@@ -12,6 +12,10 @@ Model of a step drafting k tokens on top of `context` committed tokens:
     draft  = k * d(context + (k - 1) / 2)   model drafters: one forward per drafted token
     draft  = d(context)                     n-gram (and other model-free) drafters: one lookup per proposal
 
+Batches: a target pass verifying B rows of k + 1 tokens each costs a_B(k + 1) + b_B * context (context: the rows'
+mean), profiled at a few batch sizes (``batch``) and interpolated linearly in B between them; each row drafts its own
+block, so a batch's draft time is the sum of its rows'. A model profiled at B = 1 only refuses a larger B.
+
 A profiled curve keeps each knot's 95% interval (``lo``, ``hi``) beside its value; ``profiling`` makes the verify curve
 non-decreasing in tokens fed unless the intervals show a decrease beyond noise. Files without intervals still load.
 """
@@ -29,7 +33,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-COST_FORMAT = 1  # intervals (lo, hi) are optional fields of a curve: older files of this format load unchanged
+COST_FORMAT = 1  # intervals (lo, hi) and per-batch-size curves (batch) are optional: older files load unchanged
 # Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
 # finite and positive.
 _MIN_S = 1e-7
@@ -100,16 +104,45 @@ class CostModel:
     draft: dict[str, PiecewiseLinear]  # drafter -> seconds of one draft step (or one proposal) vs context length
     per_token_draft: dict[str, bool]  # True: cost per drafted token (model drafters); False: per proposal (n-gram)
     meta: dict = field(default_factory=dict)  # torch version, device name, dtype, when profiled, target
+    # batch size B > 1 -> its verify curves ({"tokens", "per_context"}, as ``verify``); B = 1 is ``verify``
+    batch: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if set(self.verify) != {"tokens", "per_context"}:
-            raise ValueError(f"verify must have keys 'tokens' and 'per_context', got {sorted(self.verify)}")
+        for b, curves in [(1, self.verify), *self.batch.items()]:
+            if set(curves) != {"tokens", "per_context"}:
+                raise ValueError(f"verify curves (batch {b}) must have keys 'tokens' and 'per_context', "
+                                 f"got {sorted(curves)}")
+        self.batch = {int(b): v for b, v in sorted(self.batch.items(), key=lambda kv: int(kv[0]))}
+        if any(b < 2 for b in self.batch):
+            raise ValueError(f"batch verify curves are for batch sizes >= 2 (B = 1 is `verify`), got {list(self.batch)}")
         if set(self.draft) != set(self.per_token_draft):
             raise ValueError(f"draft curves {sorted(self.draft)} and per_token_draft {sorted(self.per_token_draft)} "
                              "must name the same drafters")
 
-    def verify_time(self, k: int, context_len: int) -> float:
-        return max(_MIN_S, self.verify["tokens"](k + 1) + self.verify["per_context"] * context_len)
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes this model was profiled at."""
+        return [1, *self.batch]
+
+    def verify_time(self, k: int, context_len: float, batch: int = 1) -> float:
+        """Seconds of one target pass verifying ``batch`` rows of k drafted tokens (+ the last committed one) each."""
+        if batch == 1:
+            return self._verify(self.verify, k, context_len)
+        if batch < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch}")
+        if not self.batch:
+            raise ValueError(f"this cost model was profiled at batch size 1 only and cannot time a batch of {batch}. "
+                             "Fix: re-profile with sacpolicy.profiling.profile(..., batch_sizes=[1, 2, 4, 8, 16])")
+        sizes = self.batch_sizes
+        i = min(max(bisect.bisect_right(sizes, batch) - 1, 0), len(sizes) - 2)  # outer segment extends beyond
+        lo, hi = sizes[i], sizes[i + 1]
+        t_lo = self._verify(self.verify if lo == 1 else self.batch[lo], k, context_len)
+        t_hi = self._verify(self.batch[hi], k, context_len)
+        return max(_MIN_S, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
+
+    @staticmethod
+    def _verify(curves: dict, k: int, context_len: float) -> float:
+        return max(_MIN_S, curves["tokens"](k + 1) + curves["per_context"] * context_len)
 
     def draft_time(self, drafter: str | None, k: int, context_len: int) -> float:
         if drafter is None or k <= 0:
@@ -122,8 +155,9 @@ class CostModel:
         # draft step i runs on context_len + i cached tokens; the curve is near-linear, so use the block's middle
         return k * max(_MIN_S, self.draft[drafter](context_len + (k - 1) / 2))
 
-    def step_time(self, drafter: str | None, k: int, context_len: int) -> float:
-        return self.draft_time(drafter, k, context_len) + self.verify_time(k, context_len)
+    def step_time(self, drafter: str | None, k: int, context_len: int, batch: int = 1) -> float:
+        """One row's draft plus the target pass (of ``batch`` rows of k + 1 tokens)."""
+        return self.draft_time(drafter, k, context_len) + self.verify_time(k, context_len, batch)
 
     @staticmethod
     def expected_tokens(accept_probs: Sequence[float]) -> float:
@@ -138,33 +172,70 @@ class CostModel:
         return total
 
     def expected_tokens_per_s(self, drafter: str | None, k: int, context_len: int,
-                              accept_probs: Sequence[float]) -> float:
+                              accept_probs: Sequence[float], batch: int = 1) -> float:
+        """One row's expected tokens per second of a step (the step's target pass verifying ``batch`` rows)."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         if drafter is None or k == 0:
-            return 1.0 / self.verify_time(0, context_len)
+            return 1.0 / self.verify_time(0, context_len, batch)
         if len(accept_probs) < k:
             raise ValueError(f"k={k} drafted tokens need {k} acceptance probabilities, got {len(accept_probs)}; "
                              "pass one per position up to k_max")
-        return self.expected_tokens(accept_probs[:k]) / self.step_time(drafter, k, context_len)
+        return self.expected_tokens(accept_probs[:k]) / self.step_time(drafter, k, context_len, batch)
 
     def best_k(self, drafter: str | None, context_len: int, accept_probs: Sequence[float],
-               k_max: int) -> tuple[int, float]:
+               k_max: int, batch: int = 1) -> tuple[int, float]:
         """(k, expected tokens/s) maximising tokens/s over k in 0..k_max; ties go to the smaller k."""
-        best = (0, self.expected_tokens_per_s(None, 0, context_len, ()))
+        best = (0, self.expected_tokens_per_s(None, 0, context_len, (), batch))
         for k in range(1, k_max + 1 if drafter is not None else 1):
-            tps = self.expected_tokens_per_s(drafter, k, context_len, accept_probs)
+            tps = self.expected_tokens_per_s(drafter, k, context_len, accept_probs, batch)
             if tps > best[1]:
                 best = (k, tps)
         return best
 
+    def best_batch_k(self, rows: Sequence[tuple[str | None, float, Sequence[float]]], k_max: int,
+                     per_row: bool = True) -> tuple[list[int], float]:
+        """k for every row of a batch maximising the batch's expected tokens/s. rows: (drafter or None, context
+        length, acceptance probabilities of positions 0..cap-1: the row drafts at most cap tokens).
+
+        The target pass costs what its longest block costs, so the search is over that length K (0..k_max): every
+        row drafts up to K. With ``per_row``, each row then keeps only the tokens that pay for their own draft time
+        at the batch's rate (max over k <= K of E_i(k) - rate * draft_i(k)): a row whose drafter is slow or unlikely
+        to be accepted drafts less, or nothing. Ties go to the smaller K. One row: ``best_k``."""
+        B = len(rows)
+        if B == 0:
+            raise ValueError("best_batch_k needs at least one row")
+        ctx = sum(c for _, c, _ in rows) / B
+
+        def rate(ks: list[int]) -> float:
+            tokens = sum(self.expected_tokens(a[:k]) for (_, _, a), k in zip(rows, ks))
+            seconds = self.verify_time(max(ks), ctx, B) + sum(self.draft_time(d, k, c)
+                                                             for (d, c, _), k in zip(rows, ks))
+            return tokens / seconds
+
+        best = ([0] * B, rate([0] * B))
+        for K in range(1, k_max + 1):
+            ks = [min(K, len(a)) if d is not None else 0 for d, _, a in rows]
+            if max(ks) < K:
+                break  # no row can draft K tokens: larger K is the same batch
+            tps = rate(ks)
+            if per_row and B > 1:
+                ks = [max(range(k + 1), key=lambda j, d=d, c=c, a=a: self.expected_tokens(a[:j])
+                          - tps * self.draft_time(d, j, c)) for (d, c, a), k in zip(rows, ks)]
+                tps = rate(ks)
+            if tps > best[1]:
+                best = (ks, tps)
+        return best
+
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
-        return {"format": COST_FORMAT, "device": self.device,
-                "verify": {"tokens": self.verify["tokens"].to_dict(),
-                           "per_context": float(self.verify["per_context"])},
-                "draft": {name: curve.to_dict() for name, curve in self.draft.items()},
-                "per_token_draft": dict(self.per_token_draft), "meta": dict(self.meta)}
+        def curves(v):
+            return {"tokens": v["tokens"].to_dict(), "per_context": float(v["per_context"])}
+
+        d = {"format": COST_FORMAT, "device": self.device, "verify": curves(self.verify),
+             "draft": {name: curve.to_dict() for name, curve in self.draft.items()},
+             "per_token_draft": dict(self.per_token_draft), "meta": dict(self.meta)}
+        return {**d, "batch": {str(b): curves(v) for b, v in self.batch.items()}} if self.batch else d
 
     @classmethod
     def from_dict(cls, d: Mapping, source: str = "cost model") -> CostModel:
@@ -178,10 +249,12 @@ class CostModel:
             logger.warning("%s: the verify cost falls from %s to %s tokens fed with no interval to show it is beyond "
                            "noise, which lets the simulator favour drafting that gains nothing. Fix: re-profile with "
                            "sacpolicy.profiling.profile (repeats >= 5)", source, *drops[0])
+        batch = {int(b): {"tokens": PiecewiseLinear(**v["tokens"]), "per_context": float(v["per_context"])}
+                 for b, v in d.get("batch", {}).items()}
         return cls(device=d["device"], verify={"tokens": tokens, "per_context": float(d["verify"]["per_context"])},
                    draft={name: PiecewiseLinear(**curve) for name, curve in d["draft"].items()},
                    per_token_draft={name: bool(v) for name, v in d["per_token_draft"].items()},
-                   meta=dict(d.get("meta", {})))
+                   meta=dict(d.get("meta", {})), batch=batch)
 
     def to_json(self, path) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a file."""

@@ -45,6 +45,7 @@ class Block:
     n: int = 0  # tokens drafted so far
     survive: float = 1.0  # P(all n accepted)
     expected: float = 1.0  # expected tokens emitted if the block ended now (accepted + the target's own token)
+    batch: int = 1  # rows in the target pass that will verify the block
 
 
 def _finite(rows: np.ndarray) -> bool:
@@ -96,25 +97,47 @@ class DecisionRule:
     def plan(self, rows: dict[str, np.ndarray], context_len: int, k_cap: int | None = None) -> tuple[str | None, int]:
         """rows: {drafter: [k_cap, F] feature rows of positions 0..k_cap-1, confidence unknown} -> (drafter, k).
         (None, 0) = decode one token autoregressively."""
-        k_cap = min(self.k_max, k_cap or self.k_max)
-        if k_cap < 1 or not rows:
-            return None, 0
-        names = list(rows)
-        X = np.concatenate([rows[n][:k_cap] for n in names])
-        if not _finite(X):
-            self.fallbacks += 1
-            name, k = self.fallback
-            return (name, min(k, k_cap)) if name in rows else (None, 0)
-        probs = self.predictor.predict(X).reshape(len(names), k_cap)
-        best = (self.cost.expected_tokens_per_s(None, 0, context_len, ()), None, 0)
-        for name, a in zip(names, probs):
-            k, tps = self.cost.best_k(name, context_len, a.tolist(), k_cap)
-            if k > 0 and tps > best[0]:
-                best = (tps, name, k)
-        _, name, k = best
-        if name is not None and self.mode == "stop":
-            k = k_cap  # the stop rule decides where the block ends
-        return name, k
+        return self.plan_batch([rows], [context_len], [k_cap])[0]
+
+    def plan_batch(self, rows: list[dict[str, np.ndarray]], context_lens: list[int], k_caps: list[int | None],
+                   per_row: bool = True) -> list[tuple[str | None, int]]:
+        """``plan`` for the rows of a batch verified in one target pass: each row's drafter is the one with the best
+        expected tokens/s for that row at this batch size (at its best k >= 1); then k, 0 included, maximises the whole batch's expected tokens/s
+        (``CostModel.best_batch_k``; ``per_row``: rows may draft less than the longest block). One predictor call
+        for the whole batch."""
+        B = len(rows)
+        caps = [min(self.k_max, c or self.k_max) for c in k_caps]
+        blocks, out = [], [(None, 0)] * B
+        for i, (r, cap) in enumerate(zip(rows, caps)):
+            if cap < 1 or not r:
+                continue
+            X = np.concatenate([r[n][:cap] for n in r])
+            if not _finite(X):
+                self.fallbacks += 1
+                name, k = self.fallback
+                out[i] = (name, min(k, cap)) if name in r else (None, 0)
+                continue
+            blocks.append((i, list(r), cap, X))
+        if blocks:
+            probs = self.predictor.predict(np.concatenate([X for *_, X in blocks]))
+            chosen, at = {}, 0
+            for i, names, cap, X in blocks:
+                p = probs[at : at + X.shape[0]].reshape(len(names), cap)
+                at += X.shape[0]
+                best = (-1.0, None, [])  # the row's drafter: best at its best k >= 1 (AR is weighed for the batch)
+                for name, a in zip(names, p):
+                    tps = max(self.cost.expected_tokens_per_s(name, k, context_lens[i], a, B) for k in range(1, cap + 1))
+                    if tps > best[0]:
+                        best = (tps, name, a.tolist())
+                chosen[i] = best[1:]
+            # a row on the fallback keeps its k; it counts in the pass, with no acceptance assumed
+            batch_rows = [(chosen[i][0], context_lens[i], chosen[i][1]) if i in chosen
+                          else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(B)]
+            ks, _ = self.cost.best_batch_k(batch_rows, max(caps), per_row=per_row)
+            for i, (name, _) in chosen.items():
+                if name is not None and ks[i] > 0:  # the stop rule decides where a block ends
+                    out[i] = (name, caps[i] if self.mode == "stop" else ks[i])
+        return out
 
     # ------------------------------------------------------------------ stop
     def stop(self, block: Block, row: np.ndarray, next_row: np.ndarray) -> bool:
@@ -130,9 +153,9 @@ class DecisionRule:
         block.expected += block.survive
         if block.n >= block.k:
             return True
-        now = block.expected / self.cost.step_time(block.drafter, block.n, block.context_len)
+        now = block.expected / self.cost.step_time(block.drafter, block.n, block.context_len, block.batch)
         more = (block.expected + self.optimism * block.survive * a_next) / self.cost.step_time(
-            block.drafter, block.n + 1, block.context_len)
+            block.drafter, block.n + 1, block.context_len, block.batch)
         return not more > now
 
     # ------------------------------------------------------------------ files

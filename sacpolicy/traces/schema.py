@@ -21,7 +21,7 @@ from sacpolicy.io import write_json
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3  # 3: live rows say "cooldown" (was "fallback"); 2: teacher-forced rows say whether the drafter's block is one proposal (``proposal``)
+SCHEMA_VERSION = 4  # 4: live rows carry the step's batch_size; 3: live rows say "cooldown" (was "fallback"); 2: teacher-forced rows say whether the drafter's block is one proposal (``proposal``)
 META_FILE = "meta.json"
 KINDS = ("live", "teacher_forced")
 
@@ -33,6 +33,7 @@ SCHEMAS = {
         ("accepted", pa.int32()), ("emitted", pa.int32()), ("context_len", pa.int32()), ("draft_s", pa.float64()),
         ("verify_s", pa.float64()), ("cooldown", pa.bool_()), ("top1", _floats), ("entropy", _floats),
         ("margin", _floats), ("q", _floats), ("p", _floats), ("beta", _floats),
+        ("batch_size", pa.int32()),  # rows in the step's target pass (verify_s is that whole pass)
     ]),
     "teacher_forced": pa.schema([
         ("prompt_id", pa.string()), ("category", pa.string()), ("prompt_len", pa.int32()), ("drafter", pa.string()),

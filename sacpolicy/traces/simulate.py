@@ -15,7 +15,7 @@ traces' temperature (``schema.trace_temperature``). For sampled traces, ``expect
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -48,63 +48,110 @@ def check_greedy(grouped: dict, what: str) -> None:
             "replay, or rank static k on these with expected_best_static / expected_tokens_per_s (in expectation)")
 
 
-class ReplayTarget(nn.Module):
-    """A stand-in target whose greedy choice at every position is the recorded token."""
+class VirtualClock:
+    """A decoder clock (``SpeculativeDecoder.clock``) whose time is what the cost model predicts: the replay target
+    and drafters advance it by each pass's and each proposal's predicted seconds."""
 
-    def __init__(self, sequence: list[int], vocab_size: int, max_context: int | None = None):
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class ReplayTarget(nn.Module):
+    """A stand-in target whose greedy choice at every position is the recorded token of its sequence. Several
+    sequences can be decoded together (a batched replay): sequence i's prompt is the token i repeated, and each row
+    of the cache carries i + 1 in its entries, so rows are told apart as they join, leave and are compacted. With a
+    ``clock`` and ``cost``, every pass advances the clock by the cost model's seconds for it (at its batch size)."""
+
+    def __init__(self, sequences, vocab_size: int, max_context: int | None = None, clock: VirtualClock | None = None,
+                 cost: CostModel | None = None):
         super().__init__()
         from transformers import GenerationConfig, LlamaConfig
 
-        self.seq = torch.tensor(sequence + [0])  # a pad past the end: never emitted (the loop stops before)
+        sequences = [sequences] if sequences and isinstance(sequences[0], int) else list(sequences)
+        if len(sequences) > vocab_size:
+            raise ValueError(f"a replay of {len(sequences)} sequences needs a vocabulary at least that large")
+        width = max(len(q) for q in sequences) + 1  # a pad past the end: never emitted (the loop stops before)
+        self.seqs = torch.zeros(len(sequences), width, dtype=torch.long)
+        for i, q in enumerate(sequences):
+            self.seqs[i, : len(q)] = torch.tensor(q)
+        self.clock, self.cost = clock, cost
         self.head = nn.Linear(1, vocab_size, bias=False)
         self.config = LlamaConfig(vocab_size=vocab_size, num_hidden_layers=1,
-                                  max_position_embeddings=max_context or len(sequence) + 64)
+                                  max_position_embeddings=max_context or width + 64)
         self.generation_config = GenerationConfig()
 
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
-        start, T = cache.get_seq_length(), input_ids.shape[1]
-        cache.update(torch.zeros(1, 1, T, 1), torch.zeros(1, 1, T, 1), 0)  # track positions; crop rolls back
-        pos = torch.arange(start + T - logits_to_keep, start + T)
-        logits = torch.zeros(logits_to_keep, self.head.out_features)
-        logits[torch.arange(logits_to_keep), self.seq[(pos + 1).clamp(max=len(self.seq) - 1)]] = 1.0
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1, position_ids=None,
+                attention_mask=None):
+        B, T = input_ids.shape
+        start = cache.get_seq_length()
+        ids = input_ids[:, 0] if start == 0 else cache.layers[0].keys[:, 0, :, 0].amax(-1).long() - 1
+        mark = (ids + 1).float().view(B, 1, 1, 1).expand(B, 1, T, 1)
+        cache.update(mark, mark, 0)  # track positions and rows; crops and the batch's masks roll back
+        pos = position_ids if position_ids is not None else (start + torch.arange(T)).expand(B, T)
+        keep = pos[:, T - logits_to_keep :]
+        logits = torch.zeros(B, logits_to_keep, self.head.out_features)
+        nxt = self.seqs[ids[:, None], (keep + 1).clamp(max=self.seqs.shape[1] - 1)]
+        logits.scatter_(-1, nxt.unsqueeze(-1), 1.0)
+        if self.clock is not None:
+            ctx = float((pos[:, 0] + 1).float().mean())
+            self.clock.t += (self.cost.verify_time(T - 1, 0) if start == 0
+                             else self.cost.verify_time(T - 1, ctx, B))
 
         class Out:
             pass
 
-        Out.logits = logits.unsqueeze(0)
+        Out.logits = logits
         return Out
 
 
 class ReplayDrafter(Drafter):
-    """Proposes what a drafter proposed from the target's prefix, with its recorded confidence."""
+    """Proposes what a drafter proposed from the target's prefix, with its recorded confidence. ``rows`` /
+    ``prompt_len``: of one sequence, or {sequence index: ...} for a batched replay (the context's first token names
+    the sequence, see ``ReplayTarget``). With a ``clock`` and ``cost``, each proposal advances it."""
 
     vocab_size = None
 
-    def __init__(self, name: str, rows: dict, prompt_len: int, vocab_size: int):
-        self.name, self.rows, self.L, self.V = name, rows, prompt_len, vocab_size
-        self.peekable = bool(rows["proposal"][0])  # only one-proposal drafters (n-gram) can peek
+    def __init__(self, name: str, rows: dict, prompt_len, vocab_size: int, clock: VirtualClock | None = None,
+                 cost: CostModel | None = None):
+        self.name, self.V, self.clock, self.cost = name, vocab_size, clock, cost
+        self.by_seq = rows if isinstance(prompt_len, dict) else {0: rows}
+        self.lens = prompt_len if isinstance(prompt_len, dict) else {0: prompt_len}
+        first = next(iter(self.by_seq.values()))
+        self.peekable = bool(first["proposal"][0])  # only one-proposal drafters (n-gram) can peek
+
+    def _rows(self, context):
+        i = int(context[0]) if len(self.by_seq) > 1 else next(iter(self.by_seq))
+        return self.by_seq[i], context.shape[0] - self.lens[i]  # rows, generated tokens so far
 
     def peek(self, context):
-        g = context.shape[0] - self.L
-        if g >= len(self.rows["proposal_len"]) or self.rows["proposal_len"][g] == 0:
+        rows, g = self._rows(context)
+        if g >= len(rows["proposal_len"]) or rows["proposal_len"][g] == 0:
             return None
-        return tuple(confidence(self.rows, g, 0))
+        return tuple(confidence(rows, g, 0))
 
     def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
-        g = context.shape[0] - self.L  # generated tokens so far = the position predicted next
-        G = len(self.rows["target_token"])
-        k = min(k, self.rows["proposal_len"][g], G - g)
-        run = self.rows["run_len"][g]
+        rows, g = self._rows(context)  # g: the position predicted next
+        G = len(rows["target_token"])
+        k = min(k, rows["proposal_len"][g], G - g)
+        run = rows["run_len"][g]
         tokens, conf = [], []
         for j in range(k):
-            t = self.rows["target_token"][g + j]
+            t = rows["target_token"][g + j]
             tokens.append(t if j < run else (t + 1) % self.V)  # a wrong token from the first mismatch on
-            conf.append(confidence(self.rows, g, j))
+            conf.append(confidence(rows, g, j))
             if stop is not None and j + 1 < k and stop(j, torch.tensor(conf[-1])):
                 break
+        if self.clock is not None:
+            self.clock.t += self.cost.draft_time(self.name, len(tokens), context.shape[0])
         if not tokens:
             return DraftBlock(torch.empty(0, dtype=torch.long), None)
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(conf))
@@ -183,6 +230,67 @@ def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
         res.predicted_s += out.total_s
         res.per_prompt[pid] = (out.target_calls, [s.accepted for s in out.steps])
         res.results.append((p["category"], out))
+    return res
+
+
+@dataclass
+class BatchSimResult:
+    """A batched replay: every request's result (cost-model seconds: ``queued_s``, ``total_s``) and the makespan."""
+
+    tokens: int = 0
+    target_calls: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    makespan_s: float = 0.0
+    results: list = field(default_factory=list)  # GenerationResult per prompt, in grouped order
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.makespan_s if self.makespan_s else 0.0
+
+    def latency_percentile(self, q: float) -> float:
+        import numpy as np
+
+        return float(np.percentile([r.latency_s for r in self.results], q))
+
+
+def simulate_batch(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int, max_batch: int,
+                   arrivals: list[float] | None = None, config: DecoderConfig | None = None,
+                   drafters: list[str] | None = None, load_batch: int | None = None) -> BatchSimResult:
+    """Replay ``policy`` over the prompts of ``grouped`` decoded ``max_batch`` at a time by the batched decoder
+    (continuous batching; ``arrivals``: seconds at which each prompt arrives), on a virtual clock that the cost model
+    advances per pass (its verify curve at the live batch size) and per proposal. Greedy traces make every row exact,
+    as in ``simulate``: acceptance does not depend on the batch, the pass's cost does (the cost model needs batch
+    curves for max_batch > 1: ``profile(..., batch_sizes=...)``). ``load_batch``: the batch size the live load is
+    measured against (rows / load_batch; default max_batch)."""
+    check_greedy(grouped, "simulate_batch")
+    if hasattr(policy, "current"):
+        raise ValueError(f"{policy!r} reads the traces of the request it decides for; the batched replay cannot hand "
+                         "it each row's: replay it with simulate (one request at a time)")
+    if max_batch > 1 and not cost.batch:
+        cost.verify_time(0, 0, max_batch)  # raises the cost model's own message: profile over batch sizes
+    pids = list(grouped)
+    names = drafters or list(grouped[pids[0]]["drafters"])
+    clock = VirtualClock()
+    seqs = [[i] * grouped[pid]["prompt_len"] + list(grouped[pid]["drafters"][names[0]]["target_token"])
+            for i, pid in enumerate(pids)]
+    replay = [ReplayDrafter(n, {i: grouped[pid]["drafters"][n] for i, pid in enumerate(pids)},
+                            {i: grouped[pid]["prompt_len"] for i, pid in enumerate(pids)}, vocab_size, clock, cost)
+              for n in names]
+    cfg = replace(config or DecoderConfig(), max_batch=load_batch or max_batch, timing=False)
+    dec = SpeculativeDecoder(ReplayTarget(seqs, vocab_size, clock=clock, cost=cost), replay, policy, config=cfg,
+                             stop_token_ids=[])
+    dec.clock = clock
+    lens = [grouped[pid]["prompt_len"] for pid in pids]
+    out = dec.generate_batch([q[:L] for q, L in zip(seqs, lens)], [len(q) - L for q, L in zip(seqs, lens)],
+                             requests=[RequestInfo(category=grouped[pid]["category"]) for pid in pids],
+                             arrivals=arrivals, max_batch=max_batch)
+    res = BatchSimResult(makespan_s=clock.t, results=out)
+    for r in out:
+        res.tokens += len(r.tokens)
+        res.target_calls += r.target_calls
+        res.accepted += sum(s.accepted for s in r.steps)
+        res.drafted += sum(s.drafted for s in r.steps)
     return res
 
 

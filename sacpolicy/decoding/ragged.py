@@ -1,0 +1,149 @@
+"""The target's KV cache for a batch of rows of different lengths (``RaggedCache``), over transformers' ``DynamicCache``.
+
+Rows join with their own prompt cache (prefilled alone) and leave when they finish; every step feeds T tokens per row
+(the last committed token, the row's draft block, then padding up to the longest block) and keeps the first
+``kept[i]`` of them (the committed ones). Rejected and padded columns are not copied out: a [B, width] ``valid`` map
+masks them from every later query, and each row's positions count only its own valid columns. The garbage all rows
+share at the end is cropped at once (with one row, that is all of it: B = 1 never builds a mask, exactly the
+single-sequence path). When the garbage inside the cache grows past ``slack`` of its width, ``compact`` gathers each
+row's valid columns to the right (one copy of the cache).
+
+Masks are additive floats (0 or the dtype's minimum), passed as transformers' custom 4D mask: a query with nothing to
+attend (a padded slot) stays finite, and masked columns get exactly zero weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def _layers(cache: DynamicCache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in (layers or [])})
+        raise ValueError(f"batched decoding needs a target with full-attention KV caches (DynamicLayer); this one has "
+                         f"{kinds or 'no cache layers'} (sliding-window or linear-attention layers). Decode it with "
+                         "max_batch=1")
+    return layers
+
+
+class RaggedCache:
+    def __init__(self, cache: DynamicCache, length: int, device: torch.device, slack: float = 0.25):
+        self.cache, self.device, self.slack = cache, device, slack
+        self.counts = [int(length)]  # valid columns per row (host side: no sync to know whether a mask is needed)
+        self.width = int(length)
+        self.valid = torch.ones(1, self.width, dtype=torch.bool, device=device)
+        self.compactions = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.counts)
+
+    @property
+    def ragged(self) -> bool:
+        return any(c != self.width for c in self.counts)
+
+    # ------------------------------------------------------------------ a step
+    def inputs(self, T: int, dtype: torch.dtype) -> dict:
+        """Keyword arguments of a forward feeding T tokens per row: nothing when every row's cache is full (the
+        default causal mask and positions are right), else per-row positions and the 4D mask."""
+        if not self.ragged:
+            return {}
+        B, P = self.rows, self.width
+        pos = torch.tensor(self.counts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_()
+        keys = torch.cat([self.valid[:, None, :].expand(B, T, P), causal.expand(B, T, T)], dim=-1)
+        mask = torch.zeros(B, 1, T, P + T, dtype=dtype, device=self.device)
+        mask.masked_fill_(~keys[:, None], torch.finfo(dtype).min)
+        return {"position_ids": pos, "attention_mask": mask}
+
+    def commit(self, kept: list[int], T: int) -> None:
+        """After a forward of T tokens per row: row i keeps its first kept[i] (0 <= kept[i] <= T)."""
+        if len(kept) != self.rows or not all(0 <= k <= T for k in kept):
+            raise ValueError(f"commit needs one count in [0, {T}] per row ({self.rows}), got {kept}")
+        tail = T - max(kept)  # garbage every row has at the end
+        if tail:
+            self.cache.crop(-tail)
+        keep = T - tail
+        if self.rows == 1 and not self.ragged:  # the single-sequence path: nothing to mask
+            self.valid = self.valid.new_ones(1, self.width + keep)
+        else:
+            new = torch.arange(keep, device=self.device)[None] < torch.tensor(kept, device=self.device)[:, None]
+            self.valid = torch.cat([self.valid, new], dim=1)
+        self.counts = [c + k for c, k in zip(self.counts, kept)]
+        self.width += keep
+        if self.width - max(self.counts) > max(16, self.slack * self.width):
+            self.compact()
+
+    # ------------------------------------------------------------------ rows join and leave
+    @classmethod
+    def stack(cls, caches: list, lengths: list[int], device: torch.device, config) -> RaggedCache:
+        """A new batch of the given one-row caches (left-padded to the longest; the inputs are left as they were)."""
+        if not caches or min(lengths) < 1:
+            raise ValueError("stack needs one-row caches holding at least one token each")
+        per_row = [_layers(c) for c in caches]
+        W = max(lengths)
+        out = DynamicCache(config=config)
+        for i in range(len(per_row[0])):
+            out.update(torch.cat([_left_pad(rows[i].keys, W) for rows in per_row]),
+                       torch.cat([_left_pad(rows[i].values, W) for rows in per_row]), i)
+        batch = cls(out, W, device)
+        batch.counts = list(lengths)
+        batch.valid = torch.cat([_left_pad(torch.ones(1, n, dtype=torch.bool, device=device), W, dim=1)
+                                 for n in lengths])
+        return batch
+
+    def row_cache(self, i: int, config) -> DynamicCache:
+        """Row i alone, its valid columns in order: a one-row cache as a single-sequence decode would hold."""
+        cols = self.valid[i].nonzero().squeeze(-1)
+        out = DynamicCache(config=config)
+        for j, layer in enumerate(_layers(self.cache)):
+            out.update(layer.keys[i : i + 1, :, cols], layer.values[i : i + 1, :, cols], j)
+        return out
+
+    def join(self, other: RaggedCache) -> None:
+        """Append the rows of ``other`` (a new request's prefilled cache), left-padding the narrower side."""
+        a, b = _layers(self.cache), _layers(other.cache)
+        if len(a) != len(b):
+            raise ValueError(f"caches of {len(a)} and {len(b)} layers cannot be batched")
+        W = max(self.width, other.width)
+        for mine, theirs in zip(a, b):
+            mine.keys = torch.cat([_left_pad(mine.keys, W), _left_pad(theirs.keys, W)])
+            mine.values = torch.cat([_left_pad(mine.values, W), _left_pad(theirs.values, W)])
+        self.valid = torch.cat([_left_pad(self.valid, W, dim=1), _left_pad(other.valid, W, dim=1)])
+        self.counts += other.counts
+        self.width = W
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (finished ones leave and stop costing compute)."""
+        if rows == list(range(self.rows)):
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+        self.counts = [self.counts[i] for i in rows]
+        if self.width - max(self.counts) > max(16, self.slack * self.width):
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather each row's valid columns to the right end of a cache as wide as the longest row (one copy)."""
+        P, W = self.width, max(self.counts)
+        order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)  # invalid columns first, order kept
+        index = order[:, P - W :]  # [B, W]: the row's valid columns, after (W - count) invalid ones
+        for layer in _layers(self.cache):
+            idx = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        self.valid = self.valid.gather(1, index)
+        self.width = W
+        self.compactions += 1
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    """Pad ``x`` with zeros (False) on the left of ``dim`` up to ``width``."""
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)

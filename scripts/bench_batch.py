@@ -1,0 +1,187 @@
+"""Speculation under load: each policy at batch sizes B in {1, 2, 4, 8, 16}, then Poisson arrivals at three rates,
+all through the batched decoder (``SpeculativeDecoder.generate_batch``, continuous batching) on the embedded target.
+
+    python scripts/bench_batch.py --policy /work/runs/vllm_ngram/policies/hgb          # n-gram learned policy
+    python scripts/bench_batch.py --policy ... --cost cost_batch.json --prompts 16 --max-tokens 48
+
+Policies: AR, static k (n-gram), transformers' heuristic, the seed rule (its load: live rows / max batch) and the
+learned rule, whose cost model is replaced by one profiled over batch sizes here (``--cost`` reuses a saved one), so
+it plans each step for the live batch. Every row of every run is checked against that prompt decoded alone
+autoregressively at B = 1. Per run: total tokens/s (all tokens / wall time), per-request latency P50/P90/P99 (arrival
+to last token), tokens per target call, and the policy's own compute as a share of the wall time. Ratios come from
+one run on a shared 2-core machine: read them with that noise in mind. Writes a Markdown table, JSON and a PNG of
+throughput vs B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sacpolicy.data import assign_split, load_prompts
+from sacpolicy.decoding import DecoderConfig, NgramDrafter, SpeculativeDecoder
+from sacpolicy.evaluation.evaluate import Timed
+from sacpolicy.export import build_drafters
+from sacpolicy.io import write_json
+from sacpolicy.models import EMBEDDED_TARGET, load_model
+from sacpolicy.policy import Autoregressive, Heuristic, SeedRule, Static
+from sacpolicy.policy.learned import LearnedPolicy
+from sacpolicy.runtime import load_artifact
+from sacpolicy.runtime.cost import CostModel
+
+
+def policies(args, rule) -> dict:
+    make = {"ar": Autoregressive}
+    make |= {f"static-k{k}": (lambda k=k: Static(k, "ngram")) for k in args.static_ks}
+    make["heuristic"] = lambda: Heuristic(k0=5, drafter="ngram")
+    make["seed-rule"] = lambda: SeedRule(drafter="ngram")
+    if rule is not None:
+        make["learned"] = lambda: LearnedPolicy(replace(rule, fallbacks=0))
+    return make
+
+
+def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrivals=None) -> tuple[dict, list]:
+    timed = Timed(policy)
+    dec = SpeculativeDecoder(target.model, drafters, timed, config=DecoderConfig(max_batch=max_batch, k_max=8),
+                             stop_token_ids=target.eos_token_ids)
+    dec.generate_batch(prompts[:B], 4, max_batch=B)  # warm-up at this batch size
+    timed.seconds = 0.0
+    t0 = time.perf_counter()
+    res = dec.generate_batch(prompts, args.max_tokens, max_batch=B, arrivals=arrivals)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.tokens) for r in res)
+    lat = np.array([r.latency_s for r in res])
+    drafted = sum(s.drafted for r in res for s in r.steps)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "p50_s": float(np.percentile(lat, 50)), "p90_s": float(np.percentile(lat, 90)),
+            "p99_s": float(np.percentile(lat, 99)),
+            "tokens_per_call": tokens / sum(r.target_calls for r in res),
+            "acceptance": sum(s.accepted for r in res for s in r.steps) / drafted if drafted else 0.0,
+            "mean_k": float(np.mean([s.drafted for r in res for s in r.steps])),
+            "policy_share": timed.seconds / wall}, [r.tokens for r in res]
+
+
+def table(rows: list[dict], key: str) -> str:
+    out = [f"| {key} | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call | mean k | "
+           "acceptance | policy compute | lossless |", "|" + "---|" * 13]
+    for r in rows:
+        out.append(f"| {r[key]} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | "
+                   f"{r['vs_best_static']:.2f}x | {r['p50_s']:.1f} | {r['p90_s']:.1f} | {r['p99_s']:.1f} | "
+                   f"{r['tokens_per_call']:.2f} | {r['mean_k']:.2f} | {r['acceptance']:.2f} | "
+                   f"{100 * r['policy_share']:.2f}% | {'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def ratios(rows: list[dict], key: str) -> None:
+    for group in sorted({r[key] for r in rows}):
+        g = [r for r in rows if r[key] == group]
+        ar = next(r for r in g if r["policy"] == "ar")["tokens_per_s"]
+        best = max([r["tokens_per_s"] for r in g if r["policy"].startswith("static-k")] + [ar])  # k = 0 included
+        for r in g:
+            r["vs_ar"], r["vs_best_static"] = r["tokens_per_s"] / ar, r["tokens_per_s"] / best
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["policy"] == name)
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("total tokens/s")
+    ax.set_title("Embedded target, greedy, CPU: throughput vs batch size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", help="a learned policy artifact whose drafter is n-gram (experiment=vllm_ngram)")
+    ap.add_argument("--cost", help="a cost model profiled over batch sizes (JSON); profiled and saved when absent")
+    ap.add_argument("--source", default="mt_bench", help="prompt set; its held-out test split is used")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--static-ks", default="1,2,4")
+    ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates (requests/s) at the largest batch size; "
+                                                       "empty: none")
+    ap.add_argument("--out", default="bench_batch.json")
+    args = ap.parse_args(argv)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.static_ks = [int(k) for k in args.static_ks.split(",")]
+    torch.manual_seed(0)
+
+    target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
+    rows_in = [r for r in load_prompts(args.source, tokenizer=target.tokenizer) if assign_split(r["prompt_id"]) == "test"]
+    prompts = [r["input_ids"] for r in rows_in[: args.prompts]]
+    if len(prompts) < max(sizes):
+        raise SystemExit(f"bench_batch: {len(prompts)} test prompts cannot fill a batch of {max(sizes)}; lower "
+                         "--batch-sizes or use a larger --source")
+    rule, drafters = None, [NgramDrafter()]
+    if args.policy:
+        art = load_artifact(args.policy)
+        if tuple(art.rule.drafters) != ("ngram",):
+            raise SystemExit(f"bench_batch compares n-gram policies; {args.policy} drafts with {art.rule.drafters}. "
+                             "Train one with experiment=vllm_ngram")
+        drafters = build_drafters(art, target)
+        out_cost = Path(args.cost or Path(args.out).with_suffix(".cost.json"))
+        if out_cost.is_file():
+            cost = CostModel.from_json(out_cost)
+        else:
+            from sacpolicy.profiling import profile
+
+            print(f"profiling the verify pass at batch sizes {sizes} -> {out_cost}", flush=True)
+            cost = profile(target, drafters, ks=(0, 1, 2, 4, 8), context_lens=(64, 256), batch_sizes=sizes)
+            cost.to_json(out_cost)
+        rule = replace(art.rule, cost=cost)
+    print(f"{len(prompts)} {args.source} test prompts, {args.max_tokens} new tokens, greedy, float32, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    reference = SpeculativeDecoder(target.model, stop_token_ids=target.eos_token_ids).generate_batch(
+        prompts, args.max_tokens, max_batch=1)
+    reference = [r.tokens for r in reference]
+    make = policies(args, rule)
+
+    rows = []
+    for B in sizes:
+        for name, new in make.items():
+            stats, outs = run(target, drafters, new(), prompts, args, B, max(sizes))
+            rows.append({"batch": B, "policy": name, **stats, "identical": outs == reference})
+            print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
+    ratios(rows, "batch")
+
+    poisson = []
+    rng = np.random.default_rng(0)
+    gaps = rng.exponential(1.0, len(prompts))
+    for rate in [float(r) for r in args.rates.split(",") if r]:
+        arrivals = (np.cumsum(gaps) / rate).tolist()
+        for name, new in make.items():
+            stats, outs = run(target, drafters, new(), prompts, args, max(sizes), max(sizes), arrivals)
+            poisson.append({"rate": rate, "policy": name, **stats, "identical": outs == reference})
+            print(f"  rate={rate} {name}: {stats['tokens_per_s']:.1f} tok/s, P90 {stats['p90_s']:.1f} s", flush=True)
+    if poisson:
+        ratios(poisson, "rate")
+    md = "## Batch size\n\n" + table(rows, "batch") + "\n\n## Poisson arrivals (requests/s, max batch " \
+         f"{max(sizes)})\n\n" + table(poisson, "rate")
+    print(md)
+    png = Path(args.out).with_suffix(".png")
+    plot(rows, png)
+    write_json(args.out, {"args": vars(args), "n_prompts": len(prompts), "threads": torch.get_num_threads(),
+                          "batch": rows, "poisson": poisson, "markdown": md, "png": str(png)})
+    print(f"wrote {args.out} and {png}")
+    return 0 if all(r["identical"] for r in rows + poisson) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

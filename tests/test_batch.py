@@ -1,0 +1,349 @@
+"""The batched decoder (``SpeculativeDecoder.generate_batch``): every row of every batch is exactly what decoding that
+prompt alone gives (greedy), sampled rows follow the target's distribution, rows join and leave a running batch, a
+failing drafter costs only its own row, and bad input is refused."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from toys import Markov
+
+from sacpolicy.decoding import (
+    DecoderConfig,
+    LayerSkipDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    RequestInfo,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
+from sacpolicy.decoding.ragged import RaggedCache
+from sacpolicy.policy import Autoregressive, Confidence, Heuristic, SeedRule, Static
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (5, 23, 1, 37, 12)]
+    out.append([5, 6, 7, 8] * 6)  # repetitive: the n-gram drafter finds long accepted blocks
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target, prompts):
+    """Each prompt decoded alone, autoregressively: what every batched row must reproduce."""
+    dec = SpeculativeDecoder(tiny_target.model, stop_token_ids=[])
+    return [dec.generate(p, 20).tokens for p in prompts]
+
+
+def drafters(target, draft):
+    return [ModelDrafter(draft.model, name="draft"), LayerSkipDrafter(target.model, 2), NgramDrafter()]
+
+
+@pytest.mark.parametrize("policy", [Autoregressive(), Static(3, "ngram"), Static(4, "draft"), Static(5, "layerskip-2"),
+                                    Heuristic(k0=2, drafter="draft"), Confidence(0.3, k=6, drafter="layerskip-2"),
+                                    SeedRule(k_short=4, k_long=1, load_weight=0.5, drafter="draft")], ids=repr)
+@pytest.mark.parametrize("batch_k", ["row", "shared"])
+def test_every_row_equals_the_prompt_decoded_alone(tiny_target, tiny_draft, prompts, reference, policy, batch_k):
+    dec = SpeculativeDecoder(tiny_target.model, drafters(tiny_target, tiny_draft), policy, stop_token_ids=[],
+                             config=DecoderConfig(max_batch=3, batch_k=batch_k))
+    results = dec.generate_batch(prompts, 20)
+    assert [r.tokens for r in results] == reference
+    sizes = {s.batch_size for r in results for s in r.steps}
+    assert max(sizes) == 3 and min(sizes) >= 1  # rows joined a running batch as others finished
+    if policy.name != "ar":
+        assert sum(s.drafted for r in results for s in r.steps) > 0
+
+
+def test_model_drafters_draft_the_rows_together(tiny_target, tiny_draft, prompts, reference):
+    """A model drafter's rows share one forward per drafted token (their caches stacked, then split back), with
+    per-row k and stops, and every row stays exact."""
+    seen = []
+    hook = tiny_draft.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]),
+                                                      with_kwargs=True)
+    try:
+        for policy in (Static(4, "draft"), Confidence(0.3, k=6, drafter="draft"), Heuristic(k0=3, drafter="draft")):
+            seen.clear()
+            dec = SpeculativeDecoder(tiny_target.model, drafters(tiny_target, tiny_draft), policy, stop_token_ids=[],
+                                     config=DecoderConfig(max_batch=6))
+            assert [r.tokens for r in dec.generate_batch(prompts, 20)] == reference
+            assert max(seen) > 1, policy  # rows drafted together
+    finally:
+        hook.remove()
+
+
+def test_feature_drafter_rows_get_their_own_hidden_states(tiny_target, prompts, reference, tmp_path):
+    from conftest import tiny_head_dir
+
+    from sacpolicy.decoding.feature import load_feature_drafter
+
+    head = load_feature_drafter(tiny_target, tiny_head_dir(tiny_target, tmp_path))
+    dec = SpeculativeDecoder(tiny_target.model, [head], Static(3), stop_token_ids=[],
+                             config=DecoderConfig(max_batch=4))
+    results = dec.generate_batch(prompts, 20)
+    assert [r.tokens for r in results] == reference
+    assert sum(s.drafted for r in results for s in r.steps) > 0 and not any(r.dropped_drafters for r in results)
+
+
+def test_arrivals_queue_requests_and_results_keep_input_order(tiny_target, prompts, reference):
+    dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter()], Static(3), stop_token_ids=[])
+    arrivals = [0.0, 0.0, 0.05, 0.3, 0.3, 0.31]
+    results = dec.generate_batch(prompts, 20, arrivals=arrivals, max_batch=2)
+    assert [r.tokens for r in results] == reference
+    assert all(r.queued_s >= 0 and r.latency_s >= r.total_s for r in results)
+    assert max(r.queued_s for r in results[3:]) > 0  # two rows for three simultaneous arrivals: one waited
+
+
+def test_a_failing_drafter_costs_only_its_row(tiny_target, prompts, reference, caplog):
+    class Flaky(NgramDrafter):
+        """Fails on the repetitive prompt's row only (its context starts 5, 6, 7, 8)."""
+
+        def propose(self, context, *args, **kwargs):
+            if context[:4].tolist() == [5, 6, 7, 8]:
+                raise RuntimeError("draft server went away")
+            return super().propose(context, *args, **kwargs)
+
+    dec = SpeculativeDecoder(tiny_target.model, [Flaky(name="flaky")], Static(3), stop_token_ids=[],
+                             config=DecoderConfig(max_batch=6))
+    with caplog.at_level(logging.WARNING):
+        results = dec.generate_batch(prompts, 20)
+    assert [r.tokens for r in results] == reference
+    assert results[-1].dropped_drafters == ["flaky"] and not any(r.dropped_drafters for r in results[:-1])
+    assert all(s.drafter is None for s in results[-1].steps)
+
+
+def test_rejected_columns_are_masked_then_compacted(tiny_target):
+    """A ragged cache masks what rows rejected, crops what they all rejected, and compaction keeps each row's
+    committed columns in order (the forward after it gives the same logits as before it)."""
+    model = tiny_target.model
+    from transformers import DynamicCache
+
+    from sacpolicy.decoding.compat import with_cache
+
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for L in (6, 3):
+        c = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(3, 1000, (1, L), generator=g), **with_cache(model, c), use_cache=True)
+        rows.append(RaggedCache(c, L, torch.device("cpu"), slack=10.0))  # no automatic compaction
+    cache = rows[0]
+    cache.join(rows[1])
+    assert cache.width == 6 and cache.counts == [6, 3] and cache.valid.sum().item() == 9
+    x = torch.randint(3, 1000, (2, 4), generator=g)
+    model(input_ids=x, **with_cache(model, cache.cache), use_cache=True, **cache.inputs(4, torch.float32))
+    cache.commit([2, 3], 4)  # one column of garbage every row shares is cropped at once
+    assert cache.width == 9 and cache.counts == [8, 6] and cache.cache.get_seq_length() == 9
+    probe = torch.randint(3, 1000, (2, 2), generator=g)
+
+    def logits():
+        out = model(input_ids=probe, **with_cache(model, cache.cache), use_cache=True, logits_to_keep=2,
+                    **cache.inputs(2, torch.float32)).logits
+        cache.cache.crop(-2)
+        return out
+
+    before = logits()
+    cache.compact()
+    assert cache.width == 8 and cache.counts == [8, 6] and cache.compactions == 1
+    torch.testing.assert_close(logits(), before, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_sampling_follows_the_target_distribution():
+    """Rows sampled in batches (each with its own seed) have the target's joint distribution of tokens 2, 3; greedy
+    rows in the same batches (mixed settings, per request) stay the greedy chain."""
+    v = 6
+    g = torch.Generator().manual_seed(5)
+    P = torch.rand(v, v, generator=g) ** 2 + 0.02
+    Q = torch.rand(v, v, generator=g) ** 2 + 0.02
+    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    dec = SpeculativeDecoder(Markov(P.log()), [ModelDrafter(Markov(Q.log()), name="q")], Heuristic(k0=2),
+                             stop_token_ids=[], config=DecoderConfig(timing=False, max_batch=4))
+    greedy = [int(P[0].argmax())]
+    for _ in range(2):
+        greedy.append(int(P[greedy[-1]].argmax()))
+    t1 = SamplingConfig(temperature=1.0)
+    draws, counts = 6_000, np.zeros((v, v))
+    for i in range(0, draws, 6):
+        requests = [RequestInfo(seed=i + j, sampling=t1) for j in range(6)] + [RequestInfo(), RequestInfo()]
+        results = dec.generate_batch([[0]] * 8, 3, requests=requests)
+        for r in results[:6]:
+            counts[r.tokens[1], r.tokens[2]] += 1
+        assert [r.tokens for r in results[6:]] == [greedy, greedy]
+    expected = ((P[0] @ P)[:, None] * P).double().numpy().ravel()
+    _, pval = chisquare(counts.ravel(), expected / expected.sum() * draws)
+    assert pval > 1e-3, pval
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda d, p: d.generate_batch(p, 4, max_batch=0), "max_batch"),
+    (lambda d, p: d.generate_batch([], 4), "at least one prompt"),
+    (lambda d, p: d.generate_batch([p[0], list(range(3, 3000))], 4), "request 1 .* context"),
+    (lambda d, p: d.generate_batch([p[0], []], 4), "empty prompt .request 1"),
+    (lambda d, p: d.generate_batch(p[:2], [4]), "as many token budgets"),
+    (lambda d, p: d.generate_batch(p[:2], 4, arrivals=[0.0, -1.0]), "arrival"),
+    (lambda d, p: DecoderConfig(batch_k="each"), "batch_k"),
+    (lambda d, p: d.generate_batch(p[:2], 4, requests=[None, RequestInfo(sampling={"temperature": 1})]),
+     "request 1: sampling must be a SamplingConfig"),
+])
+def test_bad_batch_input_is_refused(tiny_target, prompts, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(SpeculativeDecoder(tiny_target.model, stop_token_ids=[]), prompts)
+
+
+# ---------------------------------------------------------------- the cost of a batch, and the learned rule over it
+def batch_cost():
+    """Drafting is nearly free at B = 1 (a pass of 9 tokens costs 1.2x one token) and dear at B = 8 (5x): what a
+    CPU shows once the rows fill its cores."""
+    from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
+
+    def curve(t1, t9):
+        return {"tokens": PiecewiseLinear([1, 9], [t1, t9]), "per_context": 0.0}
+
+    return CostModel("cpu", curve(0.050, 0.060), {"ngram": PiecewiseLinear([0.0], [1e-4])}, {"ngram": False},
+                     batch={4: curve(0.080, 0.140), 8: curve(0.100, 0.500)})
+
+
+def test_batch_cost_interpolates_in_batch_size_and_round_trips(tmp_path):
+    from sacpolicy.runtime.cost import CostModel
+
+    cost = batch_cost()
+    assert cost.batch_sizes == [1, 4, 8]
+    assert cost.verify_time(0, 100, 6) == pytest.approx(0.090)  # halfway between B = 4 and B = 8
+    assert cost.verify_time(8, 100, 16) == pytest.approx(0.500 + 2 * (0.500 - 0.140))  # the last segment extends
+    cost.to_json(tmp_path / "cost.json")
+    assert CostModel.from_json(tmp_path / "cost.json").verify_time(4, 100, 6) == pytest.approx(cost.verify_time(4, 100, 6))
+    one = CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        one.verify_time(0, 100, 2)
+    # the batch's best k: at B = 1 a 0.4-acceptance row drafts; eight of them at B = 8 do not
+    rows = [("ngram", 100, [0.4] * 8)]
+    assert cost.best_batch_k(rows, 8)[0][0] == cost.best_k("ngram", 100, [0.4] * 8, 8)[0] > 0
+    assert cost.best_batch_k(rows * 8, 8)[0] == [0] * 8
+    # one row that copies well (0.95) carries the batch; per_row lets a row with nothing likely draft less
+    ks, _ = cost.best_batch_k([("ngram", 100, [0.95] * 8)] * 7 + [("ngram", 100, [0.01] * 8)], 8)
+    assert ks[0] > 0
+
+
+def test_learned_rule_plans_for_the_live_batch(tiny_target, prompts, reference):
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
+    from sacpolicy.runtime.predictors import Predictor
+    from sacpolicy.runtime.rule import DecisionRule
+
+    class Some(Predictor):  # every drafted token is accepted with probability 0.4
+        def __init__(self):
+            n = len(FEATURE_NAMES)
+            super().__init__("linear", {"mean": np.zeros(n), "scale": np.ones(n), "coef": np.zeros(n),
+                                        "intercept": np.zeros(1)}, {"features": feature_spec()})
+
+        def predict(self, X):
+            return np.full(len(X), 0.4)
+
+    rule = DecisionRule(Some(), batch_cost(), ("ngram",), 8, ("ngram", 2), mode="k")
+    policy = LearnedPolicy(rule)
+    request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=("ngram",))
+    from sacpolicy.decoding import DecodeState
+
+    alone = DecodeState(request, context_len=100, remaining=20, drafters=("ngram",))
+    assert policy.decide(alone).k > 0
+    states = [DecodeState(request, context_len=100, remaining=20, drafters=("ngram",), batch_size=8)
+              for _ in range(8)]
+    forks = [policy.fork() for _ in states]
+    assert [d.k for d in policy.decide_batch(forks, states)] == [0] * 8
+    assert [d.k for d in policy.decide_batch([policy], [alone])] == [policy.decide(alone).k]
+    # and through the decoder, every row stays exact
+    dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter()], LearnedPolicy(rule), stop_token_ids=[],
+                             config=DecoderConfig(max_batch=4))
+    assert [r.tokens for r in dec.generate_batch(prompts, 20)] == reference
+
+
+def test_k_by_batch_map_is_vllms_schedule():
+    from sacpolicy.export import k_by_batch
+    from sacpolicy.runtime.cost import CostModel
+    from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
+    from sacpolicy.runtime.predictors import Predictor
+    from sacpolicy.runtime.rule import DecisionRule
+
+    n = len(FEATURE_NAMES)
+    pred = Predictor("linear", {"mean": np.zeros(n), "scale": np.ones(n), "coef": np.zeros(n),
+                                "intercept": np.array([np.log(0.4 / 0.6)])}, {"features": feature_spec()})
+    rule = DecisionRule(pred, batch_cost(), ("ngram",), 8, ("ngram", 2), mode="k")
+    schedule = k_by_batch(rule, "ngram")
+    assert schedule[0][0] == 1 and schedule[-1][1] == 8  # every batch size up to the profiled maximum, in order
+    assert all(a[1] + 1 == b[0] for a, b in zip(schedule, schedule[1:]))
+    assert schedule[0][2] > 0 and schedule[-1][2] == 0  # speculate alone, not in a full batch
+    assert schedule[0][2] == rule.cost.best_k("ngram", 256, [0.4] * 8, 8)[0]
+    flat = CostModel("cpu", rule.cost.verify, rule.cost.draft, rule.cost.per_token_draft)
+    from dataclasses import replace
+
+    assert k_by_batch(replace(rule, cost=flat), "ngram") is None  # profiled at B = 1 only: no map
+
+
+def test_profile_times_the_batched_pass(tiny_target, tmp_path):
+    from sacpolicy.profiling import profile
+    from sacpolicy.runtime.cost import CostModel
+
+    cost = profile(tiny_target, [NgramDrafter()], ks=(0, 2), context_lens=(16, 32), repeats=2, warmup=1,
+                   batch_sizes=(1, 4))
+    assert cost.batch_sizes == [1, 4] and cost.meta["batch_sizes"] == [1, 4]
+    assert cost.verify_time(2, 24, 4) > 0 and cost.verify_time(2, 24, 2) > 0  # interpolated between 1 and 4
+    cost.to_json(tmp_path / "cost.json")
+    assert CostModel.from_json(tmp_path / "cost.json").batch_sizes == [1, 4]
+    with pytest.raises(ValueError, match="batch_sizes must hold 1"):
+        profile(tiny_target, [NgramDrafter()], ks=(0,), context_lens=(16,), repeats=1, batch_sizes=(2,))
+
+
+def test_batched_replay_is_exact_and_prices_the_batch():
+    """simulate_batch at B = 1 is simulate; at B = 4 every prompt gets the same steps (acceptance does not depend on
+    the batch) and the makespan is what the cost model says of the batched passes."""
+    from toys import synthetic_traces
+
+    from sacpolicy.runtime.cost import PiecewiseLinear
+    from sacpolicy.traces.simulate import group_traces, simulate, simulate_batch
+
+    grouped = dict(list(group_traces(synthetic_traces(n_prompts=8, length=24)).items()))
+    cost = batch_cost()
+    cost.draft["draft"], cost.per_token_draft["draft"] = PiecewiseLinear([0.0, 512.0], [0.004, 0.005]), True
+    for policy in (Static(3, "draft"), Static(4, "ngram"), Autoregressive()):
+        one = simulate(policy, grouped, cost, vocab_size=1000)
+        b1 = simulate_batch(policy, grouped, cost, vocab_size=1000, max_batch=1)
+        assert (b1.tokens, b1.target_calls, b1.accepted) == (one.tokens, one.target_calls, one.accepted)
+        assert b1.makespan_s == pytest.approx(one.predicted_s)
+        b4 = simulate_batch(policy, grouped, cost, vocab_size=1000, max_batch=4)
+        assert [[s.accepted for s in r.steps] for r in b4.results] == [a for _, a in one.per_prompt.values()]
+        assert max(s.batch_size for r in b4.results for s in r.steps) == 4
+        assert b4.tokens_per_s > b1.tokens_per_s  # four rows per pass cost less than four passes here
+    with pytest.raises(ValueError, match="batch_sizes"):
+        from sacpolicy.runtime.cost import CostModel
+
+        simulate_batch(Static(2, "ngram"), grouped, CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft),
+                       vocab_size=1000, max_batch=2)
+
+
+def test_evaluation_has_a_section_under_load(tmp_path):
+    from toys import synthetic_traces
+
+    from sacpolicy.evaluation.evaluate import LOAD_RATES, EvalSettings, load_rows
+    from sacpolicy.evaluation.report import write_eval
+    from sacpolicy.runtime.cost import PiecewiseLinear
+    from sacpolicy.traces.simulate import group_traces
+
+    grouped = group_traces(synthetic_traces(n_prompts=8, length=24))
+    cost = batch_cost()
+    cost.draft["draft"], cost.per_token_draft["draft"] = PiecewiseLinear([0.0, 512.0], [0.004, 0.005]), True
+    settings = EvalSettings(ks=(1, 2), k_max=4, live_prompts=0, max_new_tokens=24, price_per_hour=1.0,
+                            confidence_grid=(0.4,))
+    chosen = {"best_static": {"drafter": "ngram", "k": 2}, "confidence_threshold": 0.4}
+    rows = load_rows(settings, chosen, cost, {}, grouped, vocab_size=1000)
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    assert loads == ["B=1", "B=4", "B=8"] + [f"poisson {f:g}x" for f in LOAD_RATES]
+    assert {r["policy"] for r in rows} == {"ar", "static-k1", "static-k2", "best-static", "heuristic", "seed-rule"}
+    assert all(r["vs_ar"] == 1.0 for r in rows if r["policy"] == "ar")
+    assert all(r["p50_s"] <= r["p90_s"] <= r["p99_s"] for r in rows)
+    write_eval(tmp_path, [], {"load": rows})
+    assert "## Under load" in (tmp_path / "eval.md").read_text()
+    from sacpolicy.runtime.cost import CostModel
+
+    assert load_rows(settings, chosen, CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft), {}, grouped,
+                     vocab_size=1000) == []  # no batch curves, no section
