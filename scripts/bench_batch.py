@@ -26,7 +26,7 @@ import torch
 
 from sacpolicy.data import assign_split, load_prompts
 from sacpolicy.decoding import DecoderConfig, NgramDrafter, SpeculativeDecoder
-from sacpolicy.evaluation.evaluate import Timed
+from sacpolicy.evaluation.evaluate import Timed, add_load_ratios
 from sacpolicy.export import build_drafters
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
@@ -76,15 +76,6 @@ def table(rows: list[dict], key: str) -> str:
                    f"{r['tokens_per_call']:.2f} | {r['mean_k']:.2f} | {r['acceptance']:.2f} | "
                    f"{100 * r['policy_share']:.2f}% | {'yes' if r['identical'] else 'NO'} |")
     return "\n".join(out)
-
-
-def ratios(rows: list[dict], key: str) -> None:
-    for group in sorted({r[key] for r in rows}):
-        g = [r for r in rows if r[key] == group]
-        ar = next(r for r in g if r["policy"] == "ar")["tokens_per_s"]
-        best = max([r["tokens_per_s"] for r in g if r["policy"].startswith("static-k")] + [ar])  # k = 0 included
-        for r in g:
-            r["vs_ar"], r["vs_best_static"] = r["tokens_per_s"] / ar, r["tokens_per_s"] / best
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -159,7 +150,7 @@ def main(argv=None) -> int:
             stats, outs = run(target, drafters, new(), prompts, args, B, max(sizes))
             rows.append({"batch": B, "policy": name, **stats, "identical": outs == reference})
             print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
-    ratios(rows, "batch")
+    add_load_ratios(rows, "batch")
 
     poisson = []
     rng = np.random.default_rng(0)
@@ -171,7 +162,7 @@ def main(argv=None) -> int:
             poisson.append({"rate": rate, "policy": name, **stats, "identical": outs == reference})
             print(f"  rate={rate} {name}: {stats['tokens_per_s']:.1f} tok/s, P90 {stats['p90_s']:.1f} s", flush=True)
     if poisson:
-        ratios(poisson, "rate")
+        add_load_ratios(poisson, "rate")
     md = "## Batch size\n\n" + table(rows, "batch") + "\n\n## Poisson arrivals (requests/s, max batch " \
          f"{max(sizes)})\n\n" + table(poisson, "rate")
     print(md)

@@ -194,7 +194,7 @@ class SpeculativeDecoder(BatchStep):
                 run = waiting.pop()
                 run.queued_s = self._now() - t0 - run.arrival
                 row_cache = self._prefill(run)
-                if run.finish is None and len(run.out) < run.limit:
+                if run.active:
                     if cache is None:
                         cache = row_cache
                     else:
@@ -206,12 +206,12 @@ class SpeculativeDecoder(BatchStep):
                 if waiting:
                     self.clock.sleep(max(0.0, waiting[-1].arrival - (self._now() - t0)))
                 continue
-            for rec, run in zip(self._step(batch, cache, B), batch):
+            for rec, run in zip(self._step(batch, cache), batch):
                 self._track_acceptance(run, rec)
                 run.policy.observe(rec)
-            live = [i for i, r in enumerate(batch) if r.finish is None and len(r.out) < r.limit]
-            for i, r in enumerate(batch):
-                if i not in live:
+            live = [i for i, r in enumerate(batch) if r.active]
+            for r in batch:
+                if not r.active:
                     self._finish(r)
             if len(live) < len(batch):
                 batch = [batch[i] for i in live]

@@ -15,7 +15,6 @@ from sacpolicy.decoding.sampling import draft_stats, select_token
 from sacpolicy.decoding.types import DraftBlock, Drafter, TeacherForced
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
 
-
 _MAX_BATCHED_FEED = 8  # committed tokens a row may feed its draft in a batched proposal (more: it proposes alone)
 
 

@@ -73,8 +73,7 @@ class RaggedCache:
             self.valid = torch.cat([self.valid, new], dim=1)
         self.counts = [c + k for c, k in zip(self.counts, kept)]
         self.width += keep
-        if self.width - max(self.counts) > max(16, self.slack * self.width):
-            self.compact()
+        self._compact_if_sparse()
 
     # ------------------------------------------------------------------ rows join and leave
     @classmethod
@@ -123,6 +122,10 @@ class RaggedCache:
         self.cache.batch_select_indices(index)
         self.valid = self.valid[index]
         self.counts = [self.counts[i] for i in rows]
+        self._compact_if_sparse()
+
+    def _compact_if_sparse(self) -> None:
+        """Compact once the columns no row needs (beyond the longest row) pass ``slack`` of the width."""
         if self.width - max(self.counts) > max(16, self.slack * self.width):
             self.compact()
 

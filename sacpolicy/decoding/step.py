@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -38,18 +39,23 @@ logger = logging.getLogger("sacpolicy.decoding.decoder")
 _T1 = SamplingConfig(temperature=1.0)  # distributions behind the records when decoding greedily
 
 
+class Clock(Protocol):
+    """The time the decoder reads (``now()``, seconds) and waits on while no request has arrived (``sleep``). A replay
+    gives the decoder a virtual one whose time advances by what a cost model predicts for each pass."""
+
+    def now(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
 class WallClock:
-    """The decoder's clock: ``now()`` in seconds, ``sleep(seconds)`` while no request has arrived. A replay gives the
-    decoder a virtual one whose time advances by what a cost model predicts for each pass."""
+    """The decoder's default ``Clock``: wall time."""
 
     def now(self) -> float:
         return time.perf_counter()
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
-
-
-Clock = WallClock  # the protocol: any object with now() and sleep(seconds)
 
 
 def stop_callback(policy: Policy, state: DecodeState) -> StopFn | None:
@@ -80,12 +86,10 @@ class BatchStep:
             return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
         return probs_from_logits(block.logits, cfg)
 
-    # ------------------------------------------------------------------ the loop
-    @torch.inference_mode()
-
-    def _step(self, batch: list[Row], cache: RaggedCache, max_batch: int) -> list[StepRecord]:
+    # ------------------------------------------------------------------ one step
+    def _step(self, batch: list[Row], cache: RaggedCache) -> list[StepRecord]:
         """Decide, draft, verify every row in one target pass and commit each row's accepted tokens, record."""
-        decisions = self._decide(batch, max_batch)
+        decisions = self._decide(batch)
         drafts, draft_s = self._draft(batch, [d for d, _ in decisions])
         t1 = self._now()
         outcomes = self._verify_and_commit(batch, cache, drafts)
@@ -94,7 +98,7 @@ class BatchStep:
                 for run, (decision, cooldown), (name, block), outcome, ds
                 in zip(batch, decisions, drafts, outcomes, draft_s)]
 
-    def _decide(self, batch: list[Row], max_batch: int) -> list[tuple[Decision, bool]]:
+    def _decide(self, batch: list[Row]) -> list[tuple[Decision, bool]]:
         """Each row's decision for this step (autoregressive while a row cools down); the policy sees the rows that
         are not cooling down together (``Policy.decide_batch``), with the live batch size and load."""
         out: list[tuple[Decision, bool] | None] = [None] * len(batch)
@@ -128,13 +132,12 @@ class BatchStep:
         draft together (``Drafter.propose_batch``: one forward per token for model drafters; a group's time is
         shared among its rows). A drafter that raises is dropped for that row's request; the row decodes on
         autoregressively and its output stays exact."""
-        drafts = [(None, DraftBlock.empty(self.device))] * len(batch)
-        seconds = [0.0] * len(batch)
+        drafts, seconds = [], [0.0] * len(batch)
         groups: dict[str, list[tuple[int, int]]] = {}
         for i, (run, decision) in enumerate(zip(batch, decisions)):
             name = decision.drafter if decision.drafter in run.state.drafters else None
             k = min(decision.k, run.left - 1) if name is not None else 0
-            drafts[i] = (name, DraftBlock.empty(self.device))
+            drafts.append((name, DraftBlock.empty(self.device)))
             if k > 0:
                 run.state.drafter = name
                 groups.setdefault(name, []).append((i, k))
@@ -304,3 +307,8 @@ class Row:
     @property
     def left(self) -> int:
         return self.limit - len(self.out)
+
+    @property
+    def active(self) -> bool:
+        """Still decoding: no stop token yet and room for more tokens."""
+        return self.finish is None and self.left > 0

@@ -267,21 +267,27 @@ def load_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test_grou
         return simulate_batch(make[name](), test_grouped, cost, vocab_size=vocab_size, max_batch=B,
                               arrivals=arrivals, config=config, load_batch=top)
 
-    rows = [row(f"B={B}", n, run(n, B)) for B in cost.batch_sizes for n in names]
-    ar_top = next(r for r in rows if r["load"] == f"B={top}" and r["policy"] == "ar")
-    per_request = ar_top["tokens_per_s"] / (sum(len(p["drafters"][next(iter(p["drafters"]))]["target_token"])
-                                                 for p in test_grouped.values()) / len(test_grouped))
+    by_batch = {(B, n): run(n, B) for B in cost.batch_sizes for n in names}
+    rows = [row(f"B={B}", n, res) for (B, n), res in by_batch.items()]
+    ar_top = by_batch[top, "ar"]
+    capacity = len(ar_top.results) / ar_top.makespan_s  # AR's requests per second at the largest batch
     gaps = np.random.default_rng(seed).exponential(1.0, len(test_grouped))
     for frac in LOAD_RATES:
-        arrivals = (np.cumsum(gaps) / (frac * per_request)).tolist()
+        arrivals = (np.cumsum(gaps) / (frac * capacity)).tolist()
         rows += [row(f"poisson {frac:g}x", n, run(n, top, arrivals)) for n in names]
-    for load in dict.fromkeys(r["load"] for r in rows):
-        group = [r for r in rows if r["load"] == load]
+    add_load_ratios(rows, "load")
+    return rows
+
+
+def add_load_ratios(rows: list[dict], key: str) -> None:
+    """``vs_ar`` and ``vs_best_static`` (the best static k of the same load, k = 0 included) of every row, rows
+    grouped by ``key``; each group has an "ar" row and "static-k<N>" rows."""
+    for load in dict.fromkeys(r[key] for r in rows):
+        group = [r for r in rows if r[key] == load]
         ar = next(r for r in group if r["policy"] == "ar")["tokens_per_s"]
         best = max(r["tokens_per_s"] for r in group if r["policy"] == "ar" or r["policy"].startswith("static-k"))
         for r in group:
             r["vs_ar"], r["vs_best_static"] = r["tokens_per_s"] / ar, r["tokens_per_s"] / best
-    return rows
 
 
 def targets(rows: list[dict], predictors: list[str]) -> dict:

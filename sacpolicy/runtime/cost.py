@@ -128,17 +128,21 @@ class CostModel:
         """Seconds of one target pass verifying ``batch`` rows of k drafted tokens (+ the last committed one) each."""
         if batch == 1:
             return self._verify(self.verify, k, context_len)
-        if batch < 1:
-            raise ValueError(f"batch size must be >= 1, got {batch}")
-        if not self.batch:
-            raise ValueError(f"this cost model was profiled at batch size 1 only and cannot time a batch of {batch}. "
-                             "Fix: re-profile with sacpolicy.profiling.profile(..., batch_sizes=[1, 2, 4, 8, 16])")
+        self.check_batch(batch)
         sizes = self.batch_sizes
         i = min(max(bisect.bisect_right(sizes, batch) - 1, 0), len(sizes) - 2)  # outer segment extends beyond
         lo, hi = sizes[i], sizes[i + 1]
         t_lo = self._verify(self.verify if lo == 1 else self.batch[lo], k, context_len)
         t_hi = self._verify(self.batch[hi], k, context_len)
         return max(_MIN_S, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
+
+    def check_batch(self, batch: int) -> None:
+        """Raise unless this model can time a pass of ``batch`` rows."""
+        if batch < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch}")
+        if batch > 1 and not self.batch:
+            raise ValueError(f"this cost model was profiled at batch size 1 only and cannot time a batch of {batch}. "
+                             "Fix: re-profile with sacpolicy.profiling.profile(..., batch_sizes=[1, 2, 4, 8, 16])")
 
     @staticmethod
     def _verify(curves: dict, k: int, context_len: float) -> float:
@@ -229,13 +233,10 @@ class CostModel:
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
-        def curves(v):
-            return {"tokens": v["tokens"].to_dict(), "per_context": float(v["per_context"])}
-
-        d = {"format": COST_FORMAT, "device": self.device, "verify": curves(self.verify),
+        d = {"format": COST_FORMAT, "device": self.device, "verify": _curves_to_dict(self.verify),
              "draft": {name: curve.to_dict() for name, curve in self.draft.items()},
              "per_token_draft": dict(self.per_token_draft), "meta": dict(self.meta)}
-        return {**d, "batch": {str(b): curves(v) for b, v in self.batch.items()}} if self.batch else d
+        return {**d, "batch": {str(b): _curves_to_dict(v) for b, v in self.batch.items()}} if self.batch else d
 
     @classmethod
     def from_dict(cls, d: Mapping, source: str = "cost model") -> CostModel:
@@ -243,15 +244,15 @@ class CostModel:
         if found != COST_FORMAT:
             raise ValueError(f"{source} has cost format {found!r} but this sacpolicy reads cost format {COST_FORMAT}. "
                              "Fix: re-profile this device with sacpolicy.profiling.profile() and save it again")
-        tokens = PiecewiseLinear(**d["verify"]["tokens"])
+        verify = _curves_from_dict(d["verify"])
+        tokens = verify["tokens"]
         drops = [(a, b) for a, b, ya, yb in zip(tokens.xs, tokens.xs[1:], tokens.ys, tokens.ys[1:]) if yb < ya]
         if drops and tokens.lo is None:
             logger.warning("%s: the verify cost falls from %s to %s tokens fed with no interval to show it is beyond "
                            "noise, which lets the simulator favour drafting that gains nothing. Fix: re-profile with "
                            "sacpolicy.profiling.profile (repeats >= 5)", source, *drops[0])
-        batch = {int(b): {"tokens": PiecewiseLinear(**v["tokens"]), "per_context": float(v["per_context"])}
-                 for b, v in d.get("batch", {}).items()}
-        return cls(device=d["device"], verify={"tokens": tokens, "per_context": float(d["verify"]["per_context"])},
+        batch = {int(b): _curves_from_dict(v) for b, v in d.get("batch", {}).items()}
+        return cls(device=d["device"], verify=verify,
                    draft={name: PiecewiseLinear(**curve) for name, curve in d["draft"].items()},
                    per_token_draft={name: bool(v) for name, v in d["per_token_draft"].items()},
                    meta=dict(d.get("meta", {})), batch=batch)
@@ -265,3 +266,12 @@ class CostModel:
     @classmethod
     def from_json(cls, path) -> CostModel:
         return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
+
+
+def _curves_to_dict(curves: dict) -> dict:
+    return {"tokens": curves["tokens"].to_dict(), "per_context": float(curves["per_context"])}
+
+
+def _curves_from_dict(d: Mapping) -> dict:
+    """A verify curve pair (``CostModel.verify`` or one batch size's) from its JSON form."""
+    return {"tokens": PiecewiseLinear(**d["tokens"]), "per_context": float(d["per_context"])}

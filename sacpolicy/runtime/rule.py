@@ -102,9 +102,9 @@ class DecisionRule:
     def plan_batch(self, rows: list[dict[str, np.ndarray]], context_lens: list[int], k_caps: list[int | None],
                    per_row: bool = True) -> list[tuple[str | None, int]]:
         """``plan`` for the rows of a batch verified in one target pass: each row's drafter is the one with the best
-        expected tokens/s for that row at this batch size (at its best k >= 1); then k, 0 included, maximises the whole batch's expected tokens/s
-        (``CostModel.best_batch_k``; ``per_row``: rows may draft less than the longest block). One predictor call
-        for the whole batch."""
+        expected tokens/s for that row at this batch size (at its best k >= 1); then k, 0 included, maximises the
+        whole batch's expected tokens/s (``CostModel.best_batch_k``; ``per_row``: rows may draft less than the
+        longest block). One predictor call for the whole batch."""
         B = len(rows)
         caps = [min(self.k_max, c or self.k_max) for c in k_caps]
         blocks, out = [], [(None, 0)] * B
@@ -135,7 +135,7 @@ class DecisionRule:
                           else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(B)]
             ks, _ = self.cost.best_batch_k(batch_rows, max(caps), per_row=per_row)
             for i, (name, _) in chosen.items():
-                if name is not None and ks[i] > 0:  # the stop rule decides where a block ends
+                if name is not None and ks[i] > 0:  # mode "stop": the cap, and the stop rule ends the block
                     out[i] = (name, caps[i] if self.mode == "stop" else ks[i])
         return out
 

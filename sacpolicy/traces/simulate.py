@@ -237,12 +237,20 @@ def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
 class BatchSimResult:
     """A batched replay: every request's result (cost-model seconds: ``queued_s``, ``total_s``) and the makespan."""
 
-    tokens: int = 0
-    target_calls: int = 0
-    accepted: int = 0
-    drafted: int = 0
-    makespan_s: float = 0.0
-    results: list = field(default_factory=list)  # GenerationResult per prompt, in grouped order
+    results: list  # GenerationResult per prompt, in grouped order
+    makespan_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.results)
+
+    @property
+    def target_calls(self) -> int:
+        return sum(r.target_calls for r in self.results)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for r in self.results for s in r.steps)
 
     @property
     def tokens_per_s(self) -> float:
@@ -267,8 +275,7 @@ def simulate_batch(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size
     if hasattr(policy, "current"):
         raise ValueError(f"{policy!r} reads the traces of the request it decides for; the batched replay cannot hand "
                          "it each row's: replay it with simulate (one request at a time)")
-    if max_batch > 1 and not cost.batch:
-        cost.verify_time(0, 0, max_batch)  # raises the cost model's own message: profile over batch sizes
+    cost.check_batch(max_batch)
     pids = list(grouped)
     names = drafters or list(grouped[pids[0]]["drafters"])
     clock = VirtualClock()
@@ -285,13 +292,7 @@ def simulate_batch(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size
     out = dec.generate_batch([q[:L] for q, L in zip(seqs, lens)], [len(q) - L for q, L in zip(seqs, lens)],
                              requests=[RequestInfo(category=grouped[pid]["category"]) for pid in pids],
                              arrivals=arrivals, max_batch=max_batch)
-    res = BatchSimResult(makespan_s=clock.t, results=out)
-    for r in out:
-        res.tokens += len(r.tokens)
-        res.target_calls += r.target_calls
-        res.accepted += sum(s.accepted for s in r.steps)
-        res.drafted += sum(s.drafted for s in r.steps)
-    return res
+    return BatchSimResult(out, clock.t)
 
 
 class Oracle(Policy):
