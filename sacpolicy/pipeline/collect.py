@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 def run(ctx: RunContext) -> dict:
     from hydra.utils import instantiate
 
-    from sacpolicy.data import split_prompts
     from sacpolicy.profiling import profile
     from sacpolicy.runtime.cost import CostModel
     from sacpolicy.traces.collect import collect_teacher_forced
@@ -27,8 +26,7 @@ def run(ctx: RunContext) -> dict:
     drafters = ctx.drafters
     if not drafters:
         raise PipelineError("collect needs at least one drafter (draft=[ngram], or a distill stage); got none")
-    prompts = split_prompts(instantiate(cfg.data)(tokenizer=target.tokenizer))
-    chosen = {s: ctx.take(prompts[s], c.num_prompts[s]) for s in SPLITS}
+    chosen = {s: ctx.take(ctx.prompts(s), c.num_prompts[s]) for s in SPLITS}
     cost_path = ctx.out_dir / "cost.json"
     if not cost_path.exists():
         logger.info("profiling the cost model on %s", target.device)

@@ -85,9 +85,35 @@ class RunContext:
 
     # ------------------------------------------------------------------ data
     def prompts(self, split: str | None = None):
+        """The run's prompts (``cfg.data``) of one split (default ``run.split``)."""
+        return self._prompt_splits[split or self.cfg.run.split]
+
+    @cached_property
+    def _prompt_splits(self):
         from sacpolicy.data import split_prompts
 
-        return split_prompts(instantiate(self.cfg.data)(tokenizer=self.target.tokenizer))[split or self.cfg.run.split]
+        return split_prompts(self.load_prompts(instantiate(self.cfg.data)))
+
+    def load_prompts(self, load, sources=None, **kwargs):
+        """``load(tokenizer=..., **kwargs)`` (a ``load_prompt_mix`` partial), given the target's own first answers
+        when its sources (default ``cfg.data.sources``) quote them (``mt_bench_turn2``)."""
+        from sacpolicy.data import needs_answers
+        from sacpolicy.training.distill_data import answer_texts
+
+        if needs_answers(self.cfg.data.get("sources") if sources is None else sources):
+            kwargs["answers"] = answer_texts(self.first_answers, self.target.tokenizer)
+        return load(tokenizer=self.target.tokenizer, **kwargs)
+
+    @cached_property
+    def first_answers(self):
+        """The target's greedy answers to the MT-Bench first turns, generated once per target and distillation data
+        settings (``distill.data``: their length and teacher top-k) and cached: quoted by ``mt_bench_turn2`` prompts,
+        reused as distillation data."""
+        from sacpolicy.training.distill_data import first_answers
+
+        data = self.cfg.distill.data
+        return first_answers(self.target, max_new_tokens=data.max_new_tokens, topk=data.topk,
+                             batch_size=data.gen_batch_size)
 
     def take(self, rows, n) -> list:
         """n prompts drawn at random (seeded) from a split, so a sample mixes its sources and categories."""
@@ -146,8 +172,10 @@ class RunContext:
         return best["all"]
 
     # ------------------------------------------------------------------ logging
-    def lightning_logger(self):
-        return instantiate(self.cfg.logger) if self.cfg.get("logger") else None
+    def lightning_logger(self, stage: str):
+        """The run's Lightning logger for a training stage; its keys carry the stage (``distill-val/accept_len``,
+        ``head-val/accept_len``), so the curves of two drafts in one W&B run stay apart."""
+        return instantiate(self.cfg.logger, prefix=stage) if self.cfg.get("logger") else None
 
 
 def command() -> str:

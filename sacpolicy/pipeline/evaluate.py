@@ -33,13 +33,30 @@ def run(ctx: RunContext) -> dict:
                           best_static=ctx.best_static(), sampling=instantiate(cfg.sampling),
                           decoder_config=instantiate(cfg.decoder), in_sample=in_sample)
     write_eval(out_dir, rows, meta)
-    plots = make_plots({"rows": rows, "meta": meta}, out_dir / "plots")
-    tracker.table("eval/rows", rows)
-    tracker.table("eval/per_category", [{"name": r["name"], "mode": r["mode"], "category": c, **v}
-                                        for r in rows for c, v in r["per_category"].items()])
-    for p in plots:
-        tracker.image(f"eval/{p.stem}", p)
+    track(tracker, rows, make_plots({"rows": rows, "meta": meta}, out_dir / "plots"))
     tracker.log({k: v for k, v in meta.items() if isinstance(v, (int, float))}, "evaluate")
     return {"eval": str(out_dir / "eval.json"), "rows": len(rows),
             **{k: v for k, v in meta.items() if k.startswith("learned")}}
 
+
+BARS = {"tokens_per_s": "tokens/s", "tokens_per_call": "tokens per target call"}  # row key -> chart title
+HISTOGRAMS = {"k_hist": "k_chosen", "accept_hist": "accepted_len"}  # row key -> tracker name (its own W&B section)
+
+
+def track(tracker, rows: list[dict], plots: list) -> None:
+    """What the tracker keeps of the evaluation rows: the table (``eval/rows``) and its per-category rows
+    (``eval/per_category``), 95% intervals as ``_lo``/``_hi`` columns; a bar chart of each ``BARS`` key over the
+    policies of each mode (``eval/tokens_per_s_live``, ...); each policy's histograms of the k it chose (0: an
+    autoregressive step) and of the tokens accepted per drafting step (``k_chosen/<policy> (<mode>)``,
+    ``accepted_len/...``); the plots (``eval/<plot>``)."""
+    tracker.table("eval/rows", rows)
+    tracker.table("eval/per_category", [{"name": r["name"], "mode": r["mode"], "category": c, **v}
+                                        for r in rows for c, v in r["per_category"].items()])
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        for key, title in BARS.items():
+            tracker.bar(f"eval/{key}_{mode}", {r["name"]: r[key] for r in rows if r["mode"] == mode}, value=key,
+                        title=f"{title} ({mode})")
+    for key, name in HISTOGRAMS.items():
+        tracker.histograms(name, {f"{r['name']} ({r['mode']})": r[key] for r in rows})
+    for p in plots:
+        tracker.image(f"eval/{p.stem}", p)

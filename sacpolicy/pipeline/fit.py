@@ -20,7 +20,6 @@ logger = logging.getLogger(__name__)
 
 
 def run(ctx: RunContext) -> dict:
-    from sacpolicy.evaluation.plots import calibration_plot
     from sacpolicy.runtime.artifact import save_policy
     from sacpolicy.training.predictor import acceptance_examples, fit_predictor
 
@@ -34,7 +33,7 @@ def run(ctx: RunContext) -> dict:
     for name, spec in cfg.predictor.items():
         t0 = time.perf_counter()
         pred, metrics = fit_predictor(name, instantiate(spec, _convert_="all"), ex, ctx.out_dir / "fit" / name,
-                                      logger=ctx.lightning_logger())
+                                      logger=ctx.lightning_logger("fit"))
         rule, tuning = decision_rule(ctx, name, pred, static)
         missing = [d for d in rule.drafters if d not in specs]
         if missing:
@@ -42,17 +41,24 @@ def run(ctx: RunContext) -> dict:
         save_policy(ctx.out_dir / "policies" / name, rule, drafters={d: specs[d] for d in rule.drafters},
                     provenance={"target": cfg.target.spec, "traces": str(tf_dir), "command": command()},
                     metrics={"predictor": metrics, "tuning": tuning})
-        test = ex.of("test", "known")
-        if len(test):
-            plot = calibration_plot(pred.predict(test.X), test.y, ctx.out_dir / "plots" / f"calibration_{name}.png",
-                                    title=f"{name}: acceptance calibration (test, drafted tokens)")
-            tracker.image(f"fit/calibration_{name}", plot)
+        track_calibration(tracker, name, pred, ex.of("test", "known"), ctx.out_dir / "plots")
         summary["predictors"][name] = {
             "metrics": metrics, "mode": rule.mode, "optimism": rule.optimism, "fallback": list(rule.fallback),
             "fit_s": time.perf_counter() - t0, "tuning_skipped": tuning.get("skipped"),
             "val_tokens_per_s": max((r["val_tokens_per_s"] for r in tuning["grid"]), default=None)}
         tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
     return summary
+
+
+def track_calibration(tracker, name: str, pred, test, plot_dir) -> None:
+    """The predictor's reliability diagram on the test examples (``plots/calibration_<name>.png``), tracked as
+    ``fit/calibration_<name>``; nothing without test examples."""
+    from sacpolicy.evaluation.plots import calibration_plot
+
+    if len(test):
+        plot = calibration_plot(pred.predict(test.X), test.y, plot_dir / f"calibration_{name}.png",
+                                title=f"{name}: acceptance calibration (test, drafted tokens)")
+        tracker.image(f"fit/calibration_{name}", plot)
 
 
 def decision_rule(ctx: RunContext, name: str, pred, static: dict):

@@ -21,5 +21,5 @@ def run(ctx: RunContext) -> dict:
         dm.setup()
         train, val = dm.train, dm.val
     metrics = train_eagle3(ctx.target, train, val, settings, instantiate(ctx.cfg.trainer), ctx.out_dir / "head",
-                           ctx.lightning_logger())
+                           ctx.lightning_logger("head"))
     return {"target": ctx.target.spec, "head_dir": str(ctx.out_dir / "head" / "head"), **metrics}

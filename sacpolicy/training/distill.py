@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, field
 import lightning as L
 import torch
 
-from sacpolicy.training.common import WarmupAdamW, config_hash
+from sacpolicy.training.common import StepAcceptance, WarmupAdamW, config_hash
 from sacpolicy.training.drafts import DraftModel
 
 logger = logging.getLogger(__name__)
 
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
+ACCEPT_STEPS = 4  # draft steps whose held-out acceptance validation logs (val/acc_step0..3, val/accept_len)
 
 
 def _data_defaults() -> dict:
@@ -117,8 +118,12 @@ def divergence(kind: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float 
     raise ValueError(f"unknown distillation loss {kind!r}; choose one of {list(LOSSES)}")
 
 
-class DistillModule(WarmupAdamW, L.LightningModule):
-    checkpoint_key, run_kind = "sacpolicy_distill_config", "distillation"
+class DistillModule(WarmupAdamW, StepAcceptance, L.LightningModule):
+    """Validation logs ``val/loss``, ``val/match_rate`` (greedy agreement with the target's next token),
+    ``val/beta_lb`` and the acceptance per draft step (``StepAcceptance``): exact from teacher forcing, since the
+    held-out continuations are the target's greedy ones, so a draft that agreed on steps < j saw the same prefix."""
+
+    checkpoint_key, run_kind, acceptance_steps = "sacpolicy_distill_config", "distillation", ACCEPT_STEPS
 
     def __init__(self, draft: DraftModel, full_vocab: int, settings: DistillSettings, teacher=None,
                  config_id: dict | None = None):
@@ -188,6 +193,11 @@ class DistillModule(WarmupAdamW, L.LightningModule):
         idx = self.t2d[top_ids]
         q_top = torch.where(idx >= 0, q.gather(-1, idx.clamp_min(0)), torch.zeros_like(top_logp))
         beta_lb = torch.minimum(top_logp.float().exp(), q_top).sum(-1).mean()  # sum over top-k only: a lower bound
+        mask = batch["loss_mask"]
+        hit = torch.zeros_like(mask)  # [B, T - 1]: the draft's greedy token is the target's
+        hit[mask] = self.d2t[logits.argmax(-1)] == top_ids[:, 0]
+        steps = range(self.acceptance_steps)  # the chain from row t: step j at row t + j
+        self.count_chains(mask, [_ahead(mask, j) for j in steps], [_ahead(hit, j) for j in steps])
         n = logits.shape[0]
         self.log_dict({"val/loss": loss, "val/match_rate": match, "val/beta_lb": beta_lb}, prog_bar=True,
                       batch_size=n, sync_dist=True)
@@ -216,6 +226,11 @@ class DistillModule(WarmupAdamW, L.LightningModule):
         self.draft.train(was_training)
         scored = teacher_topk(teacher, seqs, k=batch["topk_ids"].shape[-1], progress=False)
         return {key: v.to(self.device) for key, v in collate(list(scored)).items()}
+
+
+def _ahead(x: torch.Tensor, j: int) -> torch.Tensor:
+    """[B, T] -> [B, T]: row t holds row t + j of ``x`` (False past the end)."""
+    return torch.cat([x[:, j:], torch.zeros_like(x[:, :j])], dim=1)
 
 
 # ---------------------------------------------------------------------- the whole stage

@@ -117,6 +117,25 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
     return datasets.Dataset.from_dict(rows, features=FEATURES)
 
 
+def first_answers(target: LoadedModel, *, max_new_tokens: int, topk: int, batch_size: int = 48) -> datasets.Dataset:
+    """The target's greedy answers to every MT-Bench first turn, with their teacher top-k, generated once per target
+    and settings (cached). The ``mt_bench_turn2`` prompts quote them (``answer_texts``), and distillation trains on
+    them where its prompts are those first turns (``DistillDataModule(reuse=...)``): one generation for both."""
+    from sacpolicy.data import load_prompts
+
+    prompts = load_prompts("mt_bench", tokenizer=target.tokenizer)
+    key = cache_key(format=DATA_FORMAT, target=target.spec, dtype=str(target.dtype), ids=prompts["prompt_id"],
+                    lens=[len(x) for x in prompts["input_ids"]], max_new_tokens=max_new_tokens, topk=topk)
+    return cached_dataset("answers", key, lambda: generate_continuations(
+        target, prompts, max_new_tokens=max_new_tokens, topk=topk, batch_size=batch_size))
+
+
+def answer_texts(answers: datasets.Dataset, tokenizer) -> dict[str, str]:
+    """{prompt_id: the answer's text} of ``first_answers`` (what ``load_prompts(..., answers=)`` takes)."""
+    return {r["prompt_id"]: tokenizer.decode(r["input_ids"][r["prompt_len"]:], skip_special_tokens=True).strip()
+            for r in answers}
+
+
 SENTINEL = "\x00sacpolicy-user-turn\x00"
 
 
@@ -246,7 +265,7 @@ def data_defaults() -> dict:
 
     params = inspect.signature(DistillDataModule.__init__).parameters.values()
     out = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty
-           and p.name not in ("fixed_text", "seed", "synthetic")}  # fixed_text and seed come from the run
+           and p.name not in ("fixed_text", "seed", "synthetic", "reuse")}  # these come from the run
     return {**out, "synthetic": dict(SYNTHETIC_DEFAULTS)}
 
 
@@ -262,7 +281,8 @@ class DistillDataModule(L.LightningDataModule):
     def __init__(self, target: LoadedModel, train_prompts: datasets.Dataset, val_prompts: datasets.Dataset, *,
                  max_new_tokens: int = 160, samples: int = 1, temperature: float = 0.8, greedy_too: bool = True,
                  fixed_text: datasets.Dataset | None = None, synthetic: dict | None = None, topk: int = 64,
-                 batch_size: int = 8, gen_batch_size: int = 48, seed: int = 0):
+                 batch_size: int = 8, gen_batch_size: int = 48, seed: int = 0,
+                 reuse: datasets.Dataset | None = None):
         super().__init__()
         if samples < 0 or (samples == 0 and not greedy_too):
             raise ValueError("distillation data needs greedy continuations (greedy_too) or samples >= 1")
@@ -276,6 +296,9 @@ class DistillDataModule(L.LightningDataModule):
         if unknown:
             raise ValueError(f"unknown distill.data.synthetic keys {sorted(unknown)}; use count, max_tokens, temperature")
         self.batch_size, self.gen_batch_size = batch_size, gen_batch_size
+        # greedy continuations already generated with these max_new_tokens and topk (``first_answers``): prompts found
+        # there (same id, same tokens) are not generated again
+        self.reuse = {r["prompt_id"]: r for r in reuse} if reuse is not None else {}
         self.train = self.val = None
 
     def _model_key(self, **parts) -> str:
@@ -291,7 +314,14 @@ class DistillDataModule(L.LightningDataModule):
         common = dict(max_new_tokens=s["max_new_tokens"], batch_size=self.gen_batch_size, topk=s["topk"])
         parts = []
         if s["greedy_too"] or not sampled:
-            parts.append(generate_continuations(self.target, prompts, **common))
+            known = [i for i, r in enumerate(prompts) if r["prompt_id"] in self.reuse
+                     and self.reuse[r["prompt_id"]]["input_ids"][: len(r["input_ids"])] == list(r["input_ids"])]
+            if known:
+                parts.append(datasets.Dataset.from_list([self.reuse[prompts[i]["prompt_id"]] for i in known],
+                                                        features=FEATURES))
+            rest = prompts.select(sorted(set(range(len(prompts))) - set(known)))
+            if len(rest):
+                parts.append(generate_continuations(self.target, rest, **common))
         if sampled and s["samples"] > 0:
             parts.append(generate_continuations(self.target, prompts, samples=s["samples"], seed=s["seed"],
                                                 temperature=s["temperature"] or 1.0, **common))

