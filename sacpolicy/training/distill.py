@@ -172,13 +172,14 @@ class DistillModule(WarmupAdamW, StepAcceptance, L.LightningModule):
             if ok.any():
                 ce = torch.nn.functional.cross_entropy(logits[ok], labels[ok])
                 loss = (1 - self.ce_weight) * loss + self.ce_weight * ce
-        match = (self.d2t[logits.argmax(-1)] == top_ids[:, 0]).float().mean()
-        return loss, match, logits, top_ids, top_logp
+        agree = self.d2t[logits.argmax(-1)] == top_ids[:, 0]  # per position: the draft's greedy token is the target's
+        return loss, agree, logits, top_ids, top_logp
 
     def training_step(self, batch, batch_idx):
         if self.on_policy_fraction and random.Random(self.global_step).random() < self.on_policy_fraction:
             batch = self._on_policy_batch(batch)
-        loss, match, *_ = self._loss(batch)
+        loss, agree, *_ = self._loss(batch)
+        match = agree.float().mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"distillation loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); lower "
@@ -188,18 +189,18 @@ class DistillModule(WarmupAdamW, StepAcceptance, L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        loss, match, logits, top_ids, top_logp = self._loss(batch)
+        loss, agree, logits, top_ids, top_logp = self._loss(batch)
         q = torch.softmax(logits, -1)
         idx = self.t2d[top_ids]
         q_top = torch.where(idx >= 0, q.gather(-1, idx.clamp_min(0)), torch.zeros_like(top_logp))
         beta_lb = torch.minimum(top_logp.float().exp(), q_top).sum(-1).mean()  # sum over top-k only: a lower bound
         mask = batch["loss_mask"]
-        hit = torch.zeros_like(mask)  # [B, T - 1]: the draft's greedy token is the target's
-        hit[mask] = self.d2t[logits.argmax(-1)] == top_ids[:, 0]
+        hit = torch.zeros_like(mask)  # [B, T - 1]: ``agree`` back at its rows
+        hit[mask] = agree
         steps = range(self.acceptance_steps)  # the chain from row t: step j at row t + j
         self.count_chains(mask, [_ahead(mask, j) for j in steps], [_ahead(hit, j) for j in steps])
         n = logits.shape[0]
-        self.log_dict({"val/loss": loss, "val/match_rate": match, "val/beta_lb": beta_lb}, prog_bar=True,
+        self.log_dict({"val/loss": loss, "val/match_rate": agree.float().mean(), "val/beta_lb": beta_lb}, prog_bar=True,
                       batch_size=n, sync_dist=True)
 
     # ------------------------------------------------------------------ on-policy data (GKD)
