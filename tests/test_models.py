@@ -4,6 +4,7 @@ import copy
 import importlib.util
 import json
 import logging
+import os
 import pathlib
 import types
 
@@ -191,6 +192,22 @@ def test_changed_gguf_gets_new_cache_dir(fake_gguf):
     with open(path, "ab") as f:
         f.write(b"more tensors")
     assert gguf_module.gguf_cache_dir(path) != before
+
+
+def test_cache_key_is_the_content_not_the_path(fake_gguf, tmp_path):
+    """A fresh install (another path, another mtime) reuses the conversion; an edit of the same size does not."""
+    path, calls = fake_gguf
+    final = gguf_module.ensure_gguf_converted(path)
+    elsewhere = tmp_path / "venv2" / "fake.gguf"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(path.read_bytes())
+    os.utime(elsewhere, ns=(1, 1))
+    assert gguf_module.ensure_gguf_converted(elsewhere) == final and len(calls) == 1
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the middle of the file: neither its size nor its head or tail changes
+    elsewhere.write_bytes(bytes(data))
+    os.utime(elsewhere, ns=(2, 2))
+    assert gguf_module.gguf_cache_dir(elsewhere) != final
 
 
 def test_unmarked_cache_dir_is_rebuilt(fake_gguf):
