@@ -14,7 +14,10 @@ GB while it lives, and frees it all when the process ends. Phases, each on the s
 Greedy decoding (temperature 0), ``ignore_eos=False``; outputs are the generated token ids. Counters are per phase
 (the difference of vLLM's cumulative ``vllm:spec_decode_*`` counters before and after it).
 
-Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache).
+Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache),
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``. With it and the ``uni`` executor (the default ``engine_args``), the engine core
+and its worker run inside the child instead of two more processes that each import vLLM again: an engine here starts
+in ~13 s instead of ~30 s and ends without vLLM's 5-second shutdown, and its one worker uses both cores.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from sacpolicy.io import write_json
 
 PHASES = ("serial", "concurrent")
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ENGINE_DEFAULTS = {"distributed_executor_backend": "uni"}  # one process: see the module's docstring
 # packages that vllm-cpu pulls in and that fail to load against the CPU torch build, breaking ``import vllm``
 BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -82,7 +87,7 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
         write_json(job, {"model": str(model_dir), "prompts": [list(map(int, p)) for p in prompts],
                          "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
                          "enforce_eager": enforce_eager, "max_model_len": max_model_len,
-                         "engine_args": engine_args or {}, "concurrency": concurrency or len(prompts)})
+                         "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})}, "concurrency": concurrency or len(prompts)})
         env = {**CPU_ENV, **os.environ}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
