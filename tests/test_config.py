@@ -126,3 +126,10 @@ def test_unknown_stage_fails_before_any_work():
     cfg = cfg_for("experiment=smoke", "stages=[decode,fly]")
     with pytest.raises(pipeline.PipelineError, match="unknown stage.*fly"):
         pipeline.validate(cfg)
+
+
+def test_live_policy_that_matches_no_row_fails_before_any_work():
+    cfg = cfg_for("experiment=smoke", "eval.live_policies=[ar,learned-svm]", "predictor=[hgb]")
+    with pytest.raises(pipeline.PipelineError, match=r"\['learned-svm'\] match no policy row"):
+        pipeline.validate(cfg)
+    pipeline.validate(cfg_for("experiment=smoke", "eval.live_policies=[ar,learned-*]"))

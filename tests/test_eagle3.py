@@ -381,3 +381,12 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution():
     assert 0.05 * draws < accepted < 0.95 * draws  # both branches of verification were exercised
     _, pval = chisquare(counts.ravel(), expected.numpy().ravel() / expected.sum().item() * draws)
     assert pval > 1e-3, pval
+
+
+def test_lr_schedule_warms_up_then_stays_or_decays_to_zero():
+    from sacpolicy.training.common import lr_factor
+
+    assert [lr_factor(s, 4) for s in (0, 3, 4, 1000)] == [0.25, 1.0, 1.0, 1.0]
+    decayed = [lr_factor(s, 4, decay_steps=10) for s in range(4, 16)]
+    assert decayed[0] == 1.0 and decayed[5] == pytest.approx(0.5) and decayed[10] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(decayed, decayed[1:])) and decayed[-1] == pytest.approx(0.0, abs=1e-12)

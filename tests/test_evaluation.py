@@ -302,3 +302,21 @@ def test_calibration_plot(tmp_path):
     probs = rng.uniform(size=500)
     path = calibration_plot(probs, rng.uniform(size=500) < probs, tmp_path / "sub" / "cal.png", title="Acceptance")
     assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_live_policies_pick_rows_by_pattern_and_refuse_unknown_ones():
+    from sacpolicy.evaluation.evaluate import EvalSettings, check_live_policies, live_factories, policy_factories
+
+    def settings(live):
+        return EvalSettings(ks=(1, 4), k_max=8, live_prompts=2, max_new_tokens=8, price_per_hour=1.0,
+                            confidence_grid=(0.5,), live_policies=live)
+
+    chosen = {"best_static": {"drafter": "ngram", "k": 4}, "confidence_threshold": 0.3}
+    make = policy_factories(settings(None), chosen, None, {"hgb": None, "mlp": None}, live=True)
+    assert list(live_factories(settings(None), make)) == list(make) and "static-k4" in make
+    picked = live_factories(settings(("learned-*", "ar", "best-static")), make)
+    assert list(picked) == ["ar", "best-static", "learned-hgb", "learned-mlp"]  # the rows' order, not the patterns'
+    assert picked["best-static"]().k == 4
+    with pytest.raises(ValueError, match=r"\['learned-logreg'\] match no policy row; rows are \['ar'"):
+        check_live_policies(settings(("ar", "learned-logreg")), ["hgb", "mlp"])
+    check_live_policies(settings(("ar", "learned-mlp")), ["hgb", "mlp"])

@@ -33,6 +33,7 @@ from sacpolicy.policy import (
     Static,
 )
 from sacpolicy.policy.learned import LearnedPolicy
+from sacpolicy.progress import progress_iter
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class EvalSettings:
     max_new_tokens: int
     price_per_hour: float
     confidence_grid: tuple[float, ...]
+    live_policies: tuple[str, ...] | None = None  # fnmatch patterns of the rows decoded live; None: every policy
     warmup_tokens: int = 8  # tokens each live decoder decodes once before timing (lazy initialisation)
     resamples: int = 2000  # bootstrap resamples of the prompts behind each ratio's 95% interval
     bootstrap_seed: int = 0
@@ -187,8 +189,6 @@ def simulated_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test
                    config=None, in_sample: InSample | None = None, progress: bool = True) -> tuple[list, dict]:
     """Every policy replayed over the test traces, then the ceilings: per-prompt hindsight static, each predictor
     refitted in sample (with ``in_sample``) and the oracle. -> (rows, {predictor: why it has no in-sample row})."""
-    from tqdm.auto import tqdm
-
     from sacpolicy.traces.simulate import Oracle, simulate
 
     def row(name, results, policy_s=0.0, fallbacks=0):
@@ -203,7 +203,7 @@ def simulated_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test
                  for n, r in refit.items()}
     make["oracle"] = lambda: Oracle(cost, k_max=settings.k_max)
     rows = []
-    for name, factory in tqdm(make.items(), desc="simulated rows", disable=not progress):
+    for name, factory in progress_iter(make.items(), "simulated rows", unit="policy", enabled=progress):
         policy = factory()
         timed = policy if isinstance(policy, Oracle) else Timed(policy)  # the oracle reads traces through .current
         sim = simulate(timed, test_grouped, cost, vocab_size=vocab_size, config=config)
@@ -214,22 +214,41 @@ def simulated_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test
     return rows, no_ceiling
 
 
+def check_live_policies(settings: EvalSettings, predictors) -> None:
+    """Refuse ``eval.live_policies`` patterns that match no row, before a run spends minutes reaching evaluation."""
+    chosen = {"best_static": {"drafter": None, "k": 1}, "confidence_threshold": 0.5}  # row names only: never built
+    live_factories(settings, policy_factories(settings, chosen, None, dict.fromkeys(predictors), live=True))
+
+
+def live_factories(settings: EvalSettings, make: dict) -> dict:
+    """The policies ``settings.live_policies`` names (fnmatch patterns, e.g. ``learned-*``), in their order; all of
+    them when it is None. A pattern that matches nothing is an error naming the rows there are."""
+    import fnmatch
+
+    if settings.live_policies is None:
+        return make
+    unmatched = [p for p in settings.live_policies if not fnmatch.filter(make, p)]
+    if unmatched:
+        raise ValueError(f"eval.live_policies {unmatched} match no policy row; rows are {list(make)} "
+                         "(patterns as in fnmatch, e.g. learned-*; null = every row)")
+    return {name: f for name, f in make.items() if any(fnmatch.fnmatch(name, p) for p in settings.live_policies)}
+
+
 def live_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, target, drafters: list, prompts: list, *,
               sampling=None, config=None, progress: bool = True) -> list[dict]:
     """Every policy decoding the prompts live, prompt by prompt with each policy in turn (machine noise hits all
     alike), after a warm-up generation each."""
-    from tqdm.auto import tqdm
-
     from sacpolicy.decoding import SpeculativeDecoder
 
+    factories = live_factories(settings, policy_factories(settings, chosen, cost, rules, live=True))
     decoders = {name: SpeculativeDecoder(target.model, drafters, Timed(make()), sampling=sampling, config=config,
                                          stop_token_ids=target.eos_token_ids)
-                for name, make in policy_factories(settings, chosen, cost, rules, live=True).items()}
+                for name, make in factories.items()}
     for dec in decoders.values():  # first calls pay for lazy initialisation
         dec.generate(prompts[0]["input_ids"], settings.warmup_tokens)
         dec.policy.seconds = 0.0
     results = {name: [] for name in decoders}
-    for row in tqdm(prompts, desc="live rows (prompt by prompt)", disable=not progress):
+    for row in progress_iter(prompts, "live rows (prompt by prompt)", unit="prompt", enabled=progress):
         for name, dec in decoders.items():
             res = dec.generate(row["input_ids"], settings.max_new_tokens, request=RequestInfo(category=row["category"]))
             results[name].append((row["category"], res))

@@ -64,6 +64,15 @@ def validate(cfg: DictConfig) -> None:
             "machine (GPU presets also need Hub access to download the models), or pick a CPU preset "
             "(experiment=embedded_cpu or experiment=smoke)"
         )
+    if "evaluate" in cfg.stages and cfg.eval.get("live_policies") is not None:
+        from hydra.utils import instantiate
+
+        from sacpolicy.evaluation.evaluate import check_live_policies
+
+        try:
+            check_live_policies(instantiate(cfg.eval, _convert_="all"), list(cfg.predictor))
+        except ValueError as e:
+            raise PipelineError(str(e)) from e
     if cfg.get("from_run"):
         src = Path(cfg.from_run)
         if not (src / "config.yaml").is_file():

@@ -17,6 +17,7 @@ import torch
 from sacpolicy.decoding import RequestInfo, SamplingConfig, SpeculativeDecoder
 from sacpolicy.decoding.aux import aux_pass
 from sacpolicy.decoding.sampling import draft_stats, probs_from_logits
+from sacpolicy.progress import progress_iter
 from sacpolicy.traces.schema import (
     SCHEMA_VERSION,
     TraceError,
@@ -64,14 +65,13 @@ def _prepare(out_dir: Path, meta: dict) -> None:
 def collect_live(decoder: SpeculativeDecoder, prompts, out_dir, *, max_new_tokens: int, meta: dict,
                  shard=None, chunk_size: int = 8, progress: bool = True) -> Path:
     """Decode each prompt with the decoder's policy and write its step records (kind ``live``)."""
-    from tqdm.auto import tqdm
-
     out_dir = Path(out_dir)
     weights = next(decoder.target.parameters())
     _prepare(out_dir, {**meta, "kind": "live", "policy": repr(decoder.policy), "max_new_tokens": max_new_tokens,
                        "drafters": list(decoder.drafters), "sampling": vars(decoder.sampling),
                        "device": str(weights.device), "dtype": str(weights.dtype)})
-    for name, chunk in tqdm(list(_chunks(prompts, shard, chunk_size)), desc="live traces", disable=not progress):
+    chunks = list(_chunks(prompts, shard, chunk_size))
+    for name, chunk in progress_iter(chunks, "live traces", unit="chunk", enabled=progress):
         if (out_dir / f"{name}.parquet").exists():
             continue
         rows = []
@@ -155,8 +155,6 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
                            progress: bool = True) -> Path:
     """Decode each prompt once with the target (greedy, or sampled with ``sampling.seed`` + prompt index), then run
     each drafter once over the target's sequence (kind ``teacher_forced``)."""
-    from tqdm.auto import tqdm
-
     sampling = sampling or SamplingConfig()
     out_dir = Path(out_dir)
     _prepare(out_dir, {**meta, "kind": "teacher_forced", "drafters": [d.name for d in drafters], "k_max": k_max,
@@ -164,8 +162,8 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
                        "dtype": str(target.dtype)})
     decoder = SpeculativeDecoder(target.model, [], None, sampling=sampling,
                                  stop_token_ids=target.eos_token_ids)
-    for name, chunk in tqdm(list(_chunks(prompts, shard, chunk_size)), desc="teacher-forced traces",
-                            disable=not progress):
+    chunks = list(_chunks(prompts, shard, chunk_size))
+    for name, chunk in progress_iter(chunks, "teacher-forced traces", unit="chunk", enabled=progress):
         if (out_dir / f"{name}.parquet").exists():
             continue
         rows = []

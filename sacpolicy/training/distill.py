@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import lightning as L
 import torch
 
-from sacpolicy.training.common import StepAcceptance, WarmupAdamW, config_hash
+from sacpolicy.training.common import MinuteLog, StepAcceptance, WarmupAdamW, config_hash
 from sacpolicy.training.drafts import DraftModel
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ def train_draft(target, datamodule, settings: DistillSettings, trainer_factory, 
     ckpt_dir = out_dir / "checkpoints"
     best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/match_rate", mode="max", save_last=True)
     callbacks = [best, EarlyStopping(monitor="val/match_rate", mode="max", patience=s.patience,
-                                     check_on_train_epoch_end=False), *callbacks]
+                                     check_on_train_epoch_end=False), MinuteLog("distillation"), *callbacks]
     kwargs = {"callbacks": callbacks, "logger": logger if logger is not None else False,
               "val_check_interval": s.val_check_interval}
     if s.budget_minutes:

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from sacpolicy.models import LoadedModel, cache_root
+from sacpolicy.progress import progress_iter
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +79,14 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
     Bulk generation runs batched (left padding) with transformers' ``generate``: on a CPU, batching is what makes
     thousands of target tokens affordable, which batch-1 speculative decoding cannot match before a good draft exists.
     """
-    from tqdm.auto import tqdm
-
     pad = _pad_id(target)
     model = target.model.eval()
     jobs = [(row["prompt_id"], s, row["input_ids"]) for row in prompts for s in range(samples)]
     jobs.sort(key=lambda j: len(j[2]))  # similar lengths per batch: less padding
     rows = {key: [] for key in FEATURES}
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for start in tqdm(range(0, len(jobs), batch_size), desc="target continuations", disable=not progress):
+    starts = range(0, len(jobs), batch_size)
+    for start in progress_iter(starts, "target continuations", unit="batch", enabled=progress):
         batch = jobs[start : start + batch_size]
         width = max(len(j[2]) for j in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -161,8 +161,6 @@ def synthetic_prompts(target: LoadedModel, count: int, *, max_tokens: int = 64, 
     2024), as a prompt set (prompt_id ``synthetic/<i>``, category ``synthetic``, messages, input_ids). Requests that
     do not end within ``max_tokens``, near-empty ones and duplicates are dropped, so fewer than ``count`` may come back.
     """
-    from tqdm.auto import tqdm
-
     from sacpolicy.data import apply_template, prompt_features
 
     if count < 1 or max_tokens < 1 or temperature <= 0:
@@ -172,7 +170,7 @@ def synthetic_prompts(target: LoadedModel, count: int, *, max_tokens: int = 64, 
     stops = set(target.eos_token_ids)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     seen, rows = set(), {"prompt_id": [], "category": [], "messages": [], "input_ids": []}
-    for start in tqdm(range(0, count, batch_size), desc="synthetic prompts", disable=not progress):
+    for start in progress_iter(range(0, count, batch_size), "synthetic prompts", unit="batch", enabled=progress):
         n = min(batch_size, count - start)
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         ids = prefix.expand(n, -1)
@@ -201,11 +199,9 @@ def teacher_topk(target: LoadedModel, seqs: list[dict], *, k: int = 64, batch_si
                  progress: bool = True) -> datasets.Dataset:
     """Teacher-forced target pass over given sequences (rows with prompt_id, input_ids, prompt_len): the target's
     top-k at positions prompt_len - 1 .. len - 2. Used for fixed text and for on-policy draft samples."""
-    from tqdm.auto import tqdm
-
     model = target.model.eval()
     rows = {key: [] for key in FEATURES}
-    for start in tqdm(range(0, len(seqs), batch_size), desc="teacher top-k", disable=not progress):
+    for start in progress_iter(range(0, len(seqs), batch_size), "teacher top-k", unit="batch", enabled=progress):
         chunk = seqs[start : start + batch_size]
         width = max(len(r["input_ids"]) for r in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)

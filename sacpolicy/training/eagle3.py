@@ -34,7 +34,7 @@ from sacpolicy.decoding.eagle3 import (
     vocab_hash,
 )
 from sacpolicy.io import write_dir, write_json
-from sacpolicy.training.common import StepAcceptance, WarmupAdamW, config_hash
+from sacpolicy.training.common import MinuteLog, StepAcceptance, WarmupAdamW, config_hash
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Eagle3Settings:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
+    decay_steps: int | None = None  # cosine decay of lr to 0 over this many steps after warm-up; None: constant lr
     batch_size: int = 8
     budget_minutes: float | None = 20.0
     max_steps: int | None = None
@@ -149,7 +150,7 @@ class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
         s = settings
         self.steps, self.step_decay, self.lr = s.steps, s.step_decay, s.lr
         self.acceptance_steps = s.steps
-        self.weight_decay, self.warmup_steps = s.weight_decay, s.warmup_steps
+        self.weight_decay, self.warmup_steps, self.decay_steps = s.weight_decay, s.warmup_steps, s.decay_steps
         self.config_hash = config_hash(config_id)
 
     def _ttt(self, batch):
@@ -238,7 +239,8 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     ckpt_dir = out_dir / "checkpoints"
     best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/accept_len", mode="max", save_last=True)
     kwargs = {"callbacks": [best, EarlyStopping(monitor="val/accept_len", mode="max", patience=s.patience,
-                                                check_on_train_epoch_end=False), *callbacks],
+                                                check_on_train_epoch_end=False), MinuteLog("EAGLE-3 head"),
+                            *callbacks],
               "logger": logger if logger is not None else False, "val_check_interval": s.val_check_interval}
     if s.budget_minutes:
         kwargs["max_time"] = {"minutes": s.budget_minutes}

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.io import write_json
+from sacpolicy.progress import progress_iter
 
 FEATURE_FORMAT = 1
 META_FILE = "meta.json"
@@ -83,8 +84,6 @@ def build_feature_cache(target, sequences, cache_dir, aux_layer_ids, *, batch_si
                         dtype: torch.dtype = torch.float16, progress: bool = True) -> FeatureCache:
     """Cache the target's features of ``sequences`` (rows with ``input_ids`` and ``prompt_len``) under ``cache_dir``;
     shards already there are kept. A cache built for other layers, another target or other sequences is refused."""
-    from tqdm.auto import tqdm
-
     cache_dir, rows = Path(cache_dir), list(sequences)
     meta = {"format": FEATURE_FORMAT, "aux_layer_ids": [int(i) for i in aux_layer_ids], "target": target.spec,
             "hidden_size": int(target.model.config.hidden_size), "sequences": len(rows),
@@ -95,7 +94,7 @@ def build_feature_cache(target, sequences, cache_dir, aux_layer_ids, *, batch_si
     else:
         write_json(old, meta)
     shards = range(0, len(rows), shard_size)
-    for k, s in enumerate(tqdm(shards, desc="EAGLE-3 features", disable=not progress)):
+    for k, s in enumerate(progress_iter(shards, "EAGLE-3 features", unit="shard", enabled=progress)):
         path = cache_dir / f"shard-{k:05d}.safetensors"
         if path.is_file():
             continue

@@ -230,6 +230,9 @@ def fit_mlp(train: Examples, val: Examples, *, hidden, lr: float, weight_decay: 
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1,
                                                filename="mlp-{epoch}-{val_loss:.4f}")
     callbacks.append(ckpt)
+    from sacpolicy.training.common import MinuteLog
+
+    callbacks.append(MinuteLog("MLP predictor"))
     kwargs = {"accelerator": "cpu", "devices": 1, "enable_model_summary": False, "logger": logger or False,
               "enable_progress_bar": True, **(trainer_kwargs or {})}
     trainer = L.Trainer(max_epochs=max_epochs, callbacks=callbacks, default_root_dir=out_dir, **kwargs)
