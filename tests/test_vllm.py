@@ -223,3 +223,39 @@ def test_proposer_tracks_each_requests_history_without_request_ids(tmp_path):
         table[i, : len(ctx)] = ctx
     second = proposer.propose([[9], [*first[0], 7]], np.array([len(b2), len(a2)]), table)
     assert second == [proposer.block(b2, accept_ema=0.0), proposer.block(a2, accept_ema=1.0)]
+
+
+def test_vllm_cost_profile_times_steps_and_replaces_the_verify_curve():
+    """Without an engine: the fixed-block proposer, the step arithmetic, the interleaved profile, the cost model."""
+    from types import SimpleNamespace
+
+    from sacpolicy.export.vllm_cost import (FixedBlockProposer, fixed_block_config, profile_vllm_verify, step_seconds,
+                                            vllm_cost_model)
+
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                          model_config=SimpleNamespace(max_model_len=10))
+    assert FixedBlockProposer(cfg).propose([[5], [], [7, 8]], np.array([4, 3, 7]), None) == [[5, 5, 5], [], []]
+    assert fixed_block_config(0) is None and fixed_block_config(4)["num_speculative_tokens"] == 4
+    # 40 tokens, 10 of them accepted drafts: 30 steps in 3 s
+    res = {"tokens": {"serial": 40}, "seconds": {"serial": 3.0},
+           "spec": {"serial": {"num_accepted_tokens": 10, "num_drafts": 30}}}
+    assert step_seconds(res) == {"steps": 30, "seconds": 3.0, "step_s": pytest.approx(0.1), "drafts": 30}
+    calls = []
+
+    def fake_run(model_dir, prompts, *, max_tokens, speculative_config):
+        k = 0 if speculative_config is None else speculative_config["num_speculative_tokens"]
+        calls.append(k)
+        return {"tokens": {"serial": 20}, "seconds": {"serial": 1.0 + 0.1 * k + 0.01 * len(calls)},
+                "spec": {"serial": {"num_accepted_tokens": 0, "num_drafts": 20 if k else 0}}}
+
+    steps = profile_vllm_verify("dir", [[1, 2]], (0, 2), repeats=2, run=fake_run)
+    assert calls == [0, 2, 0, 2]  # interleaved
+    assert steps[0] == pytest.approx([1.01 / 20, 1.03 / 20]) and steps[2] == pytest.approx([1.22 / 20, 1.24 / 20])
+    base = _rule("k").cost
+    cost = vllm_cost_model(base, steps, mean_context=100.0)
+    for k in (0, 2):  # the median step time at the profiled context, the context term kept
+        assert cost.verify_time(k, 100.0) == pytest.approx(np.median(steps[k]))
+    assert cost.verify["per_context"] == base.verify["per_context"] and cost.draft == base.draft
+    assert cost.meta["verify_profiled_in"] == "vllm"
+    with pytest.raises(ValueError, match="needs k = 0"):
+        vllm_cost_model(base, {2: steps[2]}, 100.0)

@@ -1,0 +1,90 @@
+"""A cost model measured inside vLLM, so a rule exported to vLLM is tuned on the engine that will run it.
+
+Our decoder's cost model (``sacpolicy.profiling``) times transformers forwards. vLLM's engine costs differently: on
+this CPU a step that verifies 9 tokens costs little more than a 1-token step there, where our decoder pays ~1.5-2x
+(issue 16's measurements). A rule tuned on our costs drafts less than vLLM rewards.
+
+``profile_vllm_verify`` runs one engine per block length k: k = 0 without speculation, k >= 1 with
+``FixedBlockProposer``, which drafts exactly k tokens at every decode step, so every step verifies k + 1 tokens. A
+step's seconds are the serial phase's seconds over its engine steps (tokens generated minus drafts accepted: each
+step emits one token of its own plus what it accepted). ``vllm_cost_model`` puts those into the run's cost model in
+place of its verify curve, keeping its context term (shifted to the prompts' mean context) and its drafting costs:
+
+    python scripts/profile_vllm.py --run runs/vllm_ngram --out runs/vllm_ngram_vcost
+    python scripts/train.py experiment=vllm_ngram "stages=[fit,export]" from_run=runs/vllm_ngram \\
+        hydra.run.dir=runs/vllm_ngram_vcost
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
+
+__all__ = ["FixedBlockProposer", "fixed_block_config", "profile_vllm_verify", "step_seconds", "vllm_cost_model"]
+
+
+class FixedBlockProposer:
+    """vLLM ``custom_class`` proposer for profiling: exactly ``num_speculative_tokens`` drafts at every decode step
+    (the row's last sampled token, repeated), none during a prefill chunk."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        return [[int(s[-1])] * self.k if len(s) and int(n) + self.k < self.max_model_len else []
+                for s, n in zip(sampled_token_ids, num_tokens_no_spec)]
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+
+def fixed_block_config(k: int) -> dict | None:
+    """vLLM's ``speculative_config`` for k drafted tokens per step (None: no speculation)."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    return None if k == 0 else {"method": "custom_class", "num_speculative_tokens": k,
+                                "model": f"{__name__}.{FixedBlockProposer.__name__}"}
+
+
+def step_seconds(result: dict, phase: str = "serial") -> dict:
+    """Per-step seconds of one ``run_engine`` result: {"steps", "seconds", "step_s", "drafts"}."""
+    tokens, spec = result["tokens"][phase], result["spec"][phase]
+    steps = tokens - spec["num_accepted_tokens"]
+    if steps < 1:
+        raise ValueError(f"the {phase} phase generated no tokens: nothing to time")
+    seconds = result["seconds"][phase]
+    return {"steps": steps, "seconds": seconds, "step_s": seconds / steps, "drafts": spec["num_drafts"]}
+
+
+def profile_vllm_verify(model_dir, prompts: list[list[int]], ks=(0, 1, 2, 4, 8), *, max_tokens: int = 48,
+                        repeats: int = 1, run=None) -> dict:
+    """{k: [step seconds per repeat]}: one engine per k and repeat, the repeats interleaved over k (k0, k1, ..., k0,
+    k1, ...) so the machine's drift hits every k alike. ``run``: ``run_engine`` (a stand-in in tests)."""
+    if run is None:
+        from sacpolicy.export.vllm_run import run_engine as run
+    if not prompts or repeats < 1 or not ks or min(ks) < 0:
+        raise ValueError("profiling vLLM needs prompts, repeats >= 1 and block lengths k >= 0")
+    out = {int(k): [] for k in ks}
+    for _ in range(repeats):
+        for k in out:
+            res = run(model_dir, prompts, max_tokens=max_tokens, speculative_config=fixed_block_config(k))
+            out[k].append(step_seconds(res)["step_s"])
+    return out
+
+
+def vllm_cost_model(base: CostModel, steps: dict, mean_context: float, *, meta: dict | None = None) -> CostModel:
+    """``base`` with its B = 1 verify curve replaced by vLLM's median step seconds at k + 1 tokens fed. The context
+    term stays ``base``'s: the curve is stored at context 0 (measured at ``mean_context``, minus that term), so the
+    model still charges longer contexts more. Batch curves are dropped: they were not measured in vLLM."""
+    ks = sorted(int(k) for k in steps)
+    if 0 not in ks:
+        raise ValueError("the vLLM profile needs k = 0 (a step without drafts) for the 1-token cost")
+    per_context = base.verify["per_context"]
+    ys = [statistics.median(steps[k]) - per_context * mean_context for k in ks]
+    curve = PiecewiseLinear([k + 1 for k in ks], ys)
+    info = {**base.meta, "verify_profiled_in": "vllm", "vllm_mean_context": mean_context,
+            "vllm_step_s": {str(k): steps[k] for k in ks}, **(meta or {})}
+    return dataclasses.replace(base, verify={"tokens": curve, "per_context": per_context}, batch={}, meta=info)
