@@ -451,6 +451,22 @@ def _cli(*args, env=None):
                           env=env)
 
 
+def _main(capsys, *args):
+    """scripts/export.py's ``main`` in this process (a process each costs ~3 s of imports): its exit code, what it
+    printed and its error message, as ``_cli`` returns them."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("export_cli", ROOT / "scripts" / "export.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    try:
+        rc, err = cli.main(list(args)), ""
+    except SystemExit as e:
+        rc, err = 1, str(e.code)
+    return SimpleNamespace(returncode=rc, stdout=capsys.readouterr().out, stderr=err)
+
+
 @pytest.mark.parametrize("broken, message", [
     ("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')", "scripts/install.sh .venv --vllm"),
     ("raise RuntimeError('operator torchvision::nms does not exist')", "pip uninstall -y torchvision"),
@@ -466,13 +482,14 @@ def test_vllm_check_names_the_problem_and_the_fix(fitted, tmp_path, broken, mess
     assert not (tmp_path / "o").exists()
 
 
-def test_cli(fitted, draft_dir, tmp_path):
+def test_cli(fitted, draft_dir, tmp_path, capsys):
+    """The first call and one refusal go through a real process (exit code, stdout, stderr); the rest call main()."""
     path = fitted["logreg"][2]
     r = _cli(f"policy_dir={path}", "format=runtime", f"out={tmp_path / 'copy'}")
     assert r.returncode == 0, r.stderr
     assert "verified" in r.stdout and f"wrote {tmp_path / 'copy'}" in r.stdout
     assert _same_rule(load_policy(tmp_path / "copy"), load_policy(path))
-    r = _cli(f"policy_dir={path}", "format=vllm", "drafter=ngram", f"out={tmp_path / 'v'}")
+    r = _main(capsys, f"policy_dir={path}", "format=vllm", "drafter=ngram", f"out={tmp_path / 'v'}")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "v/speculative_config.json").read_text()) == learned_config(path, drafter="ngram")
     assert json.loads((tmp_path / "v/static_speculative_config.json").read_text()) == speculative_config(
@@ -480,10 +497,11 @@ def test_cli(fitted, draft_dir, tmp_path):
     env = dict(line.split("=", 1) for line in (tmp_path / "v/vllm.env").read_text().splitlines())
     assert env == {"SACPOLICY_POLICY_DIR": str((tmp_path / "v/policy").resolve()), "SACPOLICY_POLICY_DRAFTER": "ngram"}
     assert _same_rule(load_policy(env["SACPOLICY_POLICY_DIR"]), load_policy(path))
-    r = _cli(f"policy_dir={path}", "format=vllm", "drafter=draft", f"out={tmp_path / 'm'}")  # a model drafter: static
+    # a model drafter: static
+    r = _main(capsys, f"policy_dir={path}", "format=vllm", "drafter=draft", f"out={tmp_path / 'm'}")
     assert json.loads((tmp_path / "m/speculative_config.json").read_text())["method"] == "draft_model"
     d = _copy(draft_dir, tmp_path / "draft")
-    r = _cli(f"policy_dir={path}", "format=transformers", f"draft_dir={d}")
+    r = _main(capsys, f"policy_dir={path}", "format=transformers", f"draft_dir={d}")
     assert r.returncode == 0 and "num_assistant_tokens" in json.loads((d / "generation_config.json").read_text())
     for args, message in [((f"policy_dir={path}", "format=onnx"), "unknown format 'onnx'"),
                           (("format=vllm",), "policy_dir= is required"),
@@ -492,5 +510,7 @@ def test_cli(fitted, draft_dir, tmp_path):
                           ((f"policy_dir={path}", "format=transformers"), "needs draft_dir="),
                           ((f"policy_dir={path}", "format=vllm"), "Pass drafter=<name>"),
                           ((f"policy_dir={path}", "format=vllm", "drafter=layerskip"), "not 'layerskip'")]:
-        r = _cli(*args)
+        r = _main(capsys, *args)
         assert r.returncode != 0 and message in r.stderr, (args, r.stderr)
+    r = _cli(f"policy_dir={tmp_path}", "format=runtime")
+    assert r.returncode != 0 and "policy.json is missing" in r.stderr, r.stderr
