@@ -3,8 +3,9 @@
     for chunk in progress_iter(chunks, "teacher-forced traces", unit="chunk"):
         ...
 
-On a terminal, a tqdm bar with its ETA. In every case (a terminal, a Hydra ``train.log``, a CI log), one log line per
-minute with the count, the elapsed time and the ETA, and one line when the loop finishes:
+On a terminal, a tqdm bar with its ETA. In every case (a terminal, a Hydra ``train.log``, a CI log), one log line a
+minute with the count, the elapsed time and the ETA (from a heartbeat thread, so an item that takes minutes still gets
+its lines), and one line when the loop finishes:
 
     teacher-forced traces: 12/40 chunks (30%), 3m12s elapsed, ETA 7m28s
     teacher-forced traces: 40 chunks in 10m40s
@@ -15,6 +16,7 @@ Lightning training loops get the same lines from ``sacpolicy.training.common.Min
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
@@ -34,22 +36,28 @@ def duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+def plural(unit: str) -> str:
+    """batch -> batches, policy -> policies, chunk -> chunks."""
+    if unit.endswith(("s", "x", "ch", "sh")):
+        return unit + "es"
+    return unit[:-1] + "ies" if unit.endswith("y") and unit[-2:-1] not in "aeiou" else unit + "s"
+
+
 def status_line(desc: str, done: int, total: int | None, elapsed: float, unit: str = "it") -> str:
     """``desc: done/total units (pct%), elapsed, ETA`` (the ETA at the mean rate so far); without a total, the count
     and the rate."""
     if total:
-        eta = elapsed / done * (total - done) if done else float("nan")
-        eta_s = duration(eta) if done else "unknown"
-        return (f"{desc}: {done}/{total} {unit}s ({100 * done / total:.0f}%), {duration(elapsed)} elapsed, "
+        eta_s = duration(elapsed / done * (total - done)) if done else "unknown"
+        return (f"{desc}: {done}/{total} {plural(unit)} ({100 * done / total:.0f}%), {duration(elapsed)} elapsed, "
                 f"ETA {eta_s}")
-    return f"{desc}: {done} {unit}s, {duration(elapsed)} elapsed ({done / max(elapsed, 1e-9):.2f} {unit}/s)"
+    return f"{desc}: {done} {plural(unit)}, {duration(elapsed)} elapsed ({done / max(elapsed, 1e-9):.2f} {unit}/s)"
 
 
 def progress_iter(iterable: Iterable[T], desc: str, *, total: int | None = None, unit: str = "it", enabled: bool = True,
-             every_s: float = LOG_EVERY_S) -> Iterator[T]:
+                  every_s: float = LOG_EVERY_S) -> Iterator[T]:
     """Yield from ``iterable``, with a bar on a terminal (tqdm, only where stderr is a terminal, so logs written to a
-    file hold no carriage-return debris) and a log line every ``every_s`` seconds and at the end. ``enabled=False``:
-    neither (tests)."""
+    file hold no carriage-return debris), a log line every ``every_s`` seconds from a heartbeat thread (so a slow item
+    still gets its lines) and one at the end. ``enabled=False``: neither (tests)."""
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
     if not enabled:
@@ -58,16 +66,20 @@ def progress_iter(iterable: Iterable[T], desc: str, *, total: int | None = None,
     from tqdm.auto import tqdm
 
     bar = tqdm(iterable, desc=desc, total=total, unit=unit, disable=None)  # None: a bar only on a terminal
-    start = last = time.monotonic()
-    done = 0
+    start, done, stop = time.monotonic(), [0], threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(every_s):
+            logger.info(status_line(desc, done[0], total, time.monotonic() - start, unit))
+
+    beat = threading.Thread(target=heartbeat, name=f"progress: {desc}", daemon=True)
+    beat.start()
     try:
         for item in bar:
             yield item
-            done += 1
-            now = time.monotonic()
-            if now - last >= every_s:
-                last = now
-                logger.info(status_line(desc, done, total, now - start, unit))
+            done[0] += 1
     finally:
+        stop.set()
+        beat.join()
         bar.close()
-    logger.info("%s: %d %ss in %s", desc, done, unit, duration(time.monotonic() - start))
+    logger.info("%s: %d %s in %s", desc, done[0], plural(unit), duration(time.monotonic() - start))

@@ -19,15 +19,23 @@ def test_duration_and_status_line():
     assert status_line("rows", 3, None, 6.0) == "rows: 3 its, 6s elapsed (0.50 it/s)"
 
 
-def test_progress_logs_every_interval_and_at_the_end(caplog, monkeypatch):
-    clock = iter(range(0, 1000, 30))  # each call to the clock is 30 s later
-    monkeypatch.setattr("sacpolicy.progress.time.monotonic", lambda: next(clock))
+def test_progress_logs_while_an_item_runs_and_at_the_end(caplog):
+    import time
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "sacpolicy.progress"]
+
     with caplog.at_level(logging.INFO, logger="sacpolicy.progress"):
-        assert list(progress_iter(range(6), "work", unit="chunk", every_s=60)) == list(range(6))
-    lines = [r.getMessage() for r in caplog.records]
-    # start at 0 s; items end at 30, 60, ..., 180 s: lines at 60 s (2 done) and 120 s (4 done), 180 s (6 done)
-    assert lines[0] == "work: 2/6 chunks (33%), 1m00s elapsed, ETA 2m00s"
-    assert lines[-1] == "work: 6 chunks in 3m30s" and len(lines) == 4
+        for i in progress_iter(range(2), "work", unit="chunk", every_s=0.02):
+            deadline = time.monotonic() + 10
+            while not any(f"work: {i}/2 chunks" in m for m in lines()) and time.monotonic() < deadline:
+                time.sleep(0.005)  # the heartbeat speaks while item i is still running
+    got = lines()
+    assert any(m.startswith("work: 0/2 chunks (0%), ") and m.endswith("ETA unknown") for m in got)
+    assert any(m.startswith("work: 1/2 chunks (50%), ") and "ETA " in m for m in got)
+    assert got[-1].startswith("work: 2 chunks in ")
+    assert status_line("rows", 1, 3, 1.0, "policy").startswith("rows: 1/3 policies")
+    assert status_line("data", 1, 3, 1.0, "batch").startswith("data: 1/3 batches")
 
 
 def test_disabled_progress_is_silent(caplog):
