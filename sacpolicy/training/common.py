@@ -88,7 +88,6 @@ class StepAcceptance:
         self.log("val/accept_len", torch.cumprod(acc, 0).sum(), prog_bar=True, sync_dist=False)
 
 
-
 class MinuteLog(L.Callback):
     """One log line per minute of training (step, epoch, elapsed, ETA, the latest loss and held-out metrics) and one
     when training ends, as ``sacpolicy.progress`` does for plain loops. The ETA is the nearest of the step limit (at

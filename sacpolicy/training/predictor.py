@@ -214,6 +214,7 @@ def fit_mlp(train: Examples, val: Examples, *, hidden, lr: float, weight_decay: 
     import lightning as L
     import torch
 
+    from sacpolicy.training.common import MinuteLog
     from sacpolicy.training.predictor_module import AcceptanceDataModule, AcceptanceMLP
 
     L.seed_everything(seed, verbose=False)
@@ -230,8 +231,6 @@ def fit_mlp(train: Examples, val: Examples, *, hidden, lr: float, weight_decay: 
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1,
                                                filename="mlp-{epoch}-{val_loss:.4f}")
     callbacks.append(ckpt)
-    from sacpolicy.training.common import MinuteLog
-
     callbacks.append(MinuteLog("MLP predictor"))
     kwargs = {"accelerator": "cpu", "devices": 1, "enable_model_summary": False, "logger": logger or False,
               "enable_progress_bar": True, **(trainer_kwargs or {})}
