@@ -1,21 +1,30 @@
 """Speculation under load: each policy at batch sizes B in {1, 2, 4, 8, 16}, then Poisson arrivals at three rates,
 all through the batched decoder (``SpeculativeDecoder.generate_batch``, continuous batching) on the embedded target.
 
-    python scripts/bench_batch.py --policy /work/runs/vllm_ngram/policies/hgb          # n-gram learned policy
+    python scripts/bench_batch.py --run <run dir>                                   # a pipeline run (make train)
+    python scripts/bench_batch.py --policy /work/runs/vllm_ngram/policies/hgb          # an n-gram learned policy
     python scripts/bench_batch.py --policy ... --cost cost_batch.json --prompts 16 --max-tokens 48
 
-Policies: AR, static k (n-gram), transformers' heuristic, the seed rule (its load: live rows / max batch) and the
-learned rule, whose cost model is replaced by one profiled over batch sizes here (``--cost`` reuses a saved one), so
-it plans each step for the live batch. Every row of every run is checked against that prompt decoded alone
-autoregressively at B = 1. Per run: total tokens/s (all tokens / wall time), per-request latency P50/P90/P99 (arrival
-to last token), tokens per target call, and the policy's own compute as a share of the wall time. Ratios come from
-one run on a shared 2-core machine: read them with that noise in mind. Writes a Markdown table, JSON and a PNG of
-throughput vs B.
+``--run``: the run's held-out test prompts (the default pipeline's mixed workload, in evaluation's order), its
+drafters, its best static drafter and k on val, and its learned policy reported first (the lowest validation log-loss;
+``--policy`` overrides it). Without it: ``--source``'s test split and the n-gram drafter.
+
+Policies: AR, static k (the best static drafter; ``--static-ks`` plus the run's best k), transformers' heuristic, the
+seed rule (its load: live rows / max batch) and the learned rule, whose cost model is replaced by one profiled over
+batch sizes here (``--cost`` reuses a saved one), so it plans each step for the live batch. Every row of every run is
+checked against that prompt decoded alone autoregressively at B = 1. Per run: total tokens/s (all tokens / wall
+time), per-request latency P50/P90/P99 (arrival to last token), tokens per target call, and the policy's own compute
+as a share of the wall time. Poisson rates ending in ``x`` are fractions of AR's request throughput at the largest
+B. Over the Poisson mix (all rates' requests pooled), each policy's request speed: its requests' tokens over their
+summed latencies (below capacity every policy's total throughput is the arrival rate's, so what speculation changes
+is how fast each request finishes). Ratios come from one run on a shared 2-core machine: read them with that noise in
+mind. Writes a Markdown table, JSON and a PNG of throughput vs B.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 import time
 from dataclasses import replace
@@ -36,11 +45,11 @@ from sacpolicy.runtime import load_artifact
 from sacpolicy.runtime.cost import CostModel
 
 
-def policies(args, rule) -> dict:
+def policies(args, rule, drafter: str = "ngram") -> dict:
     make = {"ar": Autoregressive}
-    make |= {f"static-k{k}": (lambda k=k: Static(k, "ngram")) for k in args.static_ks}
-    make["heuristic"] = lambda: Heuristic(k0=5, drafter="ngram")
-    make["seed-rule"] = lambda: SeedRule(drafter="ngram")
+    make |= {f"static-k{k}": (lambda k=k: Static(k, drafter)) for k in args.static_ks}
+    make["heuristic"] = lambda: Heuristic(k0=5, drafter=drafter)
+    make["seed-rule"] = lambda: SeedRule(drafter=drafter)
     if rule is not None:
         make["learned"] = lambda: LearnedPolicy(replace(rule, fallbacks=0))
     return make
@@ -64,12 +73,13 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
             "tokens_per_call": tokens / sum(r.target_calls for r in res),
             "acceptance": sum(s.accepted for r in res for s in r.steps) / drafted if drafted else 0.0,
             "mean_k": float(np.mean([s.drafted for r in res for s in r.steps])),
+            "latency_sum_s": float(lat.sum()),
             "policy_share": timed.seconds / wall}, [r.tokens for r in res]
 
 
 def table(rows: list[dict], key: str) -> str:
-    out = [f"| {key} | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call | mean k | "
-           "acceptance | policy compute | lossless |", "|" + "---|" * 13]
+    out = [(f"| {key} | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call | mean k | "
+            "acceptance | policy compute | lossless |"), "|" + "---|" * 13]
     for r in rows:
         out.append(f"| {r[key]} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | "
                    f"{r['vs_best_static']:.2f}x | {r['p50_s']:.1f} | {r['p90_s']:.1f} | {r['p99_s']:.1f} | "
@@ -99,34 +109,48 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", help="a learned policy artifact whose drafter is n-gram (experiment=vllm_ngram)")
+    ap.add_argument("--run", help="a pipeline run directory: its test prompts, drafters and learned policy")
+    ap.add_argument("--policy", help="a learned policy artifact (default with --run: the run's headline policy; "
+                                     "without: one whose drafter is n-gram, e.g. experiment=vllm_ngram)")
     ap.add_argument("--cost", help="a cost model profiled over batch sizes (JSON); profiled and saved when absent")
-    ap.add_argument("--source", default="mt_bench", help="prompt set; its held-out test split is used")
+    ap.add_argument("--source", default="mt_bench", help="prompt set without --run; its held-out test split is used")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
-    ap.add_argument("--static-ks", default="1,2,4")
-    ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates (requests/s) at the largest batch size; "
+    ap.add_argument("--static-ks", default="1,2,4", help="static k rows (with --run, its best static k joins them)")
+    ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates at the largest batch size: requests/s, "
+                                                       "or fractions of AR's request throughput there (0.25x); "
                                                        "empty: none")
+    ap.add_argument("--policies", default="*", help="comma-separated fnmatch patterns of the policies to run "
+                                                    "(e.g. ar,static-k*,learned); AR always runs")
     ap.add_argument("--out", default="bench_batch.json")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    args.static_ks = [int(k) for k in args.static_ks.split(",")]
+    args.static_ks = [int(k) for k in args.static_ks.split(",") if k]
+    rates = [r for r in args.rates.split(",") if r]
     torch.manual_seed(0)
 
-    target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
-    rows_in = [r for r in load_prompts(args.source, tokenizer=target.tokenizer) if assign_split(r["prompt_id"]) == "test"]
-    prompts = [r["input_ids"] for r in rows_in[: args.prompts]]
+    if args.run:
+        target, prompts, drafters, static, rule = from_run(Path(args.run), args)
+        if static["k"] not in args.static_ks:
+            args.static_ks = sorted([*args.static_ks, static["k"]])
+    else:
+        target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
+        rows_in = [r for r in load_prompts(args.source, tokenizer=target.tokenizer)
+                   if assign_split(r["prompt_id"]) == "test"]
+        prompts, static = [r["input_ids"] for r in rows_in[: args.prompts]], {"drafter": "ngram"}
+        rule, drafters = None, [NgramDrafter()]
+        if args.policy:
+            art = load_artifact(args.policy)
+            if tuple(art.rule.drafters) != ("ngram",):
+                raise SystemExit(f"without --run, bench_batch compares n-gram policies; {args.policy} drafts with "
+                                 f"{art.rule.drafters}. Pass --run <its run dir>, or train one with "
+                                 "experiment=vllm_ngram")
+            drafters, rule = build_drafters(art, target), art.rule
     if len(prompts) < max(sizes):
         raise SystemExit(f"bench_batch: {len(prompts)} test prompts cannot fill a batch of {max(sizes)}; lower "
                          "--batch-sizes or use a larger --source")
-    rule, drafters = None, [NgramDrafter()]
-    if args.policy:
-        art = load_artifact(args.policy)
-        if tuple(art.rule.drafters) != ("ngram",):
-            raise SystemExit(f"bench_batch compares n-gram policies; {args.policy} drafts with {art.rule.drafters}. "
-                             "Train one with experiment=vllm_ngram")
-        drafters = build_drafters(art, target)
+    if rule is not None:
         out_cost = Path(args.cost or Path(args.out).with_suffix(".cost.json"))
         if out_cost.is_file():
             cost = CostModel.from_json(out_cost)
@@ -136,13 +160,15 @@ def main(argv=None) -> int:
             print(f"profiling the verify pass at batch sizes {sizes} -> {out_cost}", flush=True)
             cost = profile(target, drafters, ks=(0, 1, 2, 4, 8), context_lens=(64, 256), batch_sizes=sizes)
             cost.to_json(out_cost)
-        rule = replace(art.rule, cost=cost)
-    print(f"{len(prompts)} {args.source} test prompts, {args.max_tokens} new tokens, greedy, float32, "
-          f"{torch.get_num_threads()} threads", flush=True)
+        rule = replace(rule, cost=cost)
+    print(f"{len(prompts)} {args.run or args.source} test prompts, {args.max_tokens} new tokens, greedy, "
+          f"{target.dtype}, {torch.get_num_threads()} threads, drafters {[d.name for d in drafters]}", flush=True)
     reference = SpeculativeDecoder(target.model, stop_token_ids=target.eos_token_ids).generate_batch(
         prompts, args.max_tokens, max_batch=1)
     reference = [r.tokens for r in reference]
-    make = policies(args, rule)
+    make = policies(args, rule, static["drafter"])
+    patterns = args.policies.split(",")
+    make = {n: f for n, f in make.items() if n == "ar" or any(fnmatch.fnmatch(n, p) for p in patterns)}
 
     rows = []
     for B in sizes:
@@ -152,26 +178,80 @@ def main(argv=None) -> int:
             print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
     add_load_ratios(rows, "batch")
 
+    ar_top = next(r for r in rows if r["batch"] == max(sizes) and r["policy"] == "ar")
+    capacity = len(prompts) / ar_top["wall_s"]  # AR's requests per second at the largest batch
     poisson = []
-    rng = np.random.default_rng(0)
-    gaps = rng.exponential(1.0, len(prompts))
-    for rate in [float(r) for r in args.rates.split(",") if r]:
-        arrivals = (np.cumsum(gaps) / rate).tolist()
+    gaps = np.random.default_rng(0).exponential(1.0, len(prompts))
+    for rate in rates:
+        per_s = float(rate[:-1]) * capacity if rate.endswith("x") else float(rate)
+        arrivals = (np.cumsum(gaps) / per_s).tolist()
         for name, new in make.items():
             stats, outs = run(target, drafters, new(), prompts, args, max(sizes), max(sizes), arrivals)
-            poisson.append({"rate": rate, "policy": name, **stats, "identical": outs == reference})
-            print(f"  rate={rate} {name}: {stats['tokens_per_s']:.1f} tok/s, P90 {stats['p90_s']:.1f} s", flush=True)
+            poisson.append({"rate": rate, "requests_per_s": per_s, "policy": name, **stats,
+                            "identical": outs == reference})
+            print(f"  rate={rate} ({per_s:.2f}/s) {name}: {stats['tokens_per_s']:.1f} tok/s, P90 "
+                  f"{stats['p90_s']:.1f} s", flush=True)
+    md = "## Batch size\n\n" + table(rows, "batch")
+    mix = []
     if poisson:
         add_load_ratios(poisson, "rate")
-    md = "## Batch size\n\n" + table(rows, "batch") + "\n\n## Poisson arrivals (requests/s, max batch " \
-         f"{max(sizes)})\n\n" + table(poisson, "rate")
+        mix = poisson_mix(poisson)
+        md += f"\n\n## Poisson arrivals (requests/s, max batch {max(sizes)}; AR's capacity {capacity:.2f}/s)\n\n" + \
+            table(poisson, "rate") + "\n\n## Over the Poisson mix (every rate's requests pooled)\n\n" + mix_table(mix)
     print(md)
     png = Path(args.out).with_suffix(".png")
     plot(rows, png)
     write_json(args.out, {"args": vars(args), "n_prompts": len(prompts), "threads": torch.get_num_threads(),
-                          "batch": rows, "poisson": poisson, "markdown": md, "png": str(png)})
+                          "capacity_requests_per_s": capacity, "batch": rows, "poisson": poisson, "mix": mix,
+                          "markdown": md, "png": str(png)})
     print(f"wrote {args.out} and {png}")
     return 0 if all(r["identical"] for r in rows + poisson) else 1
+
+
+def from_run(run_dir: Path, args):
+    """(target, prompts, drafters, best static {drafter, k}, learned rule) of a pipeline run."""
+    from omegaconf import OmegaConf
+
+    from sacpolicy.pipeline.context import RunContext
+
+    if not (run_dir / "config.yaml").is_file():
+        raise SystemExit(f"--run {run_dir}: no config.yaml there; pass a directory scripts/train.py wrote")
+    ctx = RunContext(OmegaConf.load(run_dir / "config.yaml"), run_dir)
+    prompts = [r["input_ids"] for r in ctx.test_prompts()[: args.prompts]]
+    if args.policy:
+        art = load_artifact(args.policy)
+        rule, drafters = art.rule, build_drafters(art, ctx.target)
+    else:
+        rules, headline = ctx.learned_rules("bench_batch")
+        rule, drafters = rules[headline], ctx.drafters
+        print(f"learned policy: {run_dir}/policies/{headline} (the lowest validation log-loss)", flush=True)
+    return ctx.target, prompts, drafters, ctx.best_static(), rule
+
+
+def poisson_mix(poisson: list[dict]) -> list[dict]:
+    """Per policy over every Poisson run: total tokens/s (pooled tokens over pooled wall time) and request speed
+    (pooled tokens over the requests' summed latencies), with the request speed against AR and against the best
+    single static k (AR included) over the same mix."""
+    mix = []
+    for name in dict.fromkeys(r["policy"] for r in poisson):
+        runs = [r for r in poisson if r["policy"] == name]
+        tokens = sum(r["tokens"] for r in runs)
+        mix.append({"policy": name, "tokens_per_s": tokens / sum(r["wall_s"] for r in runs),
+                    "request_tokens_per_s": tokens / sum(r["latency_sum_s"] for r in runs),
+                    "identical": all(r["identical"] for r in runs)})
+    ar = next(m for m in mix if m["policy"] == "ar")["request_tokens_per_s"]
+    best = max(m["request_tokens_per_s"] for m in mix if m["policy"] == "ar" or m["policy"].startswith("static-k"))
+    for m in mix:
+        m["vs_ar"], m["vs_best_static"] = m["request_tokens_per_s"] / ar, m["request_tokens_per_s"] / best
+    return mix
+
+
+def mix_table(mix: list[dict]) -> str:
+    out = ["| policy | request speed (tokens/s) | vs AR | vs best single static | total tokens/s | lossless |",
+           "|---|---|---|---|---|---|"]
+    out += [f"| {m['policy']} | {m['request_tokens_per_s']:.2f} | {m['vs_ar']:.2f}x | {m['vs_best_static']:.2f}x | "
+            f"{m['tokens_per_s']:.1f} | {'yes' if m['identical'] else 'NO'} |" for m in mix]
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -320,3 +320,16 @@ def test_live_policies_pick_rows_by_pattern_and_refuse_unknown_ones():
     with pytest.raises(ValueError, match=r"\['learned-logreg'\] match no policy row; rows are \['ar'"):
         check_live_policies(settings(("ar", "learned-logreg")), ["hgb", "mlp"])
     check_live_policies(settings(("ar", "learned-mlp")), ["hgb", "mlp"])
+    # `learned` alone is the headline predictor's row, and nothing without predictors
+    assert list(live_factories(settings(("ar", "learned")), make, headline="mlp")) == ["ar", "learned-mlp"]
+    check_live_policies(settings(("ar", "learned")), ["hgb"])
+    with pytest.raises(ValueError, match=r"\['learned'\] match no policy row"):
+        check_live_policies(settings(("ar", "learned")), [])
+
+
+def test_headline_predictor_is_the_lowest_validation_log_loss():
+    from sacpolicy.evaluation.evaluate import headline_predictor
+
+    assert headline_predictor({"hgb": 0.555, "logreg": 0.565, "mlp": 0.539}) == "mlp"
+    assert headline_predictor({"hgb": float("nan"), "mlp": None, "logreg": 0.9}) == "logreg"  # missing ranks last
+    assert headline_predictor({}) is None

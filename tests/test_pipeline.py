@@ -71,6 +71,37 @@ def test_oracle_gap_benchmark_decomposes_the_oracles_gain(smoke_run, tmp_path):
     assert rows["best-static"]["oracle_gain_captured"] in (0.0, None) and "| oracle |" in res.stdout
 
 
+def test_batch_benchmark_runs_a_pipeline_runs_policy_on_its_test_prompts(smoke_run, tmp_path):
+    out, _ = smoke_run
+    fit = json.loads((out / "fit.json").read_text())
+    losses = {n: p["metrics"]["val"]["log_loss"] for n, p in fit["predictors"].items()}
+    assert fit["headline"] == min(losses, key=losses.get)
+    assert json.loads((out / "eval.json").read_text())["meta"]["learned_policy"] == f"learned-{fit['headline']}"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_batch.py"), "--run", str(out), "--prompts", "4",
+                          "--batch-sizes", "1,2", "--static-ks", "2", "--rates", "0.5x,2", "--max-tokens", "6",
+                          "--out", str(tmp_path / "batch.json")], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"policies/{fit['headline']} (the lowest validation log-loss)" in res.stdout
+    bench = json.loads((tmp_path / "batch.json").read_text())
+    best_k = json.loads((out / "best_static.json").read_text())["k"]
+    policies = {r["policy"] for r in bench["batch"]}
+    assert {"ar", "static-k2", f"static-k{best_k}", "heuristic", "seed-rule", "learned"} <= policies
+    assert all(r["identical"] for r in bench["batch"] + bench["poisson"])  # every row equals its B = 1 AR output
+    assert {r["batch"] for r in bench["batch"]} == {1, 2} and bench["n_prompts"] == 4
+    half = next(r for r in bench["poisson"] if r["rate"] == "0.5x")
+    assert half["requests_per_s"] == pytest.approx(0.5 * bench["capacity_requests_per_s"])
+    assert next(r for r in bench["poisson"] if r["rate"] == "2")["requests_per_s"] == 2.0
+    mix = {m["policy"]: m for m in bench["mix"]}
+    assert mix["ar"]["vs_ar"] == 1.0 and max(m["vs_best_static"] for p, m in mix.items()
+                                             if p == "ar" or p.startswith("static-k")) == 1.0
+    for name, m in mix.items():  # request speed pools every rate's requests: tokens over their summed latencies
+        runs = [r for r in bench["poisson"] if r["policy"] == name]
+        assert m["request_tokens_per_s"] == pytest.approx(sum(r["tokens"] for r in runs)
+                                                          / sum(r["latency_sum_s"] for r in runs))
+    assert "Over the Poisson mix" in res.stdout
+
+
 def run_in_process(out_dir, *overrides) -> dict:
     """``pipeline.run`` on the composed smoke config, in this process (what scripts/train.py does after Hydra)."""
     return pipeline.run(cfg_for("experiment=smoke", *overrides, tmp_path=out_dir))

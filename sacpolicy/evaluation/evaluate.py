@@ -37,6 +37,21 @@ from sacpolicy.progress import progress_iter
 
 logger = logging.getLogger(__name__)
 
+HEADLINE = "learned"  # in eval.live_policies: the row of the predictor chosen on validation (headline_predictor)
+
+
+def headline_predictor(val_log_loss: dict) -> str | None:
+    """The learned policy a run reports first: the predictor with the lowest validation log loss, the quantity it is
+    fitted to minimise, on prompts neither its training nor the test saw (a missing or NaN loss ranks last; None
+    without predictors). Chosen before any test prompt is decoded, so the headline row is not picked on test."""
+    import math
+
+    def key(name):
+        loss = val_log_loss[name]
+        return math.inf if loss is None or math.isnan(loss) else loss
+
+    return min(val_log_loss, key=key) if val_log_loss else None
+
 
 @dataclass
 class EvalSettings:
@@ -48,7 +63,8 @@ class EvalSettings:
     max_new_tokens: int
     price_per_hour: float
     confidence_grid: tuple[float, ...]
-    live_policies: tuple[str, ...] | None = None  # fnmatch patterns of the rows decoded live; None: every policy
+    live_policies: tuple[str, ...] | None = None  # fnmatch patterns of the rows decoded live (HEADLINE: the chosen
+    # predictor's row); None: every policy
     warmup_tokens: int = 8  # tokens each live decoder decodes once before timing (lazy initialisation)
     resamples: int = 2000  # bootstrap resamples of the prompts behind each ratio's 95% interval
     bootstrap_seed: int = 0
@@ -146,10 +162,11 @@ def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *,
 
 def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: dict, test_prompts: list,
              rules: dict, settings: EvalSettings, best_static: dict, sampling=None, decoder_config=None,
-             in_sample: InSample | None = None, progress: bool = True):
+             in_sample: InSample | None = None, headline: str | None = None, progress: bool = True):
     """-> (rows, meta). ``rules``: {predictor name: DecisionRule}; ``drafters`` in the order the traces hold them;
     ``best_static``: the best static (drafter, k) on val traces (``traces.simulate.best_static``); ``in_sample``:
-    what to refit for the in-sample ceilings (none without it). Traces of sampled decoding cannot be replayed
+    what to refit for the in-sample ceilings (none without it); ``headline``: the predictor chosen on validation
+    (``headline_predictor``), whose row ``eval.live_policies``' ``learned`` names. Traces of sampled decoding cannot be replayed
     exactly: they give no simulated rows, and ``meta["simulated_skipped"]`` says why."""
     from sacpolicy.traces.simulate import SampledTracesError
 
@@ -170,7 +187,7 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
     n_live = len(test_prompts) if settings.live_prompts is None else min(settings.live_prompts, len(test_prompts))
     if n_live:
         rows += live_rows(settings, chosen, cost, rules, target, drafters, test_prompts[:n_live], sampling=sampling,
-                          config=decoder_config, progress=progress)
+                          config=decoder_config, headline=headline, progress=progress)
     add_speedups(rows)
     add_intervals(rows, resamples=settings.resamples, seed=settings.bootstrap_seed)
     flag_artefacts(rows)
@@ -179,7 +196,8 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
             "val_prompts": len(val_grouped), "live_prompts": n_live, "max_new_tokens": settings.max_new_tokens,
             "price_per_hour": settings.price_per_hour, "bootstrap_resamples": settings.resamples, **chosen,
             **targets(rows, list(rules)), **({"simulated_skipped": skipped} if skipped else {}),
-            **({"in_sample_skipped": no_ceiling} if no_ceiling else {}), **settings.extra}
+            **({"in_sample_skipped": no_ceiling} if no_ceiling else {}),
+            **({"learned_policy": f"learned-{headline}"} if headline else {}), **settings.extra}
     if load:
         meta["load"] = load
     return rows, meta
@@ -217,30 +235,35 @@ def simulated_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test
 def check_live_policies(settings: EvalSettings, predictors) -> None:
     """Refuse ``eval.live_policies`` patterns that match no row, before a run spends minutes reaching evaluation."""
     chosen = {"best_static": {"drafter": None, "k": 1}, "confidence_threshold": 0.5}  # row names only: never built
-    live_factories(settings, policy_factories(settings, chosen, None, dict.fromkeys(predictors), live=True))
+    predictors = list(predictors)
+    live_factories(settings, policy_factories(settings, chosen, None, dict.fromkeys(predictors), live=True),
+                   headline=predictors[0] if predictors else None)  # any predictor may turn out the headline
 
 
-def live_factories(settings: EvalSettings, make: dict) -> dict:
-    """The policies ``settings.live_policies`` names (fnmatch patterns, e.g. ``learned-*``), in their order; all of
-    them when it is None. A pattern that matches nothing is an error naming the rows there are."""
+def live_factories(settings: EvalSettings, make: dict, headline: str | None = None) -> dict:
+    """The policies ``settings.live_policies`` names (fnmatch patterns, e.g. ``learned-*``; ``learned`` alone is the
+    ``headline`` predictor's row), in their order; all of them when it is None. A pattern that matches nothing is an
+    error naming the rows there are."""
     import fnmatch
 
     if settings.live_policies is None:
         return make
-    unmatched = [p for p in settings.live_policies if not fnmatch.filter(make, p)]
+    patterns = [f"learned-{headline}" if p == HEADLINE and headline else p for p in settings.live_policies]
+    unmatched = [p for p, q in zip(settings.live_policies, patterns) if not fnmatch.filter(make, q)]
     if unmatched:
         raise ValueError(f"eval.live_policies {unmatched} match no policy row; rows are {list(make)} "
-                         "(patterns as in fnmatch, e.g. learned-*; null = every row)")
-    return {name: f for name, f in make.items() if any(fnmatch.fnmatch(name, p) for p in settings.live_policies)}
+                         f"(patterns as in fnmatch, e.g. learned-*; {HEADLINE}: the predictor with the lowest "
+                         "validation log loss, none without predictors; null = every row)")
+    return {name: f for name, f in make.items() if any(fnmatch.fnmatch(name, p) for p in patterns)}
 
 
 def live_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, target, drafters: list, prompts: list, *,
-              sampling=None, config=None, progress: bool = True) -> list[dict]:
+              sampling=None, config=None, headline: str | None = None, progress: bool = True) -> list[dict]:
     """Every policy decoding the prompts live, prompt by prompt with each policy in turn (machine noise hits all
     alike), after a warm-up generation each."""
     from sacpolicy.decoding import SpeculativeDecoder
 
-    factories = live_factories(settings, policy_factories(settings, chosen, cost, rules, live=True))
+    factories = live_factories(settings, policy_factories(settings, chosen, cost, rules, live=True), headline)
     decoders = {name: SpeculativeDecoder(target.model, drafters, Timed(make()), sampling=sampling, config=config,
                                          stop_token_ids=target.eos_token_ids)
                 for name, make in factories.items()}

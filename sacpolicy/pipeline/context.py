@@ -115,6 +115,23 @@ class RunContext:
         return first_answers(self.target, max_new_tokens=data.max_new_tokens, topk=data.topk,
                              batch_size=data.gen_batch_size)
 
+    def test_prompts(self) -> list:
+        """The held-out prompts with test traces, in the order evaluation decodes them live (the run's seeded
+        shuffle of the test split)."""
+        held_out = self.traces[1]["test"]
+        return [r for r in self.take(self.prompts("test"), None) if r["prompt_id"] in held_out]
+
+    def learned_rules(self, stage: str) -> tuple[dict, str | None]:
+        """({predictor: DecisionRule} of the run's policy artifacts, the headline predictor: the lowest validation
+        log-loss, ``evaluation.evaluate.headline_predictor``)."""
+        from sacpolicy.evaluation.evaluate import headline_predictor
+        from sacpolicy.runtime.artifact import load_artifact
+
+        artifacts = {name: load_artifact(self.need(f"policies/{name}", stage)) for name in self.cfg.predictor}
+        return ({name: a.rule for name, a in artifacts.items()},
+                headline_predictor({name: a.metrics.get("predictor", {}).get("val", {}).get("log_loss")
+                                    for name, a in artifacts.items()}))
+
     def take(self, rows, n) -> list:
         """n prompts drawn at random (seeded) from a split, so a sample mixes its sources and categories."""
         rows = rows.shuffle(seed=self.cfg.seed) if hasattr(rows, "shuffle") else rows

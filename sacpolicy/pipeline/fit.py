@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(ctx: RunContext) -> dict:
+    from sacpolicy.evaluation.evaluate import headline_predictor
     from sacpolicy.runtime.artifact import save_policy
     from sacpolicy.training.predictor import acceptance_examples, fit_predictor
 
@@ -47,6 +48,8 @@ def run(ctx: RunContext) -> dict:
             "fit_s": time.perf_counter() - t0, "tuning_skipped": tuning.get("skipped"),
             "val_tokens_per_s": max((r["val_tokens_per_s"] for r in tuning["grid"]), default=None)}
         tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
+    summary["headline"] = headline_predictor({n: p["metrics"].get("val", {}).get("log_loss")
+                                              for n, p in summary["predictors"].items()})
     return summary
 
 

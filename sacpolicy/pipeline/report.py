@@ -26,6 +26,9 @@ def write_run_report(cfg: DictConfig, out_dir: Path, outputs: dict) -> Path:
                 lines.append(f"- {name} ({split}): AUC {m.get('auc', float('nan')):.3f}, log-loss "
                              f"{m.get('log_loss', float('nan')):.3f}, ECE {m.get('ece', float('nan')):.3f}, n={m['n']}")
             lines.append(f"- {name}: decision mode {p['mode']}, optimism {p['optimism']}, fallback {p['fallback']}")
+        if outputs["fit"].get("headline"):
+            lines.append(f"- the learned policy reported first (`learned` in eval.live_policies): "
+                         f"learned-{outputs['fit']['headline']}, the lowest validation log-loss")
         sections["Predictors"] = "\n".join(lines)
     plots = sorted((out_dir / "plots").glob("*.png"))
     md, _ = write_report(out_dir, ev, command=command(), sections=sections, plots=plots)
