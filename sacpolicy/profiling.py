@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from sacpolicy.decoding.compat import with_cache
+from sacpolicy.decoding.compat import use_masked_gqa, with_cache
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear, _hinge_basis
 
 __all__ = ["COST_FORMAT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots", "pool_adjacent_violators",
@@ -58,6 +58,25 @@ def _times(run: Callable[[], object], undo: Callable[[], object], device, repeat
     return np.array(times)
 
 
+def _interleaved_times(cells: dict, device, repeats: int, warmup: int) -> dict:
+    """{key: [repeats] seconds} of cells {key: (run, undo)} timed in rounds, one call of each cell per round, each
+    round starting one cell later: a machine that slows down or speeds up while it is profiled (a shared CPU does)
+    moves every cell alike instead of tilting the curve along the order the cells were timed in."""
+    keys, times = list(cells), {key: [] for key in cells}
+    for r in range(warmup + repeats):
+        for i in range(len(keys)):
+            key = keys[(i + r) % len(keys)]
+            run, undo = cells[key]
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            if r >= warmup:
+                times[key].append(time.perf_counter() - t0)
+            undo()
+    return {key: np.array(t) for key, t in times.items()}
+
+
 def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, repeats: int, warmup: int) -> dict:
     """{n: [repeats] seconds of one forward of n new tokens on top of a KV cache holding context_len tokens}."""
     from transformers import DynamicCache
@@ -67,14 +86,11 @@ def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, r
 
     cache = DynamicCache(config=model.config)
     model(input_ids=ids(context_len), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
-    times = {}
-    for n in feeds:
-        x = ids(n)
-        times[n] = _times(lambda x=x, n=n: model(input_ids=x, **with_cache(model, cache), use_cache=True,
-                                                 logits_to_keep=n),
-                          lambda n=n: cache.crop(-n),  # back to context_len cached tokens for the next repeat
-                          device, repeats, warmup)
-    return times
+    cells = {n: (lambda x=ids(n), n=n: model(input_ids=x, **with_cache(model, cache), use_cache=True,
+                                             logits_to_keep=n),
+                 lambda n=n: cache.crop(-n))  # back to context_len cached tokens for the next call
+             for n in feeds}
+    return _interleaved_times(cells, device, repeats, warmup)
 
 
 def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int], device, gen, repeats: int,
@@ -99,13 +115,11 @@ def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int
         else:
             batch.join(row)
     dtype = next(model.parameters()).dtype
-    times = {}
-    for n in feeds:
-        x, extra = ids(rows, n), batch.inputs(n, dtype)
-        times[n] = _times(lambda x=x, n=n, extra=extra: model(input_ids=x, **with_cache(model, batch.cache),
-                                                              use_cache=True, logits_to_keep=n, **extra),
-                          lambda n=n: batch.cache.crop(-n), device, repeats, warmup)
-    return times
+    cells = {n: (lambda x=ids(rows, n), n=n, extra=batch.inputs(n, dtype): model(
+                     input_ids=x, **with_cache(model, batch.cache), use_cache=True, logits_to_keep=n, **extra),
+                 lambda n=n: batch.cache.crop(-n))
+             for n in feeds}
+    return _interleaved_times(cells, device, repeats, warmup)
 
 
 def _fits(model, context_len: int, new_tokens: int) -> bool:
@@ -280,6 +294,7 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     from sacpolicy.models import LoadedModel
 
     target = target_model.model if isinstance(target_model, LoadedModel) else target_model
+    use_masked_gqa(target)  # time the attention the decoder will run
     param = next(target.parameters())
     device = param.device if device is None else torch.device(device)
     if param.device != device:

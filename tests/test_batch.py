@@ -347,3 +347,38 @@ def test_evaluation_has_a_section_under_load(tmp_path):
 
     assert load_rows(settings, chosen, CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft), {}, grouped,
                      vocab_size=1000) == []  # no batch curves, no section
+
+
+def test_masked_grouped_query_attention_is_transformers_sdpa_bit_for_bit():
+    """The decoder switches a CPU target from transformers' sdpa attention to one that skips the key/value copies of
+    grouped-query attention under a mask (verification, batches): the logits stay bit-identical."""
+    from transformers import DynamicCache
+
+    from sacpolicy.decoding.compat import MASKED_GQA, use_masked_gqa, with_cache
+    from sacpolicy.models import load_model
+
+    model = load_model("tiny:llama-4l", device="cpu", dtype="float32", seed=3).model
+    assert model.config._attn_implementation == "sdpa"
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query attention
+
+    ids = torch.randint(1000, (3, 24), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(3, 24, dtype=torch.long)
+    pad[1, :5], pad[2, :11] = 0, 0  # left padding: a mask on every pass
+
+    def logits():
+        cache = DynamicCache(config=model.config)
+        first = model(input_ids=ids[:, :20], attention_mask=pad[:, :20], **with_cache(model, cache), use_cache=True)
+        block = model(input_ids=ids[:, 20:], attention_mask=pad, **with_cache(model, cache), use_cache=True)
+        return first.logits, block.logits  # a 4-token block on a cache, as verification feeds it
+
+    with torch.inference_mode():
+        before = logits()
+        SpeculativeDecoder(model)
+        assert model.config._attn_implementation == MASKED_GQA
+        use_masked_gqa(model)  # idempotent
+        after = logits()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    eager = load_model("tiny:llama-1l", device="cpu", dtype="float32", seed=3).model
+    eager.set_attn_implementation("eager")
+    use_masked_gqa(eager)
+    assert eager.config._attn_implementation == "eager"  # other implementations are left alone

@@ -295,3 +295,26 @@ def test_profile_accepts_a_mapping_and_skips_contexts_beyond_the_window(tiny_tar
 def test_profile_rejects_contexts_that_all_exceed_the_window(tiny_target):
     with pytest.raises(ValueError, match="exceeds the target's context window"):
         profile(tiny_target.model, [], ks=(0,), context_lens=(4096,), repeats=1, warmup=0)
+
+
+def test_profile_interleaves_cells_so_a_drifting_machine_tilts_no_curve(monkeypatch):
+    """Cells are timed round-robin, each round starting one cell later: on a machine whose every call gets slower
+    (a shared CPU under a neighbour's growing load), each cell sees the same drift, where timing one cell's repeats
+    after another's would make the cost fall or rise along the order they were timed in."""
+    from sacpolicy import profiling
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+
+    def cell(name):
+        def run():
+            calls.append(name)
+            clock[0] += 1.0 + 0.1 * len(calls)  # every cell costs the same; the machine drifts
+        return run, lambda: None
+
+    times = profiling._interleaved_times({n: cell(n) for n in "abcd"}, profiling.torch.device("cpu"),
+                                         repeats=8, warmup=1)
+    assert calls[:8] == list("abcdbcda")  # one of each per round, the next round one cell later
+    assert all(len(t) == 8 for t in times.values())
+    means = [t.mean() for t in times.values()]
+    assert max(means) - min(means) <= 0.1 * 3  # at most the drift across one round; timed cell after cell, 2.7 s

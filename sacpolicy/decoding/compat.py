@@ -20,3 +20,50 @@ def cache_keyword(model) -> str:
 def with_cache(model, cache) -> dict:
     """``model(input_ids=..., **with_cache(model, cache), use_cache=True)`` in any supported release."""
     return {cache_keyword(model): cache}
+
+
+MASKED_GQA = "sacpolicy_sdpa"  # the attention implementation ``use_masked_gqa`` registers
+
+
+def _masked_gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                     **kwargs):
+    """transformers' ``sdpa`` attention, except for grouped-query attention under a mask on the CPU: there transformers
+    copies every key/value head ``num_key_value_groups`` times per layer and pass (``repeat_kv``), since CUDA's fast
+    kernels take no mask with grouped heads; torch's CPU kernel does (``enable_gqa``), with the same arithmetic. The
+    masked multi-token passes are verification and every batched pass (our 4D mask), where the copy is the whole KV
+    cache: at 16 rows of 3 tokens after ~400 cached ones it was a third of the embedded target's pass."""
+    from transformers.integrations import sdpa_attention
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    packs_single_queries = hasattr(sdpa_attention, "pack_gqa")  # newer releases copy nothing for one query token
+    if (groups > 1 and attention_mask is not None and query.device.type == "cpu"
+            and (query.shape[2] > 1 or not packs_single_queries)
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None):
+        import torch
+
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                                 scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def use_masked_gqa(model) -> None:
+    """Switch a model on the CPU from transformers' ``sdpa`` attention to ``_masked_gqa_sdpa`` (the same results,
+    without the key/value copies of grouped-query attention under a mask); other models and implementations are left
+    as they are. Idempotent; the decoder and the profiler call it, so decoding and its cost model time the same pass."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        return
+    if device.type != "cpu":
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(MASKED_GQA, _masked_gqa_sdpa)
+    AttentionMaskInterface.register(MASKED_GQA, sdpa_mask)
+    model.set_attn_implementation(MASKED_GQA)

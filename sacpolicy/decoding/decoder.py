@@ -18,7 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from sacpolicy.decoding.aux import AuxCapture
-from sacpolicy.decoding.compat import with_cache
+from sacpolicy.decoding.compat import use_masked_gqa, with_cache
 from sacpolicy.decoding.ragged import RaggedCache
 from sacpolicy.decoding.sampling import SamplingConfig, select_token
 from sacpolicy.decoding.step import BatchStep, Clock, Row, WallClock, stop_callback
@@ -76,6 +76,7 @@ class SpeculativeDecoder(BatchStep):
         stop_token_ids: Sequence[int] | None = None,
     ):
         self.target = target
+        use_masked_gqa(target)  # the same results, without transformers' key/value copies under a mask on the CPU
         items = drafters.values() if isinstance(drafters, Mapping) else drafters
         self.drafters: dict[str, Drafter] = {}
         for d in items:
