@@ -46,16 +46,7 @@ def _sync(device: torch.device) -> None:
 
 def _times(run: Callable[[], object], undo: Callable[[], object], device, repeats: int, warmup: int) -> np.ndarray:
     """[repeats] seconds of ``run()``, each after ``undo()`` of the previous one, after ``warmup`` untimed runs."""
-    times = []
-    for i in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        undo()
-    return np.array(times)
+    return _interleaved_times({None: (run, undo)}, device, repeats, warmup)[None]
 
 
 def _interleaved_times(cells: dict, device, repeats: int, warmup: int) -> dict:

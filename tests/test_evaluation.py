@@ -330,6 +330,10 @@ def test_live_policies_pick_rows_by_pattern_and_refuse_unknown_ones():
 def test_headline_predictor_is_the_lowest_validation_log_loss():
     from sacpolicy.evaluation.evaluate import headline_predictor
 
-    assert headline_predictor({"hgb": 0.555, "logreg": 0.565, "mlp": 0.539}) == "mlp"
-    assert headline_predictor({"hgb": float("nan"), "mlp": None, "logreg": 0.9}) == "logreg"  # missing ranks last
+    def val(loss):
+        return {"val": {"log_loss": loss}, "test": {"log_loss": 0.1}}  # the test split never counts
+
+    assert headline_predictor({"hgb": val(0.555), "logreg": val(0.565), "mlp": val(0.539)}) == "mlp"
+    assert headline_predictor({"hgb": val(float("nan")), "mlp": val(None), "svm": {}, "logreg": val(0.9)}) == \
+        "logreg"  # a missing or NaN loss ranks last
     assert headline_predictor({}) is None

@@ -3,9 +3,10 @@
 Each engine runs in a child process (``sacpolicy.export.vllm_run``, engine core and worker inside it) and costs
 ~15-25 s to start, so the module starts five, once each: no speculation, our learned n-gram policy
 (``custom_class``), a learned k-by-batch-size map (``ngram`` with ``num_speculative_tokens_per_batch_size``), the
-shipped EAGLE-3 head (``eagle3``) and a draft in the distillation's export format (``draft_model``). Outputs must equal the engine without speculation, and vLLM's own
-counters must equal our decoder's on the same prompts. Where vLLM cannot be imported the module skips with the
-reason, except under CI (``CI`` set), where that is a failure: CI installs vLLM (make test).
+shipped EAGLE-3 head (``eagle3``) and a draft in the distillation's export format (``draft_model``). Outputs must
+equal the engine without speculation, and vLLM's own counters must equal our decoder's on the same prompts. Where
+vLLM cannot be imported the module skips with the reason, except under CI (``CI`` set), where that is a failure: CI
+installs vLLM (make test).
 """
 
 from __future__ import annotations

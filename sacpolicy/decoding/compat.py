@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+from transformers.integrations import sdpa_attention
+
 _CACHE_KEYWORD: dict[type, str] = {}
 
 
@@ -23,6 +26,7 @@ def with_cache(model, cache) -> dict:
 
 
 MASKED_GQA = "sacpolicy_sdpa"  # the attention implementation ``use_masked_gqa`` registers
+_PACKS_SINGLE_QUERIES = hasattr(sdpa_attention, "pack_gqa")  # newer releases copy nothing for one query token
 
 
 def _masked_gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -32,15 +36,10 @@ def _masked_gqa_sdpa(module, query, key, value, attention_mask, dropout: float =
     kernels take no mask with grouped heads; torch's CPU kernel does (``enable_gqa``), with the same arithmetic. The
     masked multi-token passes are verification and every batched pass (our 4D mask), where the copy is the whole KV
     cache: at 16 rows of 3 tokens after ~400 cached ones it was a third of the embedded target's pass."""
-    from transformers.integrations import sdpa_attention
-
     groups = getattr(module, "num_key_value_groups", 1)
-    packs_single_queries = hasattr(sdpa_attention, "pack_gqa")  # newer releases copy nothing for one query token
     if (groups > 1 and attention_mask is not None and query.device.type == "cpu"
-            and (query.shape[2] > 1 or not packs_single_queries)
+            and (query.shape[2] > 1 or not _PACKS_SINGLE_QUERIES)
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None):
-        import torch
-
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None

@@ -40,17 +40,18 @@ logger = logging.getLogger(__name__)
 HEADLINE = "learned"  # in eval.live_policies: the row of the predictor chosen on validation (headline_predictor)
 
 
-def headline_predictor(val_log_loss: dict) -> str | None:
-    """The learned policy a run reports first: the predictor with the lowest validation log loss, the quantity it is
-    fitted to minimise, on prompts neither its training nor the test saw (a missing or NaN loss ranks last; None
-    without predictors). Chosen before any test prompt is decoded, so the headline row is not picked on test."""
+def headline_predictor(metrics: dict) -> str | None:
+    """The learned policy a run reports first: of {predictor: its metrics by split} (``fit_predictor``'s, kept in
+    ``fit.json`` and in each policy artifact), the predictor with the lowest validation log loss, the quantity it is
+    fitted to minimise, on prompts neither its training nor the test saw (a missing or NaN loss ranks last; None without
+    predictors). Chosen before any test prompt is decoded, so the headline row is not picked on test."""
     import math
 
     def key(name):
-        loss = val_log_loss[name]
+        loss = metrics[name].get("val", {}).get("log_loss")
         return math.inf if loss is None or math.isnan(loss) else loss
 
-    return min(val_log_loss, key=key) if val_log_loss else None
+    return min(metrics, key=key) if metrics else None
 
 
 @dataclass
@@ -166,8 +167,8 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
     """-> (rows, meta). ``rules``: {predictor name: DecisionRule}; ``drafters`` in the order the traces hold them;
     ``best_static``: the best static (drafter, k) on val traces (``traces.simulate.best_static``); ``in_sample``:
     what to refit for the in-sample ceilings (none without it); ``headline``: the predictor chosen on validation
-    (``headline_predictor``), whose row ``eval.live_policies``' ``learned`` names. Traces of sampled decoding cannot be replayed
-    exactly: they give no simulated rows, and ``meta["simulated_skipped"]`` says why."""
+    (``headline_predictor``), whose row ``eval.live_policies``' ``learned`` names. Traces of sampled decoding cannot
+    be replayed exactly: they give no simulated rows, and ``meta["simulated_skipped"]`` says why."""
     from sacpolicy.traces.simulate import SampledTracesError
 
     vocab = int(target.model.get_output_embeddings().out_features)

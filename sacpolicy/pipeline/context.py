@@ -129,8 +129,7 @@ class RunContext:
 
         artifacts = {name: load_artifact(self.need(f"policies/{name}", stage)) for name in self.cfg.predictor}
         return ({name: a.rule for name, a in artifacts.items()},
-                headline_predictor({name: a.metrics.get("predictor", {}).get("val", {}).get("log_loss")
-                                    for name, a in artifacts.items()}))
+                headline_predictor({name: a.metrics.get("predictor", {}) for name, a in artifacts.items()}))
 
     def take(self, rows, n) -> list:
         """n prompts drawn at random (seeded) from a split, so a sample mixes its sources and categories."""

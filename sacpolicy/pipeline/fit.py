@@ -48,8 +48,7 @@ def run(ctx: RunContext) -> dict:
             "fit_s": time.perf_counter() - t0, "tuning_skipped": tuning.get("skipped"),
             "val_tokens_per_s": max((r["val_tokens_per_s"] for r in tuning["grid"]), default=None)}
         tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
-    summary["headline"] = headline_predictor({n: p["metrics"].get("val", {}).get("log_loss")
-                                              for n, p in summary["predictors"].items()})
+    summary["headline"] = headline_predictor({n: p["metrics"] for n, p in summary["predictors"].items()})
     return summary
 
 
