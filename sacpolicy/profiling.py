@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from sacpolicy.decoding.compat import use_masked_gqa, with_cache
+from sacpolicy.decoding.compat import use_cpu_kernels, with_cache
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear, _hinge_basis
 
 __all__ = ["COST_FORMAT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots", "pool_adjacent_violators",
@@ -209,26 +209,29 @@ def _fit_draft(name: str, cells: list[tuple[int, np.ndarray]], per_token: bool, 
 def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
                    draft_cells: Mapping[str, list[tuple[int, np.ndarray]]], per_token: Mapping[str, bool],
                    meta: Mapping | None = None, *, batch_cells: Mapping[int, list] | None = None,
-                   n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
+                   fixed_cells: Mapping[str, list] | None = None, n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
     """A CostModel from timings: ``verify_cells`` (tokens fed, context, [repeats] seconds of one target forward),
     ``draft_cells`` {drafter: [(context, [repeats] seconds of one draft step or proposal)]}, ``batch_cells`` {batch
-    size > 1: verify cells of a pass over that many rows}."""
+    size > 1: verify cells of a pass over that many rows}, ``fixed_cells`` {per-token drafter: [(context, [repeats]
+    seconds it spends once per proposal)]}."""
     rng = np.random.default_rng(seed)
     repeats = min(len(t) for *_, t in verify_cells)
     draft = {name: _fit_draft(name, cells, per_token[name], n_boot, rng) for name, cells in draft_cells.items()}
     batch = {b: _fit_verify(cells, min(len(t) for *_, t in cells), n_boot, rng)
              for b, cells in sorted((batch_cells or {}).items())}
     meta = {**(meta or {}), "knot_interval": f"95% bootstrap over repeats ({n_boot} resamples)"}
+    fixed = {name: _fit_draft(name, cells, True, n_boot, rng) for name, cells in (fixed_cells or {}).items()}
     return CostModel(device, _fit_verify(verify_cells, repeats, n_boot, rng), draft, dict(per_token), meta,
-                     batch=batch)
+                     batch=batch, draft_fixed=fixed)
 
 
 # ---------------------------------------------------------------------- measuring
 def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, gen, repeats: int, warmup: int):
-    """-> verify cells (tokens fed, context, [repeats] seconds) and {drafter: [(context, [repeats] seconds)]}."""
+    """-> verify cells (tokens fed, context, [repeats] seconds), {drafter: [(context, [repeats] seconds)]} and the
+    same for the drafters' once-per-proposal seconds (feature drafters)."""
     from sacpolicy.decoding.sampling import SamplingConfig
 
-    verify_rows, draft_rows = [], {name: [] for name in drafters}
+    verify_rows, draft_rows, fixed_rows = [], {name: [] for name in drafters}, {}
     feeds, k_max = sorted({k + 1 for k in ks}), max(max(ks), 1)
     for c in context_lens:
         if not _fits(target, c, feeds[-1]):
@@ -236,9 +239,10 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
         logger.info("profiling context %d on %s", c, device)
         verify_rows += [(n, c, t) for n, t in _forward_times(target, c, feeds, device, gen, repeats, warmup).items()]
         for name, drafter in drafters.items():
-            if drafter.aux_layers:  # a feature head: one chain step per drafted token, on the target's features
-                draft_rows[name].append((c, _feature_step_time(target, drafter, c, k_max, device, gen, repeats,
-                                                               warmup)))
+            if drafter.aux_layers:  # a feature head: a feed of the new rows, then one chain step per drafted token
+                per_token_s, fixed_s = _feature_step_times(target, drafter, c, k_max, device, gen, repeats, warmup)
+                draft_rows[name].append((c, per_token_s))
+                fixed_rows.setdefault(name, []).append((c, fixed_s))
                 continue
             if per_token[name]:
                 if _fits(drafter.model, c, 1):
@@ -248,23 +252,33 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
             context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
             propose = functools.partial(drafter.propose, context, k_max, SamplingConfig())
             draft_rows[name].append((c, _times(propose, drafter.reset, device, repeats, warmup)))
-    return verify_rows, draft_rows
+    return verify_rows, draft_rows, fixed_rows
 
 
-def _feature_step_time(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int) -> np.ndarray:
-    """[repeats] seconds per drafted token of a feature drafter on top of c committed tokens (its cache already holds them):
-    a block of max(k_max, 2) tokens timed, divided by its length."""
+def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int):
+    """A feature drafter timed as the decoder runs it on top of c committed tokens: each proposal first feeds the rows
+    committed since the last one (here 2: the last token and one accepted draft), then drafts its chain. Blocks of 1
+    and of K = max(k_max, 2) tokens are timed in the same rounds; -> ([repeats] seconds per drafted token,
+    [repeats] seconds once per proposal), the two solving t(k) = fixed + k * per_token at k = 1 and K."""
     from sacpolicy.decoding.aux import aux_pass
     from sacpolicy.decoding.sampling import SamplingConfig
 
-    k = max(k_max, 2)
-    context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
+    K, pending = max(k_max, 2), 2
+    context = torch.randint(target.config.vocab_size, (c + pending,), generator=gen).to(device)
     _, capture = aux_pass(target, context, 1, drafter.aux_layers)
-    drafter.reset()
-    drafter.extend_features(capture.rows(drafter.aux_layers, c - 1))
-    drafter.propose(context, 1, SamplingConfig())  # feeds the context: the timed blocks draft from it
-    block = functools.partial(drafter.propose, context, k, SamplingConfig())
-    return _times(block, lambda: drafter.accept(0), device, repeats, warmup) / k
+    rows = capture.rows(drafter.aux_layers, c + pending - 1)
+
+    def committed():  # the drafter after a proposal at c tokens, the next 2 rows handed over and not fed yet
+        drafter.reset()
+        drafter.extend_features(rows[: c - 1])
+        drafter.propose(context[:c], 1, SamplingConfig())
+        drafter.extend_features(rows[c - 1:])
+
+    committed()
+    cells = {k: (functools.partial(drafter.propose, context, k, SamplingConfig()), committed) for k in (1, K)}
+    t = _interleaved_times(cells, device, repeats, warmup)
+    per_token = (t[K] - t[1]) / (K - 1)
+    return per_token, t[1] - per_token
 
 
 @torch.inference_mode()
@@ -274,7 +288,7 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
 
     drafters: a list of drafters or {name: drafter}. A drafter with a `.model` (ModelDrafter, LayerSkipDrafter) is
     timed as one single-token forward on its own KV cache, a feature drafter (EAGLE-3 head) per token of a drafted
-    chain on the target's hidden states; any other drafter as one propose() call on random tokens
+    chain on the target's hidden states plus once per proposal (its feed of the newly committed rows); any other drafter as one propose() call on random tokens
     (for the n-gram drafter that is the no-match case, its slowest lookup). Every cell is timed `repeats` times
     (>= 5 for knot intervals that can tell a real decrease in verify cost from noise; see the module docstring).
     ``batch_sizes``: also time the verify pass over that many rows (the batched decoder's ragged cache and mask), so
@@ -285,7 +299,9 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     from sacpolicy.models import LoadedModel
 
     target = target_model.model if isinstance(target_model, LoadedModel) else target_model
-    use_masked_gqa(target)  # time the attention the decoder will run
+    named = dict(drafters) if isinstance(drafters, Mapping) else {d.name: d for d in drafters}
+    # time the kernels the decoder will run
+    use_cpu_kernels(target, *(getattr(d, attr, None) for d in named.values() for attr in ("model", "head")))
     param = next(target.parameters())
     device = param.device if device is None else torch.device(device)
     if param.device != device:
@@ -294,13 +310,13 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     if not ks or min(ks) < 0 or not context_lens or min(context_lens) < 1 or repeats < 1:
         raise ValueError(f"profile needs ks >= 0, context_lens >= 1 and repeats >= 1; "
                          f"got ks={ks}, context_lens={context_lens}, repeats={repeats}")
-    named = dict(drafters) if isinstance(drafters, Mapping) else {d.name: d for d in drafters}
     gen = torch.Generator().manual_seed(seed)  # CPU generator: same token ids on every device
     per_token = {name: isinstance(getattr(d, "model", None), torch.nn.Module) or bool(d.aux_layers)
                  for name, d in named.items()}
     if not batch_sizes or min(batch_sizes) < 1 or 1 not in batch_sizes:
         raise ValueError(f"batch_sizes must hold 1 and sizes >= 1, got {batch_sizes}")
-    verify_rows, draft_rows = _measure(target, named, per_token, ks, context_lens, device, gen, repeats, warmup)
+    verify_rows, draft_rows, fixed_rows = _measure(target, named, per_token, ks, context_lens, device, gen, repeats,
+                                                   warmup)
     feeds = sorted({k + 1 for k in ks})
     batch_rows = {}
     for b in sorted(set(batch_sizes) - {1}):
@@ -320,4 +336,5 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
             "target": getattr(target.config, "name_or_path", "") or type(target).__name__,
             "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats,
             "batch_sizes": sorted(set(batch_sizes))}
-    return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, batch_cells=batch_rows, seed=seed)
+    return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, batch_cells=batch_rows,
+                          fixed_cells=fixed_rows, seed=seed)

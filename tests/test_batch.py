@@ -373,7 +373,7 @@ def test_masked_grouped_query_attention_is_transformers_sdpa_bit_for_bit():
 
     with torch.inference_mode():
         before = logits()
-        SpeculativeDecoder(model)
+        use_masked_gqa(model)
         assert model.config._attn_implementation == MASKED_GQA
         use_masked_gqa(model)  # idempotent
         after = logits()
@@ -382,3 +382,38 @@ def test_masked_grouped_query_attention_is_transformers_sdpa_bit_for_bit():
     eager.set_attn_implementation("eager")
     use_masked_gqa(eager)
     assert eager.config._attn_implementation == "eager"  # other implementations are left alone
+
+
+def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it():
+    """``CpuLinear`` (few rows as one GEMM, weight on the left) gives torch's ``linear`` results up to float rounding
+    at every row count, keeps torch's own path (bit for bit) under autograd and for long feeds, and the decoder
+    switches the target's and a model drafter's linears to it without touching their parameters."""
+    from sacpolicy.decoding.compat import _GEMM_MAX_ROWS, CpuLinear, use_cpu_kernels
+    from sacpolicy.models import load_model
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 300)
+    fast = torch.nn.Linear(64, 300)
+    fast.load_state_dict(plain.state_dict())
+    use_cpu_kernels(torch.nn.Sequential(fast))
+    assert type(fast) is CpuLinear
+    with torch.inference_mode():
+        for shape in [(64,), (1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 5, 64), (_GEMM_MAX_ROWS, 64), (300, 64)]:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+            assert fast(x).shape == plain(x).shape
+        x = torch.randn(300, 64)
+        assert torch.equal(fast(x), plain(x))  # a long feed keeps torch's path
+    x = torch.randn(2, 64, requires_grad=True)
+    assert torch.equal(fast(x), plain(x))  # autograd: torch's path
+    fast(x).sum().backward()
+    assert fast.weight.grad is not None
+
+    target = load_model("tiny:llama-4l", device="cpu", dtype="float32", seed=3).model
+    draft = load_model("tiny:llama-1l", device="cpu", dtype="float32", seed=3).model
+    keys = (list(target.state_dict()), list(draft.state_dict()))
+    SpeculativeDecoder(target, [ModelDrafter(draft, name="draft")])
+    for model in (target, draft):
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(type(m) is CpuLinear for m in linears)
+    assert (list(target.state_dict()), list(draft.state_dict())) == keys

@@ -97,6 +97,25 @@ def test_step_times_follow_the_model():
         cost.draft_time("eagle", 2, 10)
 
 
+def test_a_per_proposal_draft_cost_is_paid_once_per_block_and_round_trips(tmp_path):
+    """A feature head feeds the rows committed since its last proposal before it drafts: ``draft_fixed`` adds that
+    once per proposal (not per token, not when nothing is drafted), and survives the JSON file."""
+    cost = hand_model()
+    cost.draft_fixed = {"draft": PiecewiseLinear([0.0, 1000.0], [0.003, 0.005])}
+    per_token = hand_model().draft_time
+    assert cost.draft_time("draft", 0, 500) == 0.0
+    assert cost.draft_time("draft", 1, 500) == pytest.approx(0.004 + per_token("draft", 1, 500))
+    assert cost.draft_time("draft", 4, 500) == pytest.approx(0.004 + per_token("draft", 4, 500))
+    # the stop rule's marginal token still costs one step
+    assert cost.draft_time("draft", 5, 0) - cost.draft_time("draft", 4, 0) == pytest.approx(
+        per_token("draft", 5, 0) - per_token("draft", 4, 0))
+    cost.to_json(tmp_path / "cost.json")
+    assert CostModel.from_json(tmp_path / "cost.json") == cost
+    assert "draft_fixed" not in hand_model().to_dict()  # files without one keep the old layout
+    with pytest.raises(ValueError, match=r"\['ngram'\] is not per-token"):
+        CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft, draft_fixed={"ngram": PiecewiseLinear([0.0], [0.1])})
+
+
 def test_expected_tokens_per_s():
     cost = hand_model()
     assert cost.expected_tokens_per_s(None, 0, 0, []) == pytest.approx(100.0)

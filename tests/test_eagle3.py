@@ -113,6 +113,41 @@ def test_ttt_logits_equal_cached_inference(tiny_target, sequences):
         torch.testing.assert_close(both[j][1, : 19 - j], alone[j][0, : 19 - j], atol=2e-5, rtol=1e-5)
 
 
+def test_feed_keeps_only_the_logits_it_reads(tiny_target, sequences):
+    """logits_to_keep=1 (the drafter's feed of a prompt) gives the last entry's logits of the full pass, same cache."""
+    head = random_head(tiny_target)
+    ids = torch.tensor(sequences[0]["input_ids"])
+    aux = features(tiny_target, ids)
+    full_cache, last_cache = KVCache(), KVCache()
+    with torch.inference_mode():
+        x, a = ids[1:].view(1, -1), head.fc(aux[: ids.numel() - 1].unsqueeze(0))
+        out, logits = head(a, x, full_cache)
+        out1, last = head(a, x, last_cache, logits_to_keep=1)
+    assert last.shape[1] == 1 and logits.shape[1] == x.shape[1] > 1
+    torch.testing.assert_close(last[0, 0], logits[0, -1])
+    torch.testing.assert_close(out1, out)
+    assert last_cache.length == full_cache.length == x.shape[1]
+
+
+def test_profile_prices_a_feature_drafters_feed_once_per_proposal(tiny_target):
+    """The profiler times a feature head as the decoder runs it (a feed of the committed rows, then the chain), so its
+    cost has a per-token part and a per-proposal part, each a line over the profiled contexts with knot intervals;
+    the drafter is left usable (a proposal after profiling works)."""
+    from sacpolicy.profiling import profile
+
+    drafter = FeatureDrafter(random_head(tiny_target, aux=AUX))
+    cost = profile(tiny_target.model, [drafter], ks=(0, 1, 4), context_lens=(16, 48), repeats=5, warmup=1)
+    assert set(cost.draft_fixed) == {drafter.name} and cost.per_token_draft[drafter.name]
+    for curve in (cost.draft_fixed[drafter.name], cost.draft[drafter.name]):
+        assert curve.xs == [16.0, 48.0] and all(lo <= hi for lo, hi in zip(curve.lo, curve.hi))
+    once = max(0.0, cost.draft_fixed[drafter.name](32))
+    assert cost.draft_time(drafter.name, 3, 32) == pytest.approx(once + 3 * cost.draft[drafter.name](33))
+    drafter.reset()
+    ids = torch.randint(3, 512, (10,))
+    drafter.extend_features(features(tiny_target, ids)[:9])
+    assert drafter.propose(ids, 3, SamplingConfig()).k == 3
+
+
 def test_teacher_force_equals_proposals(tiny_target, sequences):
     """One greedy ttt pass gives, at every position, the chain the drafter proposes position by position."""
     drafter = FeatureDrafter(random_head(tiny_target, seed=1))

@@ -151,7 +151,9 @@ def test_gguf_path_converts_once_into_isolated_cache(embedded, tmp_path, monkeyp
     assert [p.name for p in cache_dir.parent.iterdir()] == [cache_dir.name]  # no temp dirs left behind
     reference = _logits(direct[0])
     torch.testing.assert_close(_logits(first.model), reference, rtol=0, atol=1e-5)
-    torch.testing.assert_close(_logits(embedded.model), reference, rtol=0, atol=1e-5)
+    # the session's embedded model runs the decoder's CPU linears once a test built a decoder on it (another kernel,
+    # other float rounding: ~5e-5 on these logits); a conversion error moves them by whole units
+    torch.testing.assert_close(_logits(embedded.model), reference, rtol=0, atol=2e-4)
 
     _forbid_gguf_parsing(monkeypatch)
     second = load_model(str(gguf), **CPU32)

@@ -95,10 +95,17 @@ def test_batch_benchmark_runs_a_pipeline_runs_policy_on_its_test_prompts(smoke_r
     mix = {m["policy"]: m for m in bench["mix"]}
     assert mix["ar"]["vs_ar"] == 1.0 and max(m["vs_best_static"] for p, m in mix.items()
                                              if p == "ar" or p.startswith("static-k")) == 1.0
+    ceiling = mix.pop("per-rate best static (hindsight)")
     for name, m in mix.items():  # request speed pools every rate's requests: tokens over their summed latencies
         runs = [r for r in bench["poisson"] if r["policy"] == name]
         assert m["request_tokens_per_s"] == pytest.approx(sum(r["tokens"] for r in runs)
                                                           / sum(r["latency_sum_s"] for r in runs))
+    # the hindsight ceiling: at each rate, the static (AR included) whose requests finished fastest
+    assert set(ceiling["picks"]) == {"0.5x", "2"} and ceiling["vs_best_static"] >= 1.0
+    for rate, pick in ceiling["picks"].items():
+        statics = [r for r in bench["poisson"] if r["rate"] == rate and (r["policy"] == "ar" or
+                                                                           r["policy"].startswith("static-k"))]
+        assert pick == min(statics, key=lambda r: r["latency_sum_s"] / r["tokens"])["policy"]
     assert "Over the Poisson mix" in res.stdout
 
 

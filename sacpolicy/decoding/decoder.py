@@ -18,7 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from sacpolicy.decoding.aux import AuxCapture
-from sacpolicy.decoding.compat import use_masked_gqa, with_cache
+from sacpolicy.decoding.compat import use_cpu_kernels, with_cache
 from sacpolicy.decoding.ragged import RaggedCache
 from sacpolicy.decoding.sampling import SamplingConfig, select_token
 from sacpolicy.decoding.step import BatchStep, Clock, Row, WallClock, stop_callback
@@ -76,13 +76,14 @@ class SpeculativeDecoder(BatchStep):
         stop_token_ids: Sequence[int] | None = None,
     ):
         self.target = target
-        use_masked_gqa(target)  # the same results, without transformers' key/value copies under a mask on the CPU
         items = drafters.values() if isinstance(drafters, Mapping) else drafters
         self.drafters: dict[str, Drafter] = {}
         for d in items:
             if d.name in self.drafters:
                 raise ValueError(f"two drafters are named {d.name!r}; give each drafter a unique name")
             self.drafters[d.name] = d
+        # the same results up to float rounding, on the CPU's faster kernels for decoding's passes
+        use_cpu_kernels(target, *(getattr(d, attr, None) for d in self.drafters.values() for attr in ("model", "head")))
         self.policy = policy if policy is not None else Autoregressive()
         self.sampling = sampling or SamplingConfig()
         self.config = config or DecoderConfig()

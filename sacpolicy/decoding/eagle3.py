@@ -245,9 +245,10 @@ class Eagle3Head(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_ids, logits)
 
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache):
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache, logits_to_keep: int = 0):
         """Inference over m new entries after the cached ones: hidden [B, m, H] (fc'd target features or the head's
-        own outputs), input_ids [B, m] -> (pre-norm outputs [B, m, H], draft logits [B, m, Vd])."""
+        own outputs), input_ids [B, m] -> (pre-norm outputs [B, m, H], draft logits [B, m', Vd]) of the last
+        m' = ``logits_to_keep`` entries (0: all m)."""
         layer = self.layers[0]
         B, m = input_ids.shape
         start = cache.length
@@ -259,7 +260,7 @@ class Eagle3Head(nn.Module):
         if m > 1:  # entry start + i sees the cache and the new entries up to itself
             mask = torch.ones(m, start + m, dtype=torch.bool, device=hidden.device).tril(start)[None, None]
         out = layer.finish(q, keys, values, mask, hidden)
-        return out, self.lm_head(self.norm(out))
+        return out, self.lm_head(self.norm(out[:, -logits_to_keep:]))
 
     def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int,
                     attention_mask: torch.Tensor | None = None, greedy: bool = False) -> list[torch.Tensor]:

@@ -48,7 +48,8 @@ class FeatureDrafter(Drafter):
         rows = torch.cat(self._pending)
         m, start = rows.shape[0], self._true
         hidden = self.head.fc(rows.to(self.head.fc.weight.dtype)).unsqueeze(0)  # [1, m, H]
-        out, logits = self.head(hidden, context[start + 1 : start + 1 + m].view(1, m), self._cache)
+        # only the last entry's logits are read: a prompt's feed skips the draft head on all the others
+        out, logits = self.head(hidden, context[start + 1 : start + 1 + m].view(1, m), self._cache, logits_to_keep=1)
         self._pending, self._true = [], start + m
         self._tail = (out[:, -1:], logits[0, -1])
 

@@ -10,6 +10,8 @@ exported runtime, so this module needs numpy only; ``sacpolicy.profiling.profile
 Model of a step drafting k tokens on top of `context` committed tokens:
     verify = a(k + 1) + b * context         a: piecewise linear in tokens fed, b: seconds per cached token
     draft  = k * d(context + (k - 1) / 2)   model drafters: one forward per drafted token
+             + f(context)                   plus, where profiled (``draft_fixed``), a once-per-proposal cost: a feature
+                                            head feeds the rows committed since its last proposal before drafting
     draft  = d(context)                     n-gram (and other model-free) drafters: one lookup per proposal
 
 Batches: a target pass verifying B rows of k + 1 tokens each costs a_B(k + 1) + b_B * context (context: the rows'
@@ -33,7 +35,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-COST_FORMAT = 1  # intervals (lo, hi) and per-batch-size curves (batch) are optional: older files load unchanged
+COST_FORMAT = 1  # intervals (lo, hi), per-batch-size curves (batch) and per-proposal draft costs (draft_fixed) are
+# optional: older files load unchanged
 # Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
 # finite and positive.
 _MIN_S = 1e-7
@@ -106,6 +109,8 @@ class CostModel:
     meta: dict = field(default_factory=dict)  # torch version, device name, dtype, when profiled, target
     # batch size B > 1 -> its verify curves ({"tokens", "per_context"}, as ``verify``); B = 1 is ``verify``
     batch: dict[int, dict] = field(default_factory=dict)
+    # per-token drafter -> seconds it spends once per proposal on top of k * draft (vs context length)
+    draft_fixed: dict[str, PiecewiseLinear] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for b, curves in [(1, self.verify), *self.batch.items()]:
@@ -118,6 +123,11 @@ class CostModel:
         if set(self.draft) != set(self.per_token_draft):
             raise ValueError(f"draft curves {sorted(self.draft)} and per_token_draft {sorted(self.per_token_draft)} "
                              "must name the same drafters")
+        once = [name for name in self.draft_fixed if not self.per_token_draft.get(name, False)]
+        if once:
+            raise ValueError(f"draft_fixed is a per-proposal cost on top of a per-token one, but {once} "
+                             f"{'is' if len(once) == 1 else 'are'} not per-token drafters of this model "
+                             f"(per_token_draft: {self.per_token_draft})")
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -157,7 +167,9 @@ class CostModel:
         if not self.per_token_draft[drafter]:
             return max(_MIN_S, self.draft[drafter](context_len))
         # draft step i runs on context_len + i cached tokens; the curve is near-linear, so use the block's middle
-        return k * max(_MIN_S, self.draft[drafter](context_len + (k - 1) / 2))
+        fixed = self.draft_fixed.get(drafter)
+        once = max(0.0, fixed(context_len)) if fixed is not None else 0.0
+        return once + k * max(_MIN_S, self.draft[drafter](context_len + (k - 1) / 2))
 
     def step_time(self, drafter: str | None, k: int, context_len: int, batch: int = 1) -> float:
         """One row's draft plus the target pass (of ``batch`` rows of k + 1 tokens)."""
@@ -236,6 +248,8 @@ class CostModel:
         d = {"format": COST_FORMAT, "device": self.device, "verify": _curves_to_dict(self.verify),
              "draft": {name: curve.to_dict() for name, curve in self.draft.items()},
              "per_token_draft": dict(self.per_token_draft), "meta": dict(self.meta)}
+        if self.draft_fixed:
+            d["draft_fixed"] = {name: curve.to_dict() for name, curve in self.draft_fixed.items()}
         return {**d, "batch": {str(b): _curves_to_dict(v) for b, v in self.batch.items()}} if self.batch else d
 
     @classmethod
@@ -255,7 +269,8 @@ class CostModel:
         return cls(device=d["device"], verify=verify,
                    draft={name: PiecewiseLinear(**curve) for name, curve in d["draft"].items()},
                    per_token_draft={name: bool(v) for name, v in d["per_token_draft"].items()},
-                   meta=dict(d.get("meta", {})), batch=batch)
+                   meta=dict(d.get("meta", {})), batch=batch,
+                   draft_fixed={name: PiecewiseLinear(**c) for name, c in d.get("draft_fixed", {}).items()})
 
     def to_json(self, path) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a file."""
