@@ -84,6 +84,19 @@ def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, r
     return _interleaved_times(cells, device, repeats, warmup)
 
 
+def _prefill_times(model, context_len: int, device, gen, repeats: int, warmup: int) -> np.ndarray:
+    """[repeats] seconds of one forward over a prompt of context_len tokens on an empty cache (as decoding admits a
+    request: logits of the last position only)."""
+    from transformers import DynamicCache
+
+    x = torch.randint(model.config.vocab_size, (1, context_len), generator=gen).to(device)
+
+    def run():
+        model(input_ids=x, **with_cache(model, DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)
+
+    return _times(run, lambda: None, device, repeats, warmup)
+
+
 def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int], device, gen, repeats: int,
                          warmup: int) -> dict:
     """``_forward_times`` for a batch: ``rows`` rows of n new tokens each, on the ragged cache the batched decoder
@@ -209,11 +222,12 @@ def _fit_draft(name: str, cells: list[tuple[int, np.ndarray]], per_token: bool, 
 def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
                    draft_cells: Mapping[str, list[tuple[int, np.ndarray]]], per_token: Mapping[str, bool],
                    meta: Mapping | None = None, *, batch_cells: Mapping[int, list] | None = None,
-                   fixed_cells: Mapping[str, list] | None = None, n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
+                   fixed_cells: Mapping[str, list] | None = None, prefill_cells: list | None = None,
+                   n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
     """A CostModel from timings: ``verify_cells`` (tokens fed, context, [repeats] seconds of one target forward),
     ``draft_cells`` {drafter: [(context, [repeats] seconds of one draft step or proposal)]}, ``batch_cells`` {batch
     size > 1: verify cells of a pass over that many rows}, ``fixed_cells`` {per-token drafter: [(context, [repeats]
-    seconds it spends once per proposal)]}."""
+    seconds it spends once per proposal)]}, ``prefill_cells`` [(prompt tokens, [repeats] seconds of its prefill)]."""
     rng = np.random.default_rng(seed)
     repeats = min(len(t) for *_, t in verify_cells)
     draft = {name: _fit_draft(name, cells, per_token[name], n_boot, rng) for name, cells in draft_cells.items()}
@@ -221,23 +235,26 @@ def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
              for b, cells in sorted((batch_cells or {}).items())}
     meta = {**(meta or {}), "knot_interval": f"95% bootstrap over repeats ({n_boot} resamples)"}
     fixed = {name: _fit_draft(name, cells, True, n_boot, rng) for name, cells in (fixed_cells or {}).items()}
+    prefill = _fit_draft("prefill", prefill_cells, True, n_boot, rng) if prefill_cells else None
     return CostModel(device, _fit_verify(verify_cells, repeats, n_boot, rng), draft, dict(per_token), meta,
-                     batch=batch, draft_fixed=fixed)
+                     batch=batch, draft_fixed=fixed, prefill=prefill)
 
 
 # ---------------------------------------------------------------------- measuring
 def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, gen, repeats: int, warmup: int):
-    """-> verify cells (tokens fed, context, [repeats] seconds), {drafter: [(context, [repeats] seconds)]} and the
-    same for the drafters' once-per-proposal seconds (feature drafters)."""
+    """-> verify cells (tokens fed, context, [repeats] seconds), prefill cells [(prompt tokens, [repeats] seconds)],
+    {drafter: [(context, [repeats] seconds)]} and the same for the drafters' once-per-proposal seconds (feature
+    drafters)."""
     from sacpolicy.decoding.sampling import SamplingConfig
 
-    verify_rows, draft_rows, fixed_rows = [], {name: [] for name in drafters}, {}
+    verify_rows, prefill_rows, draft_rows, fixed_rows = [], [], {name: [] for name in drafters}, {}
     feeds, k_max = sorted({k + 1 for k in ks}), max(max(ks), 1)
     for c in context_lens:
         if not _fits(target, c, feeds[-1]):
             continue
         logger.info("profiling context %d on %s", c, device)
         verify_rows += [(n, c, t) for n, t in _forward_times(target, c, feeds, device, gen, repeats, warmup).items()]
+        prefill_rows.append((c, _prefill_times(target, c, device, gen, repeats, warmup)))
         for name, drafter in drafters.items():
             if drafter.aux_layers:  # a feature head: a feed of the new rows, then one chain step per drafted token
                 per_token_s, fixed_s = _feature_step_times(target, drafter, c, k_max, device, gen, repeats, warmup)
@@ -252,7 +269,7 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
             context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
             propose = functools.partial(drafter.propose, context, k_max, SamplingConfig())
             draft_rows[name].append((c, _times(propose, drafter.reset, device, repeats, warmup)))
-    return verify_rows, draft_rows, fixed_rows
+    return verify_rows, prefill_rows, draft_rows, fixed_rows
 
 
 def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int):
@@ -315,8 +332,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
                  for name, d in named.items()}
     if not batch_sizes or min(batch_sizes) < 1 or 1 not in batch_sizes:
         raise ValueError(f"batch_sizes must hold 1 and sizes >= 1, got {batch_sizes}")
-    verify_rows, draft_rows, fixed_rows = _measure(target, named, per_token, ks, context_lens, device, gen, repeats,
-                                                   warmup)
+    verify_rows, prefill_rows, draft_rows, fixed_rows = _measure(target, named, per_token, ks, context_lens, device,
+                                                                 gen, repeats, warmup)
     feeds = sorted({k + 1 for k in ks})
     batch_rows = {}
     for b in sorted(set(batch_sizes) - {1}):
@@ -337,4 +354,4 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
             "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats,
             "batch_sizes": sorted(set(batch_sizes))}
     return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, batch_cells=batch_rows,
-                          fixed_cells=fixed_rows, seed=seed)
+                          fixed_cells=fixed_rows, prefill_cells=prefill_rows, seed=seed)

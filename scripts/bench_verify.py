@@ -1,12 +1,14 @@
 """What one target pass costs as a function of the tokens it reads: the verify cost curve behind every speculative
-speedup. On a CPU, BLAS kernels for a few rows can cost far more than their share (e.g. 2 or 3 rows each read the
-weights once per row), so a k-token draft may pay its verify pass dearly at some k and cheaply at others.
+speedup, on torch's own CPU kernels and on the ones the decoder switches a CPU target to (``use_cpu_kernels``). torch's
+CPU ``linear`` runs one row as a matrix-vector product and 2 or 3 rows as one each (reading the weights once per row);
+``CpuLinear`` computes up to 256 rows as one matrix product with the weight on the left.
 
-    python scripts/bench_verify.py                      # the embedded target, 1 and 2 threads
+    python scripts/bench_verify.py                      # the embedded target, 2 and 1 threads
     python scripts/bench_verify.py --tokens 1,2,3,4,5,8,16 --threads 2 --context 200
 
-For each thread count: median seconds of a cached forward of n tokens after a ``--context``-token prefix (logits at
-every position, as verification needs), and its ratio to n = 1; and the same for one MLP up-projection alone
+For each thread count and kernel: median seconds of a cached forward of n tokens after a ``--context``-token prefix
+(logits at every position, as verification needs; the two kernels alternate call by call, so a drifting machine moves
+both alike), its ratio to n = 1 and the speedup of ours over torch's; and the same for one MLP up-projection alone
 (``linear``, microseconds), which isolates the matrix kernel. Prints a Markdown table and writes bench_verify.json.
 """
 
@@ -18,33 +20,49 @@ import time
 
 import torch
 
+from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 
+KERNELS = {"torch": torch.nn.Linear, "sacpolicy": CpuLinear}
+
+
+def use(linears: list, kernel: str) -> None:
+    for m in linears:
+        m.__class__ = KERNELS[kernel]
+
 
 @torch.inference_mode()
-def forward_s(model, ids: torch.Tensor, context: int, n: int, repeats: int) -> float:
+def forward_s(model, linears, ids: torch.Tensor, context: int, n: int, repeats: int) -> dict:
+    """{kernel: median seconds of a forward of n tokens on a cache of ``context``}, kernels alternating."""
     from transformers import DynamicCache
 
-    times = []
+    times = {k: [] for k in KERNELS}
     for _ in range(repeats):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        t0 = time.perf_counter()
-        model(input_ids=ids[:, context : context + n], past_key_values=cache, use_cache=True, logits_to_keep=n)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for kernel in KERNELS:
+            use(linears, kernel)
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:, :context], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, context : context + n], **with_cache(model, cache), use_cache=True,
+                  logits_to_keep=n)
+            times[kernel].append(time.perf_counter() - t0)
+    return {k: statistics.median(t) for k, t in times.items()}
 
 
 @torch.inference_mode()
-def linear_us(weight: torch.Tensor, n: int, repeats: int = 300) -> float:
-    x = torch.randn(n, weight.shape[1], dtype=weight.dtype)
-    for _ in range(10):
-        torch.nn.functional.linear(x, weight)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        torch.nn.functional.linear(x, weight)
-    return (time.perf_counter() - t0) / repeats * 1e6
+def linear_us(layer, n: int, repeats: int = 300) -> dict:
+    x = torch.randn(n, layer.in_features, dtype=layer.weight.dtype)
+    out = {}
+    for kernel in KERNELS:
+        use([layer], kernel)
+        for _ in range(10):
+            layer(x)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            layer(x)
+        out[kernel] = (time.perf_counter() - t0) / repeats * 1e6
+    return out
 
 
 def main(argv=None) -> dict:
@@ -60,23 +78,32 @@ def main(argv=None) -> dict:
     tokens = [int(n) for n in args.tokens.split(",")]
     lm = load_model(args.target, device="cpu", dtype=args.dtype)
     model = lm.model.eval()
+    use_masked_gqa(model)  # the decoder's attention for both kernels: the table isolates the linears
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     ids = torch.randint(100, 5000, (1, args.context + max(tokens)), generator=torch.Generator().manual_seed(0))
-    weight = model.model.layers[0].mlp.up_proj.weight.detach()
+    layer = model.model.layers[0].mlp.up_proj
     rows = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        fwd = {n: forward_s(model, ids, args.context, n, args.repeats) for n in tokens}
-        lin = {n: linear_us(weight, n) for n in tokens}
+        fwd = {n: forward_s(model, linears, ids, args.context, n, args.repeats) for n in tokens}
+        lin = {n: linear_us(layer, n) for n in tokens}
         for n in tokens:
-            rows.append({"threads": threads, "tokens": n, "forward_ms": fwd[n] * 1e3, "forward_vs_1": fwd[n] / fwd[1],
-                         "linear_us": lin[n], "linear_vs_1": lin[n] / lin[1]})
+            row = {"threads": threads, "tokens": n}
+            for k in KERNELS:
+                row |= {f"{k}_forward_ms": fwd[n][k] * 1e3, f"{k}_forward_vs_1": fwd[n][k] / fwd[1][k],
+                        f"{k}_linear_us": lin[n][k]}
+            row["speedup"] = fwd[n]["torch"] / fwd[n]["sacpolicy"]
+            rows.append(row)
+    use(linears, "sacpolicy")
     meta = {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
-            "linear": f"mlp.up_proj {tuple(weight.shape)}", "torch": torch.__version__}
+            "linear": f"mlp.up_proj {tuple(layer.weight.shape)}", "torch": torch.__version__}
     write_json(args.out, {"rows": rows, "meta": meta})
     lines = [f"{args.target}, {args.dtype}, after {args.context} tokens of context; median of {args.repeats}", "",
-             "| threads | tokens per pass | forward ms | vs 1 token | linear us | vs 1 row |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['threads']} | {r['tokens']} | {r['forward_ms']:.1f} | {r['forward_vs_1']:.2f}x | "
-              f"{r['linear_us']:.0f} | {r['linear_vs_1']:.2f}x |" for r in rows]
+             ("| threads | tokens per pass | torch: forward ms (vs 1 token) | sacpolicy: forward ms (vs 1 token) | "
+              "speedup | linear us: torch / sacpolicy |"), "|---|---|---|---|---|---|"]
+    lines += [f"| {r['threads']} | {r['tokens']} | {r['torch_forward_ms']:.1f} ({r['torch_forward_vs_1']:.2f}x) | "
+              f"{r['sacpolicy_forward_ms']:.1f} ({r['sacpolicy_forward_vs_1']:.2f}x) | {r['speedup']:.2f}x | "
+              f"{r['torch_linear_us']:.0f} / {r['sacpolicy_linear_us']:.0f} |" for r in rows]
     print("\n".join(lines))
     return {"rows": rows, "meta": meta}
 

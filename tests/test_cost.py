@@ -116,6 +116,19 @@ def test_a_per_proposal_draft_cost_is_paid_once_per_block_and_round_trips(tmp_pa
         CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft, draft_fixed={"ngram": PiecewiseLinear([0.0], [0.1])})
 
 
+def test_prefill_is_its_profiled_curve_or_the_verify_curve_of_older_files(tmp_path):
+    """A prompt's prefill is priced by its own profiled line when there is one; an older file without it extends the
+    verify curve to the prompt's length (what the simulator did before)."""
+    old = hand_model()
+    assert old.prefill_time(300) == pytest.approx(old.verify_time(299, 0))
+    cost = hand_model()
+    cost.prefill = PiecewiseLinear([64.0, 512.0], [0.02, 0.2])
+    assert cost.prefill_time(64) == pytest.approx(0.02) and cost.prefill_time(288) == pytest.approx(0.11)
+    cost.to_json(tmp_path / "cost.json")
+    assert CostModel.from_json(tmp_path / "cost.json") == cost
+    assert "prefill" not in old.to_dict()
+
+
 def test_expected_tokens_per_s():
     cost = hand_model()
     assert cost.expected_tokens_per_s(None, 0, 0, []) == pytest.approx(100.0)
@@ -281,6 +294,7 @@ def test_profile_gives_a_well_formed_model(profiled):
     assert len(tokens.lo) == len(tokens.hi) == 3 and all(lo <= hi for lo, hi in zip(tokens.lo, tokens.hi))
     assert tokens.ys == sorted(tokens.ys)  # repeats=2 cannot show a fall beyond noise: non-decreasing
     assert all(c.lo is not None for c in profiled.draft.values())
+    assert profiled.prefill.xs == [16.0, 64.0] and profiled.prefill_time(40) > 0  # the prompts' pass, measured
     for ctx in (0, 16, 40, 64, 500):
         for k in (0, 1, 3, 4, 8):
             for drafter in (None, "draft", "ngram"):

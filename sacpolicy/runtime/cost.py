@@ -14,6 +14,9 @@ Model of a step drafting k tokens on top of `context` committed tokens:
                                             head feeds the rows committed since its last proposal before drafting
     draft  = d(context)                     n-gram (and other model-free) drafters: one lookup per proposal
 
+Prefill: a prompt of n tokens fed at once, where profiled (``prefill``, a line over the profiled contexts):
+    prefill = f_p(n)                        else the verify curve at n tokens fed (older files: an extrapolation)
+
 Batches: a target pass verifying B rows of k + 1 tokens each costs a_B(k + 1) + b_B * context (context: the rows'
 mean), profiled at a few batch sizes (``batch``) and interpolated linearly in B between them; each row drafts its own
 block, so a batch's draft time is the sum of its rows'. A model profiled at B = 1 only refuses a larger B.
@@ -35,8 +38,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-COST_FORMAT = 1  # intervals (lo, hi), per-batch-size curves (batch) and per-proposal draft costs (draft_fixed) are
-# optional: older files load unchanged
+COST_FORMAT = 1  # intervals (lo, hi), per-batch-size curves (batch), per-proposal draft costs (draft_fixed) and the
+# prefill curve (prefill) are optional: older files load unchanged
 # Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
 # finite and positive.
 _MIN_S = 1e-7
@@ -111,6 +114,7 @@ class CostModel:
     batch: dict[int, dict] = field(default_factory=dict)
     # per-token drafter -> seconds it spends once per proposal on top of k * draft (vs context length)
     draft_fixed: dict[str, PiecewiseLinear] = field(default_factory=dict)
+    prefill: PiecewiseLinear | None = None  # seconds of a target forward over a prompt of n tokens, vs n
 
     def __post_init__(self) -> None:
         for b, curves in [(1, self.verify), *self.batch.items()]:
@@ -157,6 +161,14 @@ class CostModel:
     @staticmethod
     def _verify(curves: dict, k: int, context_len: float) -> float:
         return max(_MIN_S, curves["tokens"](k + 1) + curves["per_context"] * context_len)
+
+    def prefill_time(self, prompt_len: int) -> float:
+        """Seconds of the target's pass over a prompt of ``prompt_len`` tokens (no cache). A model without a profiled
+        prefill curve extends its verify curve to that many tokens fed, which a noisy last knot can make far too
+        steep: re-profile for a measured one."""
+        if self.prefill is None:
+            return self.verify_time(prompt_len - 1, 0)
+        return max(_MIN_S, self.prefill(prompt_len))
 
     def draft_time(self, drafter: str | None, k: int, context_len: int) -> float:
         if drafter is None or k <= 0:
@@ -248,6 +260,8 @@ class CostModel:
         d = {"format": COST_FORMAT, "device": self.device, "verify": _curves_to_dict(self.verify),
              "draft": {name: curve.to_dict() for name, curve in self.draft.items()},
              "per_token_draft": dict(self.per_token_draft), "meta": dict(self.meta)}
+        if self.prefill is not None:
+            d["prefill"] = self.prefill.to_dict()
         if self.draft_fixed:
             d["draft_fixed"] = {name: curve.to_dict() for name, curve in self.draft_fixed.items()}
         return {**d, "batch": {str(b): _curves_to_dict(v) for b, v in self.batch.items()}} if self.batch else d
@@ -270,7 +284,8 @@ class CostModel:
                    draft={name: PiecewiseLinear(**curve) for name, curve in d["draft"].items()},
                    per_token_draft={name: bool(v) for name, v in d["per_token_draft"].items()},
                    meta=dict(d.get("meta", {})), batch=batch,
-                   draft_fixed={name: PiecewiseLinear(**c) for name, c in d.get("draft_fixed", {}).items()})
+                   draft_fixed={name: PiecewiseLinear(**c) for name, c in d.get("draft_fixed", {}).items()},
+                   prefill=PiecewiseLinear(**d["prefill"]) if "prefill" in d else None)
 
     def to_json(self, path) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a file."""

@@ -103,7 +103,7 @@ class ReplayTarget(nn.Module):
         logits.scatter_(-1, nxt.unsqueeze(-1), 1.0)
         if self.clock is not None:
             ctx = float((pos[:, 0] + 1).float().mean())
-            self.clock.t += (self.cost.verify_time(T - 1, 0) if start == 0
+            self.clock.t += (self.cost.prefill_time(T) if start == 0
                              else self.cost.verify_time(T - 1, ctx, B))
 
         class Out:
@@ -218,7 +218,7 @@ def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
         dec = SpeculativeDecoder(ReplayTarget(seq, vocab_size), replay, policy, config=config or DecoderConfig(),
                                  stop_token_ids=[])
         out = dec.generate(seq[: p["prompt_len"]], G, request=RequestInfo(category=p["category"]))
-        out.prefill_s = cost.verify_time(p["prompt_len"] - 1, 0)
+        out.prefill_s = cost.prefill_time(p["prompt_len"])
         for s in out.steps:
             s.draft_s = cost.draft_time(s.drafter, s.drafted, s.context_len)
             s.verify_s = cost.verify_time(s.drafted, s.context_len)
