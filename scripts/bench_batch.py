@@ -13,8 +13,9 @@ Policies: AR, static k (the best static drafter; ``--static-ks`` plus the run's 
 seed rule (its load: live rows / max batch) and the learned rule, whose cost model is replaced by one profiled over
 batch sizes here (``--cost`` reuses a saved one), so it plans each step for the live batch. Every row of every run is
 checked against that prompt decoded alone autoregressively at B = 1. Per run: total tokens/s (all tokens / wall
-time), per-request latency P50/P90/P99 (arrival to last token), tokens per target call, and the policy's own compute
-as a share of the wall time. Poisson rates ending in ``x`` are fractions of AR's request throughput at the largest
+time), per-request latency P50/P90/P99 (arrival to last token), tokens per target call, the prompts' prefills and the
+policy's own compute as shares of the wall time (prefills stall a running batch while a request joins, and no policy
+changes them: with short outputs they cap what batching and speculation can show). Poisson rates ending in ``x`` are fractions of AR's request throughput at the largest
 B. Over the Poisson mix (all rates' requests pooled), each policy's request speed: its requests' tokens over their
 summed latencies (below capacity every policy's total throughput is the arrival rate's, so what speculation changes
 is how fast each request finishes). Ratios come from one run on a shared 2-core machine: read them with that noise in
@@ -74,17 +75,20 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
             "acceptance": sum(s.accepted for r in res for s in r.steps) / drafted if drafted else 0.0,
             "mean_k": float(np.mean([s.drafted for r in res for s in r.steps])),
             "latency_sum_s": float(lat.sum()),
+            # the prompts' prefills (each admitted request's pass over its prompt), which no policy changes
+            "prefill_share": float(sum(r.prefill_s for r in res)) / wall,
             "policy_share": timed.seconds / wall}, [r.tokens for r in res]
 
 
 def table(rows: list[dict], key: str) -> str:
     out = [(f"| {key} | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call | mean k | "
-            "acceptance | policy compute | lossless |"), "|" + "---|" * 13]
+            "acceptance | prefill | policy compute | lossless |"), "|" + "---|" * 14]
     for r in rows:
         out.append(f"| {r[key]} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | "
                    f"{r['vs_best_static']:.2f}x | {r['p50_s']:.1f} | {r['p90_s']:.1f} | {r['p99_s']:.1f} | "
                    f"{r['tokens_per_call']:.2f} | {r['mean_k']:.2f} | {r['acceptance']:.2f} | "
-                   f"{100 * r['policy_share']:.2f}% | {'yes' if r['identical'] else 'NO'} |")
+                   f"{100 * r['prefill_share']:.0f}% | {100 * r['policy_share']:.2f}% | "
+                   f"{'yes' if r['identical'] else 'NO'} |")
     return "\n".join(out)
 
 

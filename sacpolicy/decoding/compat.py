@@ -49,18 +49,20 @@ def _masked_gqa_sdpa(module, query, key, value, attention_mask, dropout: float =
                                                  scaling=scaling, is_causal=is_causal, **kwargs)
 
 
+def _on_cpu(module) -> bool:
+    """A torch module whose parameters live on the CPU (False for anything else, or a module without parameters)."""
+    if not isinstance(module, torch.nn.Module):
+        return False
+    param = next(module.parameters(), None)
+    return param is not None and param.device.type == "cpu"
+
+
 def use_masked_gqa(model) -> None:
     """Switch a model on the CPU from transformers' ``sdpa`` attention to ``_masked_gqa_sdpa`` (the same results,
     without the key/value copies of grouped-query attention under a mask); other models and implementations are left
     as they are. Idempotent; the decoder and the profiler call it, so decoding and its cost model time the same pass."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        return
-    if device.type != "cpu":
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not _on_cpu(model):
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -103,13 +105,7 @@ def use_cpu_kernels(*modules) -> None:
     (``CpuLinear``). The same arithmetic up to float rounding; modules elsewhere are left as they are. Idempotent; the
     decoder and the profiler call it, so decoding and its cost model time the same kernels."""
     for module in modules:
-        if not isinstance(module, torch.nn.Module):
-            continue
-        try:
-            device = next(module.parameters()).device
-        except StopIteration:
-            continue
-        if device.type != "cpu":
+        if not _on_cpu(module):
             continue
         use_masked_gqa(module)
         for sub in module.modules():
