@@ -305,8 +305,9 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
 
     drafters: a list of drafters or {name: drafter}. A drafter with a `.model` (ModelDrafter, LayerSkipDrafter) is
     timed as one single-token forward on its own KV cache, a feature drafter (EAGLE-3 head) per token of a drafted
-    chain on the target's hidden states plus once per proposal (its feed of the newly committed rows); any other drafter as one propose() call on random tokens
-    (for the n-gram drafter that is the no-match case, its slowest lookup). Every cell is timed `repeats` times
+    chain on the target's hidden states plus once per proposal (its feed of the newly committed rows); any other
+    drafter as one propose() call on random tokens (for the n-gram drafter that is the no-match case, its slowest
+    lookup). Every cell is timed `repeats` times
     (>= 5 for knot intervals that can tell a real decrease in verify cost from noise; see the module docstring).
     ``batch_sizes``: also time the verify pass over that many rows (the batched decoder's ragged cache and mask), so
     policies can weigh drafting at the live batch size.
@@ -318,7 +319,7 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     target = target_model.model if isinstance(target_model, LoadedModel) else target_model
     named = dict(drafters) if isinstance(drafters, Mapping) else {d.name: d for d in drafters}
     # time the kernels the decoder will run
-    use_cpu_kernels(target, *(getattr(d, attr, None) for d in named.values() for attr in ("model", "head")))
+    use_cpu_kernels(target, named.values())
     param = next(target.parameters())
     device = param.device if device is None else torch.device(device)
     if param.device != device:

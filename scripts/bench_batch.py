@@ -15,10 +15,10 @@ batch sizes here (``--cost`` reuses a saved one), so it plans each step for the 
 checked against that prompt decoded alone autoregressively at B = 1. Per run: total tokens/s (all tokens / wall
 time), per-request latency P50/P90/P99 (arrival to last token), tokens per target call, the prompts' prefills and the
 policy's own compute as shares of the wall time (prefills stall a running batch while a request joins, and no policy
-changes them: with short outputs they cap what batching and speculation can show). Poisson rates ending in ``x`` are fractions of AR's request throughput at the largest
-B. Over the Poisson mix (all rates' requests pooled), each policy's request speed: its requests' tokens over their
-summed latencies (below capacity every policy's total throughput is the arrival rate's, so what speculation changes
-is how fast each request finishes). Ratios come from one run on a shared 2-core machine: read them with that noise in
+changes them: with short outputs they cap what batching and speculation can show). Poisson rates ending in ``x`` are
+fractions of AR's request throughput at the largest B. Over the Poisson mix (all rates' requests pooled), each
+policy's request speed: its requests' tokens over their summed latencies (below capacity every policy's total
+throughput is the arrival rate's, so what speculation changes is how fast each request finishes). Ratios come from one run on a shared 2-core machine: read them with that noise in
 mind. Writes a Markdown table, JSON and a PNG of throughput vs B.
 """
 

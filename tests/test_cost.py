@@ -113,7 +113,8 @@ def test_a_per_proposal_draft_cost_is_paid_once_per_block_and_round_trips(tmp_pa
     assert CostModel.from_json(tmp_path / "cost.json") == cost
     assert "draft_fixed" not in hand_model().to_dict()  # files without one keep the old layout
     with pytest.raises(ValueError, match=r"\['ngram'\] is not per-token"):
-        CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft, draft_fixed={"ngram": PiecewiseLinear([0.0], [0.1])})
+        CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft,
+                  draft_fixed={"ngram": PiecewiseLinear([0.0], [0.1])})
 
 
 def test_prefill_is_its_profiled_curve_or_the_verify_curve_of_older_files(tmp_path):

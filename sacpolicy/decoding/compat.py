@@ -99,11 +99,13 @@ class CpuLinear(torch.nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def use_cpu_kernels(*modules) -> None:
-    """Run each model (target or drafter) on the CPU with the faster kernels for what decoding feeds it: masked
-    grouped-query attention without key/value copies (``use_masked_gqa``) and few-row linears as one GEMM
-    (``CpuLinear``). The same arithmetic up to float rounding; modules elsewhere are left as they are. Idempotent; the
-    decoder and the profiler call it, so decoding and its cost model time the same kernels."""
+def use_cpu_kernels(target, drafters=()) -> None:
+    """Run the target and each drafter's model (``.model``, or a feature drafter's ``.head``) on the CPU with the
+    faster kernels for what decoding feeds them: masked grouped-query attention without key/value copies
+    (``use_masked_gqa``) and few-row linears as one GEMM (``CpuLinear``). The same arithmetic up to float rounding;
+    modules elsewhere are left as they are. Idempotent; the decoder and the profiler call it, so decoding and its cost
+    model time the same kernels."""
+    modules = [target, *(getattr(d, attr, None) for d in drafters for attr in ("model", "head"))]
     for module in modules:
         if not _on_cpu(module):
             continue

@@ -83,7 +83,7 @@ class SpeculativeDecoder(BatchStep):
                 raise ValueError(f"two drafters are named {d.name!r}; give each drafter a unique name")
             self.drafters[d.name] = d
         # the same results up to float rounding, on the CPU's faster kernels for decoding's passes
-        use_cpu_kernels(target, *(getattr(d, attr, None) for d in self.drafters.values() for attr in ("model", "head")))
+        use_cpu_kernels(target, self.drafters.values())
         self.policy = policy if policy is not None else Autoregressive()
         self.sampling = sampling or SamplingConfig()
         self.config = config or DecoderConfig()
