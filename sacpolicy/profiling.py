@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from sacpolicy.decoding.compat import use_cpu_kernels, with_cache
+from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear, _hinge_basis
 
 __all__ = ["COST_FORMAT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots", "pool_adjacent_violators",
@@ -70,12 +71,10 @@ def _interleaved_times(cells: dict, device, repeats: int, warmup: int) -> dict:
 
 def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, repeats: int, warmup: int) -> dict:
     """{n: [repeats] seconds of one forward of n new tokens on top of a KV cache holding context_len tokens}."""
-    from transformers import DynamicCache
-
     def ids(n):
         return torch.randint(model.config.vocab_size, (1, n), generator=gen).to(device)
 
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config)
     model(input_ids=ids(context_len), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     cells = {n: (lambda x=ids(n), n=n: model(input_ids=x, **with_cache(model, cache), use_cache=True,
                                              logits_to_keep=n),
@@ -87,12 +86,10 @@ def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, r
 def _prefill_times(model, context_len: int, device, gen, repeats: int, warmup: int) -> np.ndarray:
     """[repeats] seconds of one forward over a prompt of context_len tokens on an empty cache (as decoding admits a
     request: logits of the last position only)."""
-    from transformers import DynamicCache
-
     x = torch.randint(model.config.vocab_size, (1, context_len), generator=gen).to(device)
 
     def run():
-        model(input_ids=x, **with_cache(model, DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)
+        model(input_ids=x, **with_cache(model, new_cache(model.config)), use_cache=True, logits_to_keep=1)
 
     return _times(run, lambda: None, device, repeats, warmup)
 
@@ -101,17 +98,13 @@ def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int
                          warmup: int) -> dict:
     """``_forward_times`` for a batch: ``rows`` rows of n new tokens each, on the ragged cache the batched decoder
     keeps (rows of context_len - i tokens, joined as requests join, so the pass carries its 4D mask as in decoding)."""
-    from transformers import DynamicCache
-
-    from sacpolicy.decoding.ragged import RaggedCache
-
     def ids(b, n):
         return torch.randint(model.config.vocab_size, (b, n), generator=gen).to(device)
 
     batch = None
     for i in range(rows):
         L = max(1, context_len - i)
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model.config)
         model(input_ids=ids(1, L), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
         row = RaggedCache(cache, L, device)
         if batch is None:

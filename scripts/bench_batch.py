@@ -18,8 +18,10 @@ policy's own compute as shares of the wall time (prefills stall a running batch 
 changes them: with short outputs they cap what batching and speculation can show). Poisson rates ending in ``x`` are
 fractions of AR's request throughput at the largest B. Over the Poisson mix (all rates' requests pooled), each
 policy's request speed: its requests' tokens over their summed latencies (below capacity every policy's total
-throughput is the arrival rate's, so what speculation changes is how fast each request finishes). Ratios come from one run on a shared 2-core machine: read them with that noise in
-mind. Writes a Markdown table, JSON and a PNG of throughput vs B.
+throughput is the arrival rate's, so what speculation changes is how fast each request finishes). On a shared 2-core
+machine one run's ratio moves by 10% and more: ``--repeats R`` runs every policy R times at each batch size, in
+alternating order (ABC, CBA, ...), and shows each ratio's range over the repeats (repeat r against repeat r of the
+baseline). Writes a Markdown table, JSON and a PNG of throughput vs B.
 """
 
 from __future__ import annotations
@@ -80,12 +82,42 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
             "policy_share": timed.seconds / wall}, [r.tokens for r in res]
 
 
+def merge_repeats(runs: list[dict]) -> dict:
+    """One row from repeated runs of a policy: the figures of one run averaged over them (tokens/s: mean tokens over
+    mean wall time), each run's tokens/s kept (``tokens_per_s_runs``) for the paired ratios."""
+    out = {key: float(np.mean([r[key] for r in runs])) for key in runs[0] if key != "identical"}
+    out["tokens_per_s"] = out["tokens"] / out["wall_s"]
+    out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    out["identical"] = all(r["identical"] for r in runs)
+    return out
+
+
+def add_repeat_ratios(rows: list[dict], key: str) -> None:
+    """Each row's ratio against AR and against the best static k of its load (by pooled tokens/s), repeat by repeat
+    (repeat r of a policy against repeat r of the baseline, run back to back): ``vs_ar_runs`` and
+    ``vs_best_static_runs``, whose spread is the machine's noise on that ratio."""
+    for load in dict.fromkeys(r[key] for r in rows):
+        group = [r for r in rows if r[key] == load]
+        ar = next(r for r in group if r["policy"] == "ar")
+        best = max((r for r in group if r["policy"] == "ar" or r["policy"].startswith("static-k")),
+                   key=lambda r: r["tokens_per_s"])
+        for r in group:
+            for name, base in (("vs_ar_runs", ar), ("vs_best_static_runs", best)):
+                r[name] = [a / b for a, b in zip(r["tokens_per_s_runs"], base["tokens_per_s_runs"])]
+
+
+def _ratio(r: dict, key: str) -> str:
+    runs = r.get(f"{key}_runs") or []
+    spread = f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else ""
+    return f"{r[key]:.2f}x{spread}"
+
+
 def table(rows: list[dict], key: str) -> str:
     out = [(f"| {key} | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call | mean k | "
             "acceptance | prefill | policy compute | lossless |"), "|" + "---|" * 14]
     for r in rows:
-        out.append(f"| {r[key]} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | "
-                   f"{r['vs_best_static']:.2f}x | {r['p50_s']:.1f} | {r['p90_s']:.1f} | {r['p99_s']:.1f} | "
+        out.append(f"| {r[key]} | {r['policy']} | {r['tokens_per_s']:.1f} | {_ratio(r, 'vs_ar')} | "
+                   f"{_ratio(r, 'vs_best_static')} | {r['p50_s']:.1f} | {r['p90_s']:.1f} | {r['p99_s']:.1f} | "
                    f"{r['tokens_per_call']:.2f} | {r['mean_k']:.2f} | {r['acceptance']:.2f} | "
                    f"{100 * r['prefill_share']:.0f}% | {100 * r['policy_share']:.2f}% | "
                    f"{'yes' if r['identical'] else 'NO'} |")
@@ -127,11 +159,15 @@ def main(argv=None) -> int:
                                                        "empty: none")
     ap.add_argument("--policies", default="*", help="comma-separated fnmatch patterns of the policies to run "
                                                     "(e.g. ar,static-k*,learned); AR always runs")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every policy at each batch size, in alternating "
+                                                           "order; the table shows each ratio's range over them")
     ap.add_argument("--out", default="bench_batch.json")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.static_ks = [int(k) for k in args.static_ks.split(",") if k]
     rates = [r for r in args.rates.split(",") if r]
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     torch.manual_seed(0)
 
     if args.run:
@@ -176,11 +212,15 @@ def main(argv=None) -> int:
 
     rows = []
     for B in sizes:
-        for name, new in make.items():
-            stats, outs = run(target, drafters, new(), prompts, args, B, max(sizes))
-            rows.append({"batch": B, "policy": name, **stats, "identical": outs == reference})
-            print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
+        runs = {name: [] for name in make}
+        for rep in range(args.repeats):  # policies alternate order between repeats (ABC CBA ...): drift cancels
+            for name in (list(make) if rep % 2 == 0 else list(make)[::-1]):
+                stats, outs = run(target, drafters, make[name](), prompts, args, B, max(sizes))
+                runs[name].append({**stats, "identical": outs == reference})
+                print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
+        rows += [{"batch": B, "policy": name, **merge_repeats(r)} for name, r in runs.items()]
     add_load_ratios(rows, "batch")
+    add_repeat_ratios(rows, "batch")
 
     ar_top = next(r for r in rows if r["batch"] == max(sizes) and r["policy"] == "ar")
     capacity = len(prompts) / ar_top["wall_s"]  # AR's requests per second at the largest batch

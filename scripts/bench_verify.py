@@ -21,6 +21,7 @@ import time
 import torch
 
 from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
+from sacpolicy.decoding.ragged import new_cache
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 
@@ -35,13 +36,11 @@ def use(linears: list, kernel: str) -> None:
 @torch.inference_mode()
 def forward_s(model, linears, ids: torch.Tensor, context: int, n: int, repeats: int) -> dict:
     """{kernel: median seconds of a forward of n tokens on a cache of ``context``}, kernels alternating."""
-    from transformers import DynamicCache
-
     times = {k: [] for k in KERNELS}
     for _ in range(repeats):
         for kernel in KERNELS:
             use(linears, kernel)
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model.config)  # the decoder's cache (appends in place)
             model(input_ids=ids[:, :context], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
             t0 = time.perf_counter()
             model(input_ids=ids[:, context : context + n], **with_cache(model, cache), use_cache=True,

@@ -149,6 +149,71 @@ def test_rejected_columns_are_masked_then_compacted(tiny_target):
     torch.testing.assert_close(logits(), before, rtol=1e-4, atol=1e-4)
 
 
+def test_growing_cache_appends_in_place_and_holds_what_a_dynamic_cache_holds(tiny_target):
+    """``new_cache``'s layers write each forward's keys and values into spare room (no copy of the layer), and after
+    prefills, verify passes, crops, rows joining and leaving, and compaction the cache holds exactly what
+    transformers' own ``DynamicCache`` holds after the same calls; the model's logits on it are the same bits."""
+    from transformers import DynamicCache
+
+    from sacpolicy.decoding.compat import with_cache
+    from sacpolicy.decoding.ragged import GrowingLayer, new_cache
+
+    model = tiny_target.model
+    g = torch.Generator().manual_seed(3)
+    xs = {L: torch.randint(3, 1000, (1, L), generator=g) for L in (7, 4)}
+
+    def run(make):
+        """Two rows prefilled alone and joined, three ragged verify passes with crops, a row leaving, compaction."""
+        rows = []
+        for L, x in xs.items():
+            c = make()
+            model(input_ids=x, **with_cache(model, c), use_cache=True)
+            rows.append(RaggedCache(c, L, torch.device("cpu"), slack=10.0))
+        cache, outs, ptrs = rows[0], [], []
+        cache.join(rows[1])
+        for T, kept in ((3, [1, 3]), (2, [2, 2]), (4, [1, 2])):
+            x = torch.randint(3, 1000, (cache.rows, T), generator=torch.Generator().manual_seed(T))
+            outs.append(model(input_ids=x, **with_cache(model, cache.cache), use_cache=True, logits_to_keep=T,
+                              **cache.inputs(T, torch.float32)).logits)
+            ptrs.append(cache.cache.layers[0].keys.data_ptr())
+            cache.commit(kept, T)
+        cache.select([1])
+        cache.compact()
+        x = torch.randint(3, 1000, (1, 2), generator=torch.Generator().manual_seed(9))
+        outs.append(model(input_ids=x, **with_cache(model, cache.cache), use_cache=True, logits_to_keep=2,
+                          **cache.inputs(2, torch.float32)).logits)
+        return cache, outs, ptrs
+
+    with torch.inference_mode():
+        ours, our_logits, ptrs = run(lambda: new_cache(model.config))
+        theirs, their_logits, _ = run(lambda: DynamicCache(config=model.config))
+    assert all(type(layer) is GrowingLayer for layer in ours.cache.layers)
+    assert len(set(ptrs)) == 1  # the first pass after the join copies the rows once; every pass then writes in place
+    for a, b in zip(our_logits, their_logits):
+        assert torch.equal(a, b)
+    for mine, ref in zip(ours.cache.layers, theirs.cache.layers):
+        assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+    assert ours.valid.equal(theirs.valid) and ours.counts == theirs.counts
+
+    layer = GrowingLayer()  # one layer alone: appends, crops; concatenates for one row and under autograd
+    one = [torch.randn(1, 3, n, 4) for n in (5, 1)]
+    layer.update(one[0], one[0])
+    ptr = layer.keys.data_ptr()
+    keys, _ = layer.update(one[1], one[1])
+    assert keys.data_ptr() != ptr and keys.is_contiguous() and torch.equal(keys, torch.cat(one, dim=2))
+    layer = GrowingLayer()
+    k = [torch.randn(2, 3, n, 4) for n in (5, 1, 2)]
+    layer.update(k[0], k[0])
+    buf = layer.keys.data_ptr()
+    layer.update(k[1], k[1])
+    layer.crop(-1)
+    keys, _ = layer.update(k[2], k[2])
+    assert keys.data_ptr() == buf and torch.equal(keys, torch.cat([k[0], k[2]], dim=2))
+    grad = torch.randn(2, 3, 1, 4, requires_grad=True)
+    keys, _ = layer.update(grad, grad)
+    assert keys.requires_grad and torch.equal(keys.detach(), torch.cat([k[0], k[2], grad.detach()], dim=2))
+
+
 def test_batched_sampling_follows_the_target_distribution():
     """Rows sampled in batches (each with its own seed) have the target's joint distribution of tokens 2, 3; greedy
     rows in the same batches (mixed settings, per request) stay the greedy chain."""

@@ -79,7 +79,7 @@ def test_batch_benchmark_runs_a_pipeline_runs_policy_on_its_test_prompts(smoke_r
     assert json.loads((out / "eval.json").read_text())["meta"]["learned_policy"] == f"learned-{fit['headline']}"
     res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_batch.py"), "--run", str(out), "--prompts", "4",
                           "--batch-sizes", "1,2", "--static-ks", "2", "--rates", "0.5x,2", "--max-tokens", "6",
-                          "--out", str(tmp_path / "batch.json")], capture_output=True, text=True, timeout=600,
+                          "--repeats", "2", "--out", str(tmp_path / "batch.json")], capture_output=True, text=True, timeout=600,
                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"policies/{fit['headline']} (the lowest validation log-loss)" in res.stdout
@@ -89,6 +89,16 @@ def test_batch_benchmark_runs_a_pipeline_runs_policy_on_its_test_prompts(smoke_r
     assert {"ar", "static-k2", f"static-k{best_k}", "heuristic", "seed-rule", "learned"} <= policies
     assert all(r["identical"] for r in bench["batch"] + bench["poisson"])  # every row equals its B = 1 AR output
     assert {r["batch"] for r in bench["batch"]} == {1, 2} and bench["n_prompts"] == 4
+    for r in bench["batch"]:  # two alternating repeats: their paired ratios, and the row pools both
+        assert len(r["tokens_per_s_runs"]) == len(r["vs_ar_runs"]) == len(r["vs_best_static_runs"]) == 2
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        assert min(r["tokens_per_s_runs"]) <= r["tokens_per_s"] * (1 + 1e-9)
+        assert max(r["tokens_per_s_runs"]) >= r["tokens_per_s"] * (1 - 1e-9)
+        if r["policy"] == "ar":
+            assert r["vs_ar_runs"] == [1.0, 1.0]
+        ar = next(a for a in bench["batch"] if a["policy"] == "ar" and a["batch"] == r["batch"])
+        assert r["vs_ar_runs"] == pytest.approx([x / y for x, y in zip(r["tokens_per_s_runs"],
+                                                                         ar["tokens_per_s_runs"])])
     half = next(r for r in bench["poisson"] if r["rate"] == "0.5x")
     assert half["requests_per_s"] == pytest.approx(0.5 * bench["capacity_requests_per_s"])
     assert next(r for r in bench["poisson"] if r["rate"] == "2")["requests_per_s"] == 2.0

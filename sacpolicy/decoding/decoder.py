@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.decoding.compat import use_cpu_kernels, with_cache
-from sacpolicy.decoding.ragged import RaggedCache
+from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.sampling import SamplingConfig, select_token
 from sacpolicy.decoding.step import BatchStep, Clock, Row, WallClock, stop_callback
 from sacpolicy.decoding.types import (
@@ -259,7 +258,7 @@ class SpeculativeDecoder(BatchStep):
             d.reset()
         run.policy.reset(request)
         run.t_start = self._now()
-        cache = DynamicCache(config=self.target.config)
+        cache = new_cache(self.target.config)
         with self.features:
             prefill = self.target(input_ids=run.buf[:L].view(1, -1), **with_cache(self.target, cache),
                                   use_cache=True, logits_to_keep=1).logits[0]

@@ -10,17 +10,87 @@ row's valid columns to the right (one copy of the cache).
 
 Masks are additive floats (0 or the dtype's minimum), passed as transformers' custom 4D mask: a query with nothing to
 attend (a padded slot) stays finite, and masked columns get exactly zero weight.
+
+``new_cache``: the decoder's caches append in place once they hold several rows (``GrowingLayer``) where transformers'
+``DynamicLayer`` copies the whole cache into a new tensor on every forward; at 8 rows of ~350 cached tokens that copy
+was ~12 of the embedded target's ~82 ms a step.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+_HEADROOM = 0.25  # a growing layer reallocates with this share of its length (at least _MIN_HEADROOM tokens) to spare
+_MIN_HEADROOM = 64
+
+
+class GrowingLayer(DynamicLayer):
+    """transformers' ``DynamicLayer`` whose keys and values are views of a buffer with room to spare: ``update`` writes
+    the new tokens in place instead of concatenating (a copy of the whole layer per forward). The views behave as
+    ``DynamicLayer``'s tensors: ``crop`` narrows them (the next update overwrites the cropped columns), and whoever
+    assigns ``keys``/``values`` other tensors (``RaggedCache`` joining, compacting or selecting rows) makes the next
+    update copy them into a new buffer. Tensors returned by an earlier update must not be read after a crop and a later
+    update (the decoder never does). One row and autograd concatenate, as ``DynamicLayer`` does: at one row the copy
+    is small and attention reads a contiguous cache faster than the buffer's view (embedded target after 300 cached
+    tokens: 25.3 ms a token concatenating, 26.1 ms appending in place; at 8 rows 82 -> 70 ms, at 16 108 -> 90)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._kv_buffers = None  # (keys, values) buffers [B, H, capacity, D]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] == 1 or key_states.requires_grad or value_states.requires_grad:
+            self._kv_buffers = None  # one row (or autograd): concatenation, as transformers does
+            return super().update(key_states, value_states, *args, **kwargs)
+        n, m = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+        if not self._holds(key_states, value_states, m):
+            self._reallocate(key_states, value_states, n, m)
+        kb, vb = self._kv_buffers
+        kb[:, :, n:m].copy_(key_states)
+        vb[:, :, n:m].copy_(value_states)
+        self.keys, self.values = kb[:, :, :m], vb[:, :, :m]
+        return self.keys, self.values
+
+    def _holds(self, key_states, value_states, m: int) -> bool:
+        """The current keys/values are prefixes of this layer's buffers, which have room for m tokens of this kind."""
+        if self._kv_buffers is None:
+            return False
+        for cur, buf, new in zip((self.keys, self.values), self._kv_buffers, (key_states, value_states)):
+            if (buf.shape[-2] < m or cur.data_ptr() != buf.data_ptr() or cur.stride() != buf.stride()
+                    or cur.shape[:2] != buf.shape[:2] or new.shape[:2] != buf.shape[:2] or new.dtype != buf.dtype
+                    or new.device != buf.device or (buf.is_inference() and not torch.is_inference_mode_enabled())):
+                return False
+        return True
+
+    def _reallocate(self, key_states, value_states, n: int, m: int) -> None:
+        capacity = m + max(_MIN_HEADROOM, int(_HEADROOM * m))
+        bufs = []
+        for cur, new in zip((self.keys, self.values), (key_states, value_states)):
+            buf = new.new_empty((*new.shape[:2], capacity, new.shape[-1]))
+            if n:
+                buf[:, :, :n].copy_(cur)
+            bufs.append(buf)
+        self._kv_buffers = tuple(bufs)
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty KV cache for a model of this config: transformers' ``DynamicCache`` whose full-attention layers append
+    in place (``GrowingLayer``); other kinds of layers (sliding window, ...) stay as transformers builds them."""
+    cache = DynamicCache(config=config)
+    layers = getattr(cache, "layers", None) or []
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            layers[i] = GrowingLayer()
+    return cache
 
 
 def _layers(cache: DynamicCache) -> list:
     layers = getattr(cache, "layers", None)
-    if layers is None or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+    if layers is None or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in (layers or [])})
         raise ValueError(f"batched decoding needs a target with full-attention KV caches (DynamicLayer); this one has "
                          f"{kinds or 'no cache layers'} (sliding-window or linear-attention layers). Decode it with "
@@ -83,7 +153,7 @@ class RaggedCache:
             raise ValueError("stack needs one-row caches holding at least one token each")
         per_row = [_layers(c) for c in caches]
         W = max(lengths)
-        out = DynamicCache(config=config)
+        out = new_cache(config)
         for i in range(len(per_row[0])):
             out.update(torch.cat([_left_pad(rows[i].keys, W) for rows in per_row]),
                        torch.cat([_left_pad(rows[i].values, W) for rows in per_row]), i)
@@ -96,7 +166,7 @@ class RaggedCache:
     def row_cache(self, i: int, config) -> DynamicCache:
         """Row i alone, its valid columns in order: a one-row cache as a single-sequence decode would hold."""
         cols = self.valid[i].nonzero().squeeze(-1)
-        out = DynamicCache(config=config)
+        out = new_cache(config)
         for j, layer in enumerate(_layers(self.cache)):
             out.update(layer.keys[i : i + 1, :, cols], layer.values[i : i + 1, :, cols], j)
         return out
