@@ -9,7 +9,11 @@ CPU ``linear`` runs one row as a matrix-vector product and 2 or 3 rows as one ea
 For each thread count and kernel: median seconds of a cached forward of n tokens after a ``--context``-token prefix
 (logits at every position, as verification needs; the two kernels alternate call by call, so a drifting machine moves
 both alike), its ratio to n = 1 and the speedup of ours over torch's; and the same for one MLP up-projection alone
-(``linear``, microseconds), which isolates the matrix kernel. Prints a Markdown table and writes bench_verify.json.
+(``linear``, microseconds), which isolates the matrix kernel. Then (``--rows``, at the first thread count) an
+autoregressive step of R rows on the ragged cache the batched decoder keeps (rows of ``--context`` - 7 i tokens),
+with transformers' ``DynamicCache`` (a copy of every layer per forward) and the decoder's ``new_cache`` (in place once
+it holds several rows), alternating repeat by repeat: median milliseconds per step. Prints Markdown tables and writes
+bench_verify.json.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 import torch
 
 from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
-from sacpolicy.decoding.ragged import new_cache
+from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 
@@ -64,6 +68,38 @@ def linear_us(layer, n: int, repeats: int = 300) -> dict:
     return out
 
 
+@torch.inference_mode()
+def cache_step_ms(model, rows: int, context: int, steps: int, repeats: int) -> dict:
+    """{cache: median ms of an AR step of ``rows`` ragged rows}, transformers' cache and ours alternating."""
+    from transformers import DynamicCache
+
+    makers = {"dynamic": lambda: DynamicCache(config=model.config), "in_place": lambda: new_cache(model.config)}
+    times = {k: [] for k in makers}
+    g = torch.Generator().manual_seed(1)
+    for r in range(repeats):
+        for name in list(makers)[:: 1 if r % 2 == 0 else -1]:
+            batch = None
+            for i in range(rows):  # rows join one by one, as requests do
+                L = max(1, context - 7 * i)
+                cache = makers[name]()
+                model(input_ids=torch.randint(100, 5000, (1, L), generator=g), **with_cache(model, cache),
+                      use_cache=True, logits_to_keep=1)
+                row = RaggedCache(cache, L, torch.device("cpu"))
+                if batch is None:
+                    batch = row
+                else:
+                    batch.join(row)
+            dtype = next(model.parameters()).dtype
+            for _ in range(steps):
+                x = torch.randint(100, 5000, (rows, 1), generator=g)
+                t0 = time.perf_counter()
+                model(input_ids=x, **with_cache(model, batch.cache), use_cache=True, logits_to_keep=1,
+                      **batch.inputs(1, dtype))
+                batch.commit([1] * rows, 1)
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(t) * 1e3 for k, t in times.items()}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=EMBEDDED_TARGET)
@@ -72,6 +108,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--rows", default="1,8,16", help="rows of the batched AR step timed on both caches (empty: none)")
+    ap.add_argument("--steps", type=int, default=16, help="AR steps per row count, cache and repeat")
     ap.add_argument("--out", default="bench_verify.json")
     args = ap.parse_args(argv)
     tokens = [int(n) for n in args.tokens.split(",")]
@@ -94,17 +132,28 @@ def main(argv=None) -> dict:
             row["speedup"] = fwd[n]["torch"] / fwd[n]["sacpolicy"]
             rows.append(row)
     use(linears, "sacpolicy")
+    torch.set_num_threads(int(args.threads.split(",")[0]))
+    caches = []
+    for n in (int(r) for r in args.rows.split(",") if r):
+        ms = cache_step_ms(model, n, args.context, args.steps, max(2, args.repeats // 3))
+        caches.append({"rows": n, "dynamic_ms": ms["dynamic"], "in_place_ms": ms["in_place"],
+                       "speedup": ms["dynamic"] / ms["in_place"]})
     meta = {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
             "linear": f"mlp.up_proj {tuple(layer.weight.shape)}", "torch": torch.__version__}
-    write_json(args.out, {"rows": rows, "meta": meta})
+    write_json(args.out, {"rows": rows, "caches": caches, "meta": meta})
     lines = [f"{args.target}, {args.dtype}, after {args.context} tokens of context; median of {args.repeats}", "",
              ("| threads | tokens per pass | torch: forward ms (vs 1 token) | sacpolicy: forward ms (vs 1 token) | "
               "speedup | linear us: torch / sacpolicy |"), "|---|---|---|---|---|---|"]
     lines += [f"| {r['threads']} | {r['tokens']} | {r['torch_forward_ms']:.1f} ({r['torch_forward_vs_1']:.2f}x) | "
               f"{r['sacpolicy_forward_ms']:.1f} ({r['sacpolicy_forward_vs_1']:.2f}x) | {r['speedup']:.2f}x | "
               f"{r['torch_linear_us']:.0f} / {r['sacpolicy_linear_us']:.0f} |" for r in rows]
+    if caches:
+        lines += ["", f"AR step of R rows after ~{args.context} cached tokens (sacpolicy's linears), median ms",
+                  "", "| rows | DynamicCache | new_cache (in place) | speedup |", "|---|---|---|---|"]
+        lines += [f"| {c['rows']} | {c['dynamic_ms']:.1f} | {c['in_place_ms']:.1f} | {c['speedup']:.2f}x |"
+                  for c in caches]
     print("\n".join(lines))
-    return {"rows": rows, "meta": meta}
+    return {"rows": rows, "caches": caches, "meta": meta}
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 prompt alone gives (greedy), sampled rows follow the target's distribution, rows join and leave a running batch, a
 failing drafter costs only its own row, and bad input is refused."""
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -482,3 +487,19 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it():
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all(type(m) is CpuLinear for m in linears)
     assert (list(target.state_dict()), list(draft.state_dict())) == keys
+
+
+def test_bench_verify_times_both_caches_on_a_batched_step(tmp_path):
+    """scripts/bench_verify.py --rows: the batched AR step on transformers' cache and on ours, both timed."""
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "scripts/bench_verify.py"), "--target", "tiny:llama-4l",
+                          "--tokens", "1,2", "--threads", "1", "--repeats", "1", "--context", "24", "--rows", "1,3",
+                          "--steps", "2", "--out", str(tmp_path / "v.json")], capture_output=True, text=True,
+                         timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads((tmp_path / "v.json").read_text())
+    assert [c["rows"] for c in out["caches"]] == [1, 3]
+    for c in out["caches"]:
+        assert c["dynamic_ms"] > 0 and c["in_place_ms"] > 0
+        assert c["speedup"] == c["dynamic_ms"] / c["in_place_ms"]
+    assert "| 3 |" in res.stdout and "new_cache (in place)" in res.stdout

@@ -65,6 +65,23 @@ def test_predictors_learn_acceptance_and_are_calibrated(fitted, name):
     assert pred.meta["features"] == feature_spec() and pred.meta["name"] == name
 
 
+@pytest.mark.parametrize("name", list(PREDICTORS))
+def test_a_feature_constant_in_training_moves_no_prediction(synth, fitted, name):
+    """Traces collected one request at a time hold load = 0 throughout; a batched decoder later feeds the live load.
+    No predictor may read a signal from a feature it never saw vary (the MLP's weights on it would be their random
+    initialisation): its predictions are the same at any load."""
+    _, _, _, ex = synth
+    load = FEATURE_NAMES.index("load")
+    X = ex.X[ex.split == "test"][:500]
+    assert np.all(ex.X[ex.split == "train"][:, load] == 0.0)
+    pred, _ = fitted[name]
+    for value in (0.25, 1.0):
+        loaded = X.copy()
+        loaded[:, load] = value
+        np.testing.assert_array_equal(pred.raw(loaded), pred.raw(X))
+        np.testing.assert_array_equal(pred.predict(loaded), pred.predict(X))
+
+
 def test_learned_policy_beats_best_static_and_trails_the_oracle(synth, fitted):
     _, split, cost, _ = synth
     pred, _ = fitted["hgb"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from sacpolicy.data import assign_split
 from sacpolicy.policy.base import Decision, DecodeState, DraftToken
 from sacpolicy.policy.features import feature_spec, token_features
 from sacpolicy.policy.rules import Static
+from sacpolicy.runtime.features import FEATURE_NAMES
 from sacpolicy.runtime.predictors import Predictor, PredictorError
 from sacpolicy.traces.simulate import confidence
 
@@ -248,7 +250,25 @@ def fit_mlp(train: Examples, val: Examples, *, hidden, lr: float, weight_decay: 
     for i, lin in enumerate(linears):
         arrays[f"w{i}"] = lin.weight.detach().cpu().numpy().astype(np.float32)
         arrays[f"b{i}"] = lin.bias.detach().cpu().numpy().astype(np.float64)
+    # A feature that never varied in training (load: traces decode one request at a time) entered every example as
+    # 0 after standardizing, so its first-layer weights are their random initialisation: zeroed, the predictor holds
+    # it at its training value, as the trees and the logistic regression do, instead of reading noise from it live.
+    constant = _constant_features(train.X)
+    if constant.any():
+        arrays["w0"][:, constant] = 0.0
+        names = FEATURE_NAMES if train.X.shape[1] == len(FEATURE_NAMES) else range(train.X.shape[1])
+        logging.getLogger(__name__).info("MLP predictor: features constant in training, held at their training "
+                                         "value: %s", [names[i] for i in np.flatnonzero(constant)])
     return Predictor("mlp", arrays)
+
+
+def _constant_features(X: np.ndarray) -> np.ndarray:
+    """[F] True where a column holds one finite value (or none) over all rows."""
+    finite = np.where(np.isfinite(X), X, np.nan)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+        spread = np.nanmax(finite, axis=0) - np.nanmin(finite, axis=0)
+    return ~(spread > 0)
 
 
 # ---------------------------------------------------------------------- one entry point
