@@ -143,6 +143,33 @@ def test_learned_policy_decodes_live_losslessly(synth, fitted, tiny_target, tiny
         assert policy.seconds > 0 and all(s.drafted <= 8 for s in out.steps)
 
 
+def test_learned_policy_decides_with_numpy_on_one_blas_thread(synth, fitted, tiny_target, tiny_draft):
+    """The rule's numpy (predictor, cost model) runs on one BLAS thread while the policy plans and stops, and the
+    process's own setting is back after each call: a multi-threaded OpenBLAS spins its threads on the cores the
+    target's next forward needs."""
+    from threadpoolctl import threadpool_info
+
+    def blas_threads():
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    _, _, cost, _ = synth
+    rule = _rule(fitted["mlp"][0], cost, mode="stop")
+    seen, predict = [], rule.predictor.predict
+
+    def recording(X):
+        seen.append(blas_threads())
+        return predict(X)
+
+    rule.predictor = dataclasses.replace(rule.predictor)
+    rule.predictor.predict = recording
+    before = blas_threads()
+    dec = SpeculativeDecoder(tiny_target.model, [ModelDrafter(tiny_draft.model, name="draft")], LearnedPolicy(rule),
+                             stop_token_ids=[])
+    dec.generate([5, 6, 7, 8] * 6, 12)
+    assert seen and all(threads == [1] * len(threads) for threads in seen)
+    assert blas_threads() == before
+
+
 def test_bandit_learns_the_better_arm_online(synth):
     """Replayed over traces where drafting pays, the bandit ends up drafting and beats autoregressive decoding."""
     grouped, _, cost, _ = synth
