@@ -328,6 +328,32 @@ def test_learned_rule_plans_for_the_live_batch(tiny_target, prompts, reference):
     assert [r.tokens for r in dec.generate_batch(prompts, 20)] == reference
 
 
+def test_stop_rule_rows_of_a_batch_draft_at_most_the_batch_plan(tiny_target, prompts, reference):
+    """Mode "stop": one row alone drafts up to its cap and the stop rule ends the block; a row of a batch drafts at
+    most the k the batch plan chose (one row's stop rule weighs its own tokens against a pass every row pays for)."""
+    from sacpolicy.decoding import DecodeState
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
+    from sacpolicy.runtime.predictors import Predictor
+    from sacpolicy.runtime.rule import DecisionRule
+
+    n = len(FEATURE_NAMES)
+    pred = Predictor("linear", {"mean": np.zeros(n), "scale": np.ones(n), "coef": np.zeros(n),
+                                "intercept": np.array([np.log(0.6 / 0.4)])}, {"features": feature_spec()})
+    rule = DecisionRule(pred, batch_cost(), ("ngram",), 8, ("ngram", 2), mode="stop")
+    policy = LearnedPolicy(rule)
+    request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=("ngram",))
+    assert policy.decide(DecodeState(request, context_len=100, remaining=20, drafters=("ngram",))).k == 8
+    states = [DecodeState(request, context_len=100, remaining=20, drafters=("ngram",), batch_size=4)
+              for _ in range(4)]
+    ks, _ = rule.cost.best_batch_k([("ngram", 100, pred.predict(np.zeros((8, n))).tolist())] * 4, 8)
+    assert 0 < ks[0] < 8  # the plan drafts, less than the cap
+    assert [d.k for d in policy.decide_batch([policy.fork() for _ in states], states)] == ks
+    dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter()], LearnedPolicy(rule), stop_token_ids=[],
+                             config=DecoderConfig(max_batch=4))
+    assert [r.tokens for r in dec.generate_batch(prompts, 20)] == reference
+
+
 def test_k_by_batch_map_is_vllms_schedule():
     from sacpolicy.export import k_by_batch
     from sacpolicy.runtime.cost import CostModel

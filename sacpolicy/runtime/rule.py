@@ -3,7 +3,8 @@ The in-framework ``LearnedPolicy`` and every exported adapter call this one clas
 
 - *plan* (before a block): for each drafter, predicted acceptance of positions 0..k_max-1 with the confidence still
   unknown; the cost model turns them into expected tokens/s for every k, and the best (drafter, k) wins against
-  autoregressive decoding. Mode ``"k"`` drafts that k; mode ``"stop"`` lets the stop rule end the block.
+  autoregressive decoding. Mode ``"k"`` drafts that k; mode ``"stop"`` lets the stop rule end the block (in a batch,
+  at most at the batch plan's k: the pass costs what its longest block costs).
 - *stop* (after each drafted token, SpecDec++-style): with S the probability that every token so far is accepted and
   E the expected tokens of the block if it ended now, drafting one more token (predicted acceptance a) is worth it
   when (E + optimism * S * a) / T(n + 1) > E / T(n), T from the cost model. ``optimism`` scales the predicted gain
@@ -135,8 +136,10 @@ class DecisionRule:
                           else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(B)]
             ks, _ = self.cost.best_batch_k(batch_rows, max(caps), per_row=per_row)
             for i, (name, _) in chosen.items():
-                if name is not None and ks[i] > 0:  # mode "stop": the cap, and the stop rule ends the block
-                    out[i] = (name, caps[i] if self.mode == "stop" else ks[i])
+                # mode "stop": the stop rule ends the block, alone up to the cap; in a batch up to the plan's k, since
+                # a row's stop rule weighs its own tokens against the whole pass, which every row's tokens share
+                if name is not None and ks[i] > 0:
+                    out[i] = (name, caps[i] if self.mode == "stop" and B == 1 else ks[i])
         return out
 
     # ------------------------------------------------------------------ stop
