@@ -384,6 +384,13 @@ def test_profile_times_the_batched_pass(tiny_target, tmp_path):
                    batch_sizes=(1, 4))
     assert cost.batch_sizes == [1, 4] and cost.meta["batch_sizes"] == [1, 4]
     assert cost.verify_time(2, 24, 4) > 0 and cost.verify_time(2, 24, 2) > 0  # interpolated between 1 and 4
+    # the rows a batch is timed on spread like prompts do (the cache as wide as the longest), their mean the context
+    from sacpolicy.profiling import ROW_SPREAD, batch_row_lengths
+
+    assert cost.meta["batch_row_spread"] == list(ROW_SPREAD)
+    assert batch_row_lengths(1, 32) == [32]
+    lens = batch_row_lengths(4, 100)
+    assert lens == sorted(lens) and lens[0] == 40 and lens[-1] == 160 and sum(lens) / 4 == 100
     cost.to_json(tmp_path / "cost.json")
     assert CostModel.from_json(tmp_path / "cost.json").batch_sizes == [1, 4]
     with pytest.raises(ValueError, match="batch_sizes must hold 1"):
