@@ -110,23 +110,31 @@ def batch_row_lengths(rows: int, context_len: int) -> list[int]:
     return [max(1, round(context_len * (lo + (hi - lo) * i / (rows - 1)))) for i in range(rows)]
 
 
-def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int], device, gen, repeats: int,
-                         warmup: int) -> dict:
-    """``_forward_times`` for a batch: ``rows`` rows of n new tokens each, on the ragged cache the batched decoder
-    keeps (rows of ``batch_row_lengths`` tokens, joined as requests join, so the pass carries its 4D mask as in
-    decoding)."""
-    def ids(b, n):
-        return torch.randint(model.config.vocab_size, (b, n), generator=gen).to(device)
-
+def prefilled_batch(model, lengths: Sequence[int], device, gen, make_cache=None) -> RaggedCache:
+    """The ragged cache the batched decoder keeps for rows of these cached lengths: each row prefilled alone on random
+    tokens and joined as requests join, so a pass on it carries its 4D mask as in decoding. ``make_cache``: the empty
+    one-row cache (default: the decoder's, ``new_cache``)."""
     batch = None
-    for L in batch_row_lengths(rows, context_len):
-        cache = new_cache(model.config)
-        model(input_ids=ids(1, L), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+    for L in lengths:
+        cache = make_cache() if make_cache is not None else new_cache(model.config)
+        x = torch.randint(model.config.vocab_size, (1, L), generator=gen).to(device)
+        model(input_ids=x, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
         row = RaggedCache(cache, L, device)
         if batch is None:
             batch = row
         else:
             batch.join(row)
+    return batch
+
+
+def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int], device, gen, repeats: int,
+                         warmup: int) -> dict:
+    """``_forward_times`` for a batch: ``rows`` rows of n new tokens each, on ``prefilled_batch`` rows of
+    ``batch_row_lengths`` tokens."""
+    def ids(b, n):
+        return torch.randint(model.config.vocab_size, (b, n), generator=gen).to(device)
+
+    batch = prefilled_batch(model, batch_row_lengths(rows, context_len), device, gen)
     dtype = next(model.parameters()).dtype
     cells = {n: (lambda x=ids(rows, n), n=n, extra=batch.inputs(n, dtype): model(
                      input_ids=x, **with_cache(model, batch.cache), use_cache=True, logits_to_keep=n, **extra),

@@ -84,26 +84,12 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
 
 def merge_repeats(runs: list[dict]) -> dict:
     """One row from repeated runs of a policy: the figures of one run averaged over them (tokens/s: mean tokens over
-    mean wall time), each run's tokens/s kept (``tokens_per_s_runs``) for the paired ratios."""
+    mean wall time), each run's tokens/s kept (``tokens_per_s_runs``) for the paired ratios (``add_load_ratios``)."""
     out = {key: float(np.mean([r[key] for r in runs])) for key in runs[0] if key != "identical"}
     out["tokens_per_s"] = out["tokens"] / out["wall_s"]
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     out["identical"] = all(r["identical"] for r in runs)
     return out
-
-
-def add_repeat_ratios(rows: list[dict], key: str) -> None:
-    """Each row's ratio against AR and against the best static k of its load (by pooled tokens/s), repeat by repeat
-    (repeat r of a policy against repeat r of the baseline, run back to back): ``vs_ar_runs`` and
-    ``vs_best_static_runs``, whose spread is the machine's noise on that ratio."""
-    for load in dict.fromkeys(r[key] for r in rows):
-        group = [r for r in rows if r[key] == load]
-        ar = next(r for r in group if r["policy"] == "ar")
-        best = max((r for r in group if r["policy"] == "ar" or r["policy"].startswith("static-k")),
-                   key=lambda r: r["tokens_per_s"])
-        for r in group:
-            for name, base in (("vs_ar_runs", ar), ("vs_best_static_runs", best)):
-                r[name] = [a / b for a, b in zip(r["tokens_per_s_runs"], base["tokens_per_s_runs"])]
 
 
 def _ratio(r: dict, key: str) -> str:
@@ -220,7 +206,6 @@ def main(argv=None) -> int:
                 print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
         rows += [{"batch": B, "policy": name, **merge_repeats(r)} for name, r in runs.items()]
     add_load_ratios(rows, "batch")
-    add_repeat_ratios(rows, "batch")
 
     ar_top = next(r for r in rows if r["batch"] == max(sizes) and r["policy"] == "ar")
     capacity = len(prompts) / ar_top["wall_s"]  # AR's requests per second at the largest batch

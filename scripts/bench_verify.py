@@ -25,9 +25,10 @@ import time
 import torch
 
 from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
-from sacpolicy.decoding.ragged import RaggedCache, new_cache
+from sacpolicy.decoding.ragged import new_cache
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
+from sacpolicy.profiling import prefilled_batch
 
 KERNELS = {"torch": torch.nn.Linear, "sacpolicy": CpuLinear}
 
@@ -76,20 +77,11 @@ def cache_step_ms(model, rows: int, context: int, steps: int, repeats: int) -> d
     makers = {"dynamic": lambda: DynamicCache(config=model.config), "in_place": lambda: new_cache(model.config)}
     times = {k: [] for k in makers}
     g = torch.Generator().manual_seed(1)
+    lengths = [max(1, context - 7 * i) for i in range(rows)]
+    dtype = next(model.parameters()).dtype
     for r in range(repeats):
         for name in list(makers)[:: 1 if r % 2 == 0 else -1]:
-            batch = None
-            for i in range(rows):  # rows join one by one, as requests do
-                L = max(1, context - 7 * i)
-                cache = makers[name]()
-                model(input_ids=torch.randint(100, 5000, (1, L), generator=g), **with_cache(model, cache),
-                      use_cache=True, logits_to_keep=1)
-                row = RaggedCache(cache, L, torch.device("cpu"))
-                if batch is None:
-                    batch = row
-                else:
-                    batch.join(row)
-            dtype = next(model.parameters()).dtype
+            batch = prefilled_batch(model, lengths, torch.device("cpu"), g, makers[name])
             for _ in range(steps):
                 x = torch.randint(100, 5000, (rows, 1), generator=g)
                 t0 = time.perf_counter()

@@ -528,7 +528,7 @@ def test_bench_verify_times_both_caches_on_a_batched_step(tmp_path):
     res = subprocess.run([sys.executable, str(root / "scripts/bench_verify.py"), "--target", "tiny:llama-4l",
                           "--tokens", "1,2", "--threads", "1", "--repeats", "1", "--context", "24", "--rows", "1,3",
                           "--steps", "2", "--out", str(tmp_path / "v.json")], capture_output=True, text=True,
-                         timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "v.json").read_text())
     assert [c["rows"] for c in out["caches"]] == [1, 3]

@@ -79,8 +79,8 @@ def test_batch_benchmark_runs_a_pipeline_runs_policy_on_its_test_prompts(smoke_r
     assert json.loads((out / "eval.json").read_text())["meta"]["learned_policy"] == f"learned-{fit['headline']}"
     res = subprocess.run([sys.executable, str(ROOT / "scripts/bench_batch.py"), "--run", str(out), "--prompts", "4",
                           "--batch-sizes", "1,2", "--static-ks", "2", "--rates", "0.5x,2", "--max-tokens", "6",
-                          "--repeats", "2", "--out", str(tmp_path / "batch.json")], capture_output=True, text=True, timeout=600,
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          "--repeats", "2", "--out", str(tmp_path / "batch.json")], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"policies/{fit['headline']} (the lowest validation log-loss)" in res.stdout
     bench = json.loads((tmp_path / "batch.json").read_text())

@@ -46,7 +46,8 @@ class GrowingLayer(DynamicLayer):
         if key_states.shape[0] == 1 or key_states.requires_grad or value_states.requires_grad:
             self._kv_buffers = None  # one row (or autograd): concatenation, as transformers does
             return super().update(key_states, value_states, *args, **kwargs)
-        n, m = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+        n = self.get_seq_length()
+        m = n + key_states.shape[-2]
         if not self._holds(key_states, value_states, m):
             self._reallocate(key_states, value_states, n, m)
         kb, vb = self._kv_buffers

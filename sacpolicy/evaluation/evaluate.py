@@ -324,13 +324,20 @@ def load_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test_grou
 
 def add_load_ratios(rows: list[dict], key: str) -> None:
     """``vs_ar`` and ``vs_best_static`` (the best static k of the same load, k = 0 included) of every row, rows
-    grouped by ``key``; each group has an "ar" row and "static-k<N>" rows."""
+    grouped by ``key``; each group has an "ar" row and "static-k<N>" rows. Rows of repeated runs (``tokens_per_s_runs``)
+    also get the ratios repeat by repeat (repeat r against repeat r of the baseline, run back to back):
+    ``vs_ar_runs`` and ``vs_best_static_runs``, whose spread is the machine's noise on the ratio."""
     for load in dict.fromkeys(r[key] for r in rows):
         group = [r for r in rows if r[key] == load]
-        ar = next(r for r in group if r["policy"] == "ar")["tokens_per_s"]
-        best = max(r["tokens_per_s"] for r in group if r["policy"] == "ar" or r["policy"].startswith("static-k"))
+        ar = next(r for r in group if r["policy"] == "ar")
+        best = max((r for r in group if r["policy"] == "ar" or r["policy"].startswith("static-k")),
+                   key=lambda r: r["tokens_per_s"])
         for r in group:
-            r["vs_ar"], r["vs_best_static"] = r["tokens_per_s"] / ar, r["tokens_per_s"] / best
+            r["vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+            r["vs_best_static"] = r["tokens_per_s"] / best["tokens_per_s"]
+            if "tokens_per_s_runs" in r:
+                for name, base in (("vs_ar_runs", ar), ("vs_best_static_runs", best)):
+                    r[name] = [a / b for a, b in zip(r["tokens_per_s_runs"], base["tokens_per_s_runs"])]
 
 
 def targets(rows: list[dict], predictors: list[str]) -> dict:
