@@ -293,6 +293,18 @@ def test_batch_cost_interpolates_in_batch_size_and_round_trips(tmp_path):
     # one row that copies well (0.95) carries the batch; per_row lets a row with nothing likely draft less
     ks, _ = cost.best_batch_k([("ngram", 100, [0.95] * 8)] * 7 + [("ngram", 100, [0.01] * 8)], 8)
     assert ks[0] > 0
+    # the search over tabulated figures is the brute-force search over every k of every row (3 rows, k <= 3)
+    import itertools
+
+    rows = [("ngram", 300, [0.9, 0.7, 0.5]), ("ngram", 500, [0.3, 0.2, 0.1]), (None, 200, [])]
+    def rate(ks):
+        tokens = sum(cost.expected_tokens(a[:k]) for (_, _, a), k in zip(rows, ks))
+        return tokens / (cost.verify_time(max(ks), 1000 / 3, 3) + sum(cost.draft_time(d, k, c)
+                                                                      for (d, c, _), k in zip(rows, ks)))
+    ks, tps = cost.best_batch_k(rows, 3, per_row=False)
+    assert tps == max(rate([K, K, 0]) for K in range(4)) and ks == [ks[0], ks[0], 0]
+    ks, tps = cost.best_batch_k(rows, 3)
+    assert tps == pytest.approx(rate(ks)) and tps <= max(rate([a, b, 0]) for a, b in itertools.product(range(4), repeat=2))
 
 
 def test_learned_rule_plans_for_the_live_batch(tiny_target, prompts, reference):

@@ -160,6 +160,18 @@ def test_best_k_matches_brute_force():
     assert cost.best_k("draft", 300, probs, k_max=6) == (int(np.argmax(rates)), pytest.approx(max(rates)))
 
 
+def test_tables_are_the_per_k_figures_exactly():
+    """The planner reads tabulated figures (one pass per row): they must be the per-k functions' numbers, bit for bit,
+    or a tie could go the other way between the decoder and a replay."""
+    cost, probs = hand_model(), [0.95, 0.9, 0.8, 0.6, 0.4, 0.3]
+    assert cost.expected_tokens_table(probs) == [CostModel.expected_tokens(probs[:k]) for k in range(7)]
+    assert cost.draft_table("draft", 6, 300) == [cost.draft_time("draft", k, 300) for k in range(7)]
+    assert cost.tokens_per_s_table("draft", 300, probs) == [cost.expected_tokens_per_s("draft", k, 300, probs)
+                                                            for k in range(1, 7)]
+    with pytest.raises(ValueError, match="must lie in"):
+        cost.expected_tokens_table([0.5, 1.5])
+
+
 # ---------------------------------------------------------------------- files
 def test_json_round_trip_and_format_check(tmp_path):
     cost = hand_model()

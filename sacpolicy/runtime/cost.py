@@ -140,14 +140,30 @@ class CostModel:
 
     def verify_time(self, k: int, context_len: float, batch: int = 1) -> float:
         """Seconds of one target pass verifying ``batch`` rows of k drafted tokens (+ the last committed one) each."""
+        return self._verify_at(self._segment(batch), k, context_len)
+
+    def verify_table(self, k_max: int, context_len: float, batch: int = 1) -> list[float]:
+        """``verify_time(k, context_len, batch)`` for k = 0 .. k_max (the batch sizes' segment found once)."""
+        segment = self._segment(batch)
+        return [self._verify_at(segment, k, context_len) for k in range(k_max + 1)]
+
+    def _segment(self, batch: int) -> tuple:
+        """(curves of the profiled batch size at or below ``batch``, curves above, those two sizes, batch): the
+        segment ``verify_time`` interpolates along; B = 1 alone is (verify, None, 1, 1, 1)."""
         if batch == 1:
-            return self._verify(self.verify, k, context_len)
+            return self.verify, None, 1, 1, 1
         self.check_batch(batch)
         sizes = self.batch_sizes
         i = min(max(bisect.bisect_right(sizes, batch) - 1, 0), len(sizes) - 2)  # outer segment extends beyond
         lo, hi = sizes[i], sizes[i + 1]
-        t_lo = self._verify(self.verify if lo == 1 else self.batch[lo], k, context_len)
-        t_hi = self._verify(self.batch[hi], k, context_len)
+        return self.verify if lo == 1 else self.batch[lo], self.batch[hi], lo, hi, batch
+
+    def _verify_at(self, segment: tuple, k: int, context_len: float) -> float:
+        low, high, lo, hi, batch = segment
+        t_lo = self._verify(low, k, context_len)
+        if high is None:
+            return t_lo
+        t_hi = self._verify(high, k, context_len)
         return max(_MIN_S, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
 
     def check_batch(self, batch: int) -> None:
@@ -199,6 +215,22 @@ class CostModel:
             total += alive
         return total
 
+    @staticmethod
+    def expected_tokens_table(accept_probs: Sequence[float]) -> list[float]:
+        """``expected_tokens(accept_probs[:k])`` for k = 0 .. len(accept_probs), in one pass (the same sums)."""
+        total, alive, out = 1.0, 1.0, [1.0]
+        for a in accept_probs:
+            if not 0.0 <= a <= 1.0:
+                raise ValueError(f"acceptance probabilities must lie in [0, 1], got {a}")
+            alive *= a
+            total += alive
+            out.append(total)
+        return out
+
+    def draft_table(self, drafter: str | None, k_max: int, context_len: int) -> list[float]:
+        """``draft_time(drafter, k, context_len)`` for k = 0 .. k_max."""
+        return [self.draft_time(drafter, k, context_len) for k in range(k_max + 1)]
+
     def expected_tokens_per_s(self, drafter: str | None, k: int, context_len: int,
                               accept_probs: Sequence[float], batch: int = 1) -> float:
         """One row's expected tokens per second of a step (the step's target pass verifying ``batch`` rows)."""
@@ -210,6 +242,13 @@ class CostModel:
             raise ValueError(f"k={k} drafted tokens need {k} acceptance probabilities, got {len(accept_probs)}; "
                              "pass one per position up to k_max")
         return self.expected_tokens(accept_probs[:k]) / self.step_time(drafter, k, context_len, batch)
+
+    def tokens_per_s_table(self, drafter: str, context_len: int, accept_probs: Sequence[float],
+                           batch: int = 1) -> list[float]:
+        """``expected_tokens_per_s(drafter, k, ...)`` for k = 1 .. len(accept_probs), in one pass."""
+        tokens = self.expected_tokens_table(accept_probs)
+        verify = self.verify_table(len(tokens) - 1, context_len, batch)
+        return [tokens[k] / (self.draft_time(drafter, k, context_len) + verify[k]) for k in range(1, len(tokens))]
 
     def best_k(self, drafter: str | None, context_len: int, accept_probs: Sequence[float],
                k_max: int, batch: int = 1) -> tuple[int, float]:
@@ -234,11 +273,13 @@ class CostModel:
         if B == 0:
             raise ValueError("best_batch_k needs at least one row")
         ctx = sum(c for _, c, _ in rows) / B
+        # per row, k = 0 .. cap: expected tokens and draft seconds (tabulated once: the search reads them O(B K^2) times)
+        tokens_of = [self.expected_tokens_table(a) for _, _, a in rows]
+        draft_of = [self.draft_table(d, len(a), c) for d, c, a in rows]
 
         def rate(ks: list[int]) -> float:
-            tokens = sum(self.expected_tokens(a[:k]) for (_, _, a), k in zip(rows, ks))
-            seconds = self.verify_time(max(ks), ctx, B) + sum(self.draft_time(d, k, c)
-                                                             for (d, c, _), k in zip(rows, ks))
+            tokens = sum(t[k] for t, k in zip(tokens_of, ks))
+            seconds = self.verify_time(max(ks), ctx, B) + sum(s[k] for s, k in zip(draft_of, ks))
             return tokens / seconds
 
         best = ([0] * B, rate([0] * B))
@@ -248,8 +289,8 @@ class CostModel:
                 break  # no row can draft K tokens: larger K is the same batch
             tps = rate(ks)
             if per_row and B > 1:
-                ks = [max(range(k + 1), key=lambda j, d=d, c=c, a=a: self.expected_tokens(a[:j])
-                          - tps * self.draft_time(d, j, c)) for (d, c, a), k in zip(rows, ks)]
+                ks = [max(range(k + 1), key=lambda j, t=t, s=s: t[j] - tps * s[j])
+                      for t, s, k in zip(tokens_of, draft_of, ks)]
                 tps = rate(ks)
             if tps > best[1]:
                 best = (ks, tps)
