@@ -85,11 +85,15 @@ def test_feature_drafter_rows_get_their_own_hidden_states(tiny_target, prompts, 
     from sacpolicy.decoding.feature import load_feature_drafter
 
     head = load_feature_drafter(tiny_target, tiny_head_dir(tiny_target, tmp_path))
+    widths = []
+    hook = head.head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[0]))
     dec = SpeculativeDecoder(tiny_target.model, [head], Static(3), stop_token_ids=[],
                              config=DecoderConfig(max_batch=4))
     results = dec.generate_batch(prompts, 20)
+    hook.remove()
     assert [r.tokens for r in results] == reference
     assert sum(s.drafted for r in results for s in r.steps) > 0 and not any(r.dropped_drafters for r in results)
+    assert max(widths) > 1  # the rows' draft logits came from one projection (FeatureDrafter.propose_batch)
 
 
 def test_arrivals_queue_requests_and_results_keep_input_order(tiny_target, prompts, reference):

@@ -194,6 +194,46 @@ def test_drafter_state_across_steps(tiny_target, sequences):
         drafter.propose(ids[: n + 1], 2, SamplingConfig())
 
 
+def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, sequences):
+    """``propose_batch``: rows with their own contexts, k and stops (one at k = 0, one stopped after its first token)
+    draft what ``propose`` drafts for each, the draft logits from one projection over the rows still drafting; and
+    each row's state afterwards is its own (its next proposal equals a fresh drafter's)."""
+    head = random_head(tiny_target, seed=3)
+    proto = FeatureDrafter(head)
+    ids = [torch.tensor(sequences[i]["input_ids"]) for i in (4, 5, 6, 7)]
+    aux = [features(tiny_target, x) for x in ids]
+    ns, ks = [7, 12, 9, 15], [4, 3, 5, 0]
+    stops = [None, None, lambda i, s: i == 0, None]
+
+    def rows():
+        out = [proto.fork() for _ in ids]
+        for d, a, n in zip(out, aux, ns):
+            d.extend_features(a[: n - 1])
+        return out
+    alone = [d.propose(x[:n], k, SamplingConfig(), None, st) for d, x, n, k, st in zip(rows(), ids, ns, ks, stops)]
+    widths = []
+    hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[0]))
+    together_rows = rows()
+    together = proto.propose_batch(together_rows, [x[:n] for x, n in zip(ids, ns)], ks, [SamplingConfig()] * 4,
+                                   [None] * 4, stops)
+    hook.remove()
+    assert [b.k for b in together] == [b.k for b in alone] == [4, 3, 1, 0]
+    for a, b in zip(alone, together):
+        assert torch.equal(a.tokens, b.tokens)
+        if a.k:
+            torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=1e-5)
+    assert 2 in widths  # rows 0 and 1 drafted their later tokens through one projection
+    for d, x, a, n in zip(together_rows, ids, aux, ns):  # accept 1, feed the verify pass, propose again
+        d.accept(1)
+        d.extend_features(a[n - 1 : n + 1])
+        fresh = FeatureDrafter(head)
+        fresh.extend_features(a[: n + 1])
+        assert torch.equal(d.propose(x[: n + 2], 3, SamplingConfig()).tokens,
+                           fresh.propose(x[: n + 2], 3, SamplingConfig()).tokens)
+    with pytest.raises(ValueError, match="row 1 holds hidden states"):
+        proto.propose_batch(rows(), [ids[0][:7], ids[1][:13]], [2, 2], [SamplingConfig()] * 2, [None] * 2, [None] * 2)
+
+
 def trainer(tmp, **kw):
     return functools.partial(L.Trainer, accelerator="cpu", devices=1, enable_progress_bar=False, max_epochs=1000,
                              default_root_dir=str(tmp), enable_model_summary=False, num_sanity_val_steps=-1, **kw)
@@ -378,9 +418,11 @@ def test_decoder_with_a_feature_drafter_is_greedy_exact(tiny_target, sequences):
             assert sum(s.drafted for s in res.steps) > 0 and not res.dropped_drafters
 
 
-def test_decoder_with_a_feature_drafter_samples_the_targets_distribution():
+@pytest.mark.parametrize("rows", [1, 5])
+def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows):
     """Sampled speculative decoding with a feature head reproduces the target's joint distribution of two tokens
-    drawn after verification blocks (chi-square against the exact joint, enumerated from the target)."""
+    drawn after verification blocks (chi-square against the exact joint, enumerated from the target), one request at
+    a time and in batches of 5 rows (each its own seed), whose draft logits come from one projection over the rows."""
     from scipy.stats import chisquare
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -398,7 +440,9 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution():
     target = LoadedModel(model, load_tokenizer("tiny:llama-4l"), spec="test:v6")
     head = random_head(target, vocab=4, seed=4, aux=(0, 1, 2))  # ids 1..4: q = 0 outside the draft vocabulary
     dec = SpeculativeDecoder(model, [FeatureDrafter(head)], Static(2), sampling=SamplingConfig(temperature=1.0),
-                             config=DecoderConfig(timing=False), stop_token_ids=[])
+                             config=DecoderConfig(timing=False, max_batch=rows), stop_token_ids=[])
+    widths = []
+    hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[0]))
     with torch.no_grad():
         def p(prefix):
             return torch.softmax(model(torch.tensor([prefix])).logits[0, -1].double(), -1)
@@ -409,11 +453,13 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution():
     draws = 2500
     counts = np.zeros((v, v))
     accepted = 0
-    for i in range(draws):
-        res = dec.generate(prompt, 3, request=RequestInfo(seed=i))
-        counts[res.tokens[1], res.tokens[2]] += 1  # tokens 2 and 3: a drafted token verified, then the next
-        accepted += sum(s.accepted for s in res.steps)
+    for i in range(0, draws, rows):
+        for res in dec.generate_batch([prompt] * rows, 4, requests=[RequestInfo(seed=i + j) for j in range(rows)]):
+            counts[res.tokens[1], res.tokens[2]] += 1  # tokens 2 and 3: drafted together (k = 2), verified
+            accepted += sum(s.accepted for s in res.steps)
+    hook.remove()
     assert 0.05 * draws < accepted < 0.95 * draws  # both branches of verification were exercised
+    assert max(widths) == rows  # batched: the rows' draft logits came from one projection
     _, pval = chisquare(counts.ravel(), expected.numpy().ravel() / expected.sum().item() * draws)
     assert pval > 1e-3, pval
 

@@ -249,6 +249,11 @@ class Eagle3Head(nn.Module):
         """Inference over m new entries after the cached ones: hidden [B, m, H] (fc'd target features or the head's
         own outputs), input_ids [B, m] -> (pre-norm outputs [B, m, H], draft logits [B, m', Vd]) of the last
         m' = ``logits_to_keep`` entries (0: all m)."""
+        out = self.layer_step(hidden, input_ids, cache)
+        return out, self.logits(out[:, -logits_to_keep:])
+
+    def layer_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``forward`` without the draft logits: the pre-norm outputs [B, m, H], the entries cached."""
         layer = self.layers[0]
         B, m = input_ids.shape
         start = cache.length
@@ -259,8 +264,11 @@ class Eagle3Head(nn.Module):
         mask = None
         if m > 1:  # entry start + i sees the cache and the new entries up to itself
             mask = torch.ones(m, start + m, dtype=torch.bool, device=hidden.device).tril(start)[None, None]
-        out = layer.finish(q, keys, values, mask, hidden)
-        return out, self.lm_head(self.norm(out[:, -logits_to_keep:]))
+        return layer.finish(q, keys, values, mask, hidden)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Pre-norm outputs [..., H] -> draft logits [..., Vd]."""
+        return self.lm_head(self.norm(out))
 
     def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int,
                     attention_mask: torch.Tensor | None = None, greedy: bool = False) -> list[torch.Tensor]:

@@ -78,6 +78,51 @@ class FeatureDrafter(Drafter):
             logits = step_logits[0, -1]
         return DraftBlock(torch.stack(tokens), torch.stack(block_logits))
 
+    @torch.inference_mode()
+    def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
+        """Every row's block (``rows``: this drafter's forks), each drafted token's draft logits from ONE output
+        projection over the rows still drafting: the projection to the vocabulary is most of a head step, and one
+        matrix product over b rows reads its weights once instead of b times. The layer itself runs per row on the
+        row's own cache (rows hold caches of different lengths), as ``propose`` runs it."""
+        out: list[DraftBlock | None] = [None] * len(rows)
+        tails, live = {}, []
+        for i, (d, c, k) in enumerate(zip(rows, contexts, ks)):
+            n = c.shape[0]
+            if d._rows != n - 1:
+                raise ValueError(f"the feature drafter of row {i} holds hidden states of {d._rows} positions but its "
+                                 f"context has {n} tokens (it needs {n - 1}); the decoder must call extend_features "
+                                 "after every target pass")
+            d.accept(0)
+            if k <= 0 or n < 2:
+                out[i] = DraftBlock.empty(c.device)
+                continue
+            if d._pending:
+                d._feed(c)
+            tails[i] = d._tail
+            live.append(i)
+        tokens: dict[int, list] = {i: [] for i in live}
+        block_logits: dict[int, list] = {i: [] for i in live}
+        while live:
+            going = []
+            for i in live:
+                full = self.head.full_logits(tails[i][1])
+                tok = select_token(full, samplings[i], generators[i])
+                tokens[i].append(tok)
+                block_logits[i].append(full)
+                n = len(tokens[i])
+                if not (n == ks[i] or (stops[i] is not None and stops[i](n - 1, draft_stats(full)))):
+                    going.append(i)
+            if going:
+                hidden = [rows[i].head.layer_step(tails[i][0], tokens[i][-1].view(1, 1), rows[i]._cache)
+                          for i in going]
+                logits = self.head.logits(torch.cat(hidden))  # [b, 1, Vd]
+                for r, i in enumerate(going):
+                    tails[i] = (hidden[r], logits[r, -1])
+            live = going
+        for i in tokens:
+            out[i] = DraftBlock(torch.stack(tokens[i]), torch.stack(block_logits[i]))
+        return out
+
     def accept(self, n_accepted: int) -> None:
         self._cache.crop(self._true)
 
