@@ -119,8 +119,8 @@ class FeatureDrafter(Drafter):
                 for r, i in enumerate(going):
                     tails[i] = (hidden[r], logits[r, -1])
             live = going
-        for i in tokens:
-            out[i] = DraftBlock(torch.stack(tokens[i]), torch.stack(block_logits[i]))
+        for i, drafted in tokens.items():
+            out[i] = DraftBlock(torch.stack(drafted), torch.stack(block_logits[i]))
         return out
 
     def accept(self, n_accepted: int) -> None:
