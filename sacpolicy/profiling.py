@@ -200,15 +200,38 @@ def _knot_fit(x, knots: Sequence[float], extra: np.ndarray | None = None) -> Cal
     return fit
 
 
-def _fit_verify(cells: list[tuple[int, int, np.ndarray]], repeats: int, n_boot: int, rng) -> dict:
-    """cells (tokens fed, context, seconds) -> t = a(tokens) + b * context, a non-decreasing within noise."""
+def _fit_verify(cells: list[tuple[int, int, np.ndarray]], repeats: int, n_boot: int, rng,
+                per_token_slope: bool = False) -> dict:
+    """cells (tokens fed, context, seconds) -> t = a(tokens) + b * context, the curve non-decreasing in tokens within
+    noise. ``per_token_slope``: b is a curve over tokens fed too, b(tokens), for passes whose attention over the cache
+    grows with the tokens fed as well as with the context (batches: every row's queries read a cache as wide as the
+    longest row), where one slope for all puts the context's cost of a wide pass on the narrow one; a and b are then
+    one line over the profiled contexts per tokens-fed knot, and the monotone check runs on the curve at the middle
+    profiled context."""
     n, c = (np.array(v, dtype=float) for v in list(zip(*cells))[:2])
     knots = sorted(set(n.tolist()))
+    contexts = sorted(set(c.tolist()))
     # one context length cannot separate b from a: fold it into a
-    split = len(set(c.tolist())) > 1
-    ys, lo, hi = _bootstrap([t for *_, t in cells], _knot_fit(n, knots, c[:, None] if split else None), n_boot, rng)
-    b = float(ys[-1]) if split else 0.0
-    ys, lo, hi = ys[: len(knots)], lo[: len(knots)], hi[: len(knots)]
+    split = len(contexts) > 1
+    if split and per_token_slope:
+        ref = contexts[len(contexts) // 2]
+        basis, at_knots, K = _hinge_basis(n, knots), _hinge_basis(knots, knots), len(knots)
+        X = np.column_stack([basis, basis * c[:, None]])
+
+        def fit(T: np.ndarray) -> np.ndarray:  # -> [the curve at context ref; the slope curve] at the knots
+            coef = np.linalg.lstsq(X, T, rcond=None)[0]
+            a, b = at_knots @ coef[:K], at_knots @ coef[K:]
+            return np.vstack([a + b * ref, b])
+
+        ys, lo, hi = _bootstrap([t for *_, t in cells], fit, n_boot, rng)
+        slope = ys[K:]
+        ys, lo, hi = ys[:K], lo[:K], hi[:K]
+    else:
+        ref = 0.0
+        ys, lo, hi = _bootstrap([t for *_, t in cells], _knot_fit(n, knots, c[:, None] if split else None), n_boot,
+                                rng)
+        slope = float(ys[-1]) if split else 0.0
+        ys, lo, hi = ys[: len(knots)], lo[: len(knots)], hi[: len(knots)]
     mono, kept = monotone_knots(ys, lo, hi, trust_intervals=repeats >= MIN_REPEATS)
     for i in range(len(knots) - 1):
         x0, x1 = int(knots[i]), int(knots[i + 1])
@@ -219,7 +242,12 @@ def _fit_verify(cells: list[tuple[int, int, np.ndarray]], repeats: int, n_boot: 
             why = "within noise" if repeats >= MIN_REPEATS else f"with repeats={repeats} < {MIN_REPEATS} to tell"
             logger.info("verify cost measured lower at %d than at %d tokens fed (%.3g < %.3g s) %s; pooled", x1, x0,
                         ys[i + 1], ys[i], why)
-    return {"tokens": PiecewiseLinear(knots, mono.tolist(), lo.tolist(), hi.tolist()), "per_context": b}
+    if isinstance(slope, float):
+        return {"tokens": PiecewiseLinear(knots, mono.tolist(), lo.tolist(), hi.tolist()), "per_context": slope}
+    at_zero = slope * ref  # the curve at context 0 (its intervals: those at ref, the slope held)
+    return {"tokens": PiecewiseLinear(knots, (mono - at_zero).tolist(), (lo - at_zero).tolist(),
+                                      (hi - at_zero).tolist()),
+            "per_context": PiecewiseLinear(knots, slope.tolist())}
 
 
 def _fit_draft(name: str, cells: list[tuple[int, np.ndarray]], per_token: bool, n_boot: int, rng) -> PiecewiseLinear:
@@ -248,7 +276,7 @@ def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
     rng = np.random.default_rng(seed)
     repeats = min(len(t) for *_, t in verify_cells)
     draft = {name: _fit_draft(name, cells, per_token[name], n_boot, rng) for name, cells in draft_cells.items()}
-    batch = {b: _fit_verify(cells, min(len(t) for *_, t in cells), n_boot, rng)
+    batch = {b: _fit_verify(cells, min(len(t) for *_, t in cells), n_boot, rng, per_token_slope=True)
              for b, cells in sorted((batch_cells or {}).items())}
     meta = {**(meta or {}), "knot_interval": f"95% bootstrap over repeats ({n_boot} resamples)"}
     fixed = {name: _fit_draft(name, cells, True, n_boot, rng) for name, cells in (fixed_cells or {}).items()}

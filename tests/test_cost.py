@@ -256,6 +256,26 @@ def test_fitted_verify_cost_is_monotone_within_noise_with_intervals():
     assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
 
 
+def test_batch_verify_cost_has_a_context_slope_per_tokens_fed(tmp_path):
+    """A batched pass's context cost grows with the tokens fed (every row's queries read a cache as wide as the
+    longest row): the fit recovers a(tokens) + b(tokens) * context exactly, where one shared slope would misprice the
+    wide pass against the narrow one at every context but one. One request keeps one slope."""
+    a, b = {1: 0.010, 2: 0.014, 5: 0.020}, {1: 1e-5, 2: 3e-5, 5: 8e-5}
+    grid = [(n, c, a[n] + b[n] * c + OFFSETS) for n in sorted(a) for c in (64, 256, 512)]
+    cost = fit_cost_model("cpu", cells({1: 0.010, 2: 0.011, 5: 0.012}), NGRAM, {"ngram": False}, batch_cells={4: grid})
+    assert isinstance(cost.verify["per_context"], float)
+    slope = cost.batch[4]["per_context"]
+    assert slope.xs == [1.0, 2.0, 5.0] and slope.ys == pytest.approx([b[1], b[2], b[5]], rel=1e-6)
+    for n in a:
+        for c in (64, 300, 700):
+            assert cost.verify_time(n - 1, c, 4) == pytest.approx(a[n] + b[n] * c, rel=1e-6)
+    lo, hi = cost.batch[4]["tokens"].lo, cost.batch[4]["tokens"].hi
+    assert all(low <= a[n] <= high for low, n, high in zip(lo, sorted(a), hi))  # intervals of the curve, slope held
+    cost.to_json(tmp_path / "cost.json")
+    again = CostModel.from_json(tmp_path / "cost.json")
+    assert again == cost and again.verify_time(4, 300, 4) == cost.verify_time(4, 300, 4)
+
+
 def test_fitted_verify_cost_keeps_a_decrease_beyond_noise(caplog):
     base = {1: 0.010, 2: 0.006, 5: 0.012}
     with caplog.at_level(logging.WARNING, logger="sacpolicy.profiling"):

@@ -106,7 +106,9 @@ class PiecewiseLinear:
 @dataclass
 class CostModel:
     device: str
-    verify: dict  # {"tokens": PiecewiseLinear over tokens fed (k + 1), "per_context": seconds per cached token}
+    # {"tokens": PiecewiseLinear over tokens fed (k + 1), "per_context": seconds per cached token, one number or a
+    # PiecewiseLinear over tokens fed (profiled batches: a wide pass reads the cache with more queries)}
+    verify: dict
     draft: dict[str, PiecewiseLinear]  # drafter -> seconds of one draft step (or one proposal) vs context length
     per_token_draft: dict[str, bool]  # True: cost per drafted token (model drafters); False: per proposal (n-gram)
     meta: dict = field(default_factory=dict)  # torch version, device name, dtype, when profiled, target
@@ -176,7 +178,8 @@ class CostModel:
 
     @staticmethod
     def _verify(curves: dict, k: int, context_len: float) -> float:
-        return max(_MIN_S, curves["tokens"](k + 1) + curves["per_context"] * context_len)
+        per = curves["per_context"]
+        return max(_MIN_S, curves["tokens"](k + 1) + (per(k + 1) if callable(per) else per) * context_len)
 
     def prefill_time(self, prompt_len: int) -> float:
         """Seconds of the target's pass over a prompt of ``prompt_len`` tokens (no cache). A model without a profiled
@@ -340,9 +343,12 @@ class CostModel:
 
 
 def _curves_to_dict(curves: dict) -> dict:
-    return {"tokens": curves["tokens"].to_dict(), "per_context": float(curves["per_context"])}
+    per = curves["per_context"]
+    return {"tokens": curves["tokens"].to_dict(), "per_context": per.to_dict() if callable(per) else float(per)}
 
 
 def _curves_from_dict(d: Mapping) -> dict:
     """A verify curve pair (``CostModel.verify`` or one batch size's) from its JSON form."""
-    return {"tokens": PiecewiseLinear(**d["tokens"]), "per_context": float(d["per_context"])}
+    per = d["per_context"]
+    return {"tokens": PiecewiseLinear(**d["tokens"]),
+            "per_context": PiecewiseLinear(**per) if isinstance(per, Mapping) else float(per)}
