@@ -266,9 +266,9 @@ def test_batch_verify_cost_has_a_context_slope_per_tokens_fed(tmp_path):
     assert isinstance(cost.verify["per_context"], float)
     slope = cost.batch[4]["per_context"]
     assert slope.xs == [1.0, 2.0, 5.0] and slope.ys == pytest.approx([b[1], b[2], b[5]], rel=1e-6)
-    for n in a:
+    for n, intercept in a.items():
         for c in (64, 300, 700):
-            assert cost.verify_time(n - 1, c, 4) == pytest.approx(a[n] + b[n] * c, rel=1e-6)
+            assert cost.verify_time(n - 1, c, 4) == pytest.approx(intercept + b[n] * c, rel=1e-6)
     lo, hi = cost.batch[4]["tokens"].lo, cost.batch[4]["tokens"].hi
     assert all(low <= a[n] <= high for low, n, high in zip(lo, sorted(a), hi))  # intervals of the curve, slope held
     cost.to_json(tmp_path / "cost.json")
