@@ -202,12 +202,9 @@ def _knot_fit(x, knots: Sequence[float], extra: np.ndarray | None = None) -> Cal
 
 def _fit_verify(cells: list[tuple[int, int, np.ndarray]], repeats: int, n_boot: int, rng,
                 per_token_slope: bool = False) -> dict:
-    """cells (tokens fed, context, seconds) -> t = a(tokens) + b * context, the curve non-decreasing in tokens within
-    noise. ``per_token_slope``: b is a curve over tokens fed too, b(tokens), for passes whose attention over the cache
-    grows with the tokens fed as well as with the context (batches: every row's queries read a cache as wide as the
-    longest row), where one slope for all puts the context's cost of a wide pass on the narrow one; a and b are then
-    one line over the profiled contexts per tokens-fed knot, and the monotone check runs on the curve at the middle
-    profiled context."""
+    """cells (tokens fed, context, seconds) -> t = a(tokens) + b * context, non-decreasing in tokens within noise.
+    ``per_token_slope`` (batches, whose every query reads a cache as wide as the longest row): b(tokens) too, one line
+    over the profiled contexts per knot; the monotone check runs on the curve at the middle profiled context."""
     n, c = (np.array(v, dtype=float) for v in list(zip(*cells))[:2])
     knots = sorted(set(n.tolist()))
     contexts = sorted(set(c.tolist()))
@@ -228,8 +225,8 @@ def _fit_verify(cells: list[tuple[int, int, np.ndarray]], repeats: int, n_boot: 
         ys, lo, hi = ys[:K], lo[:K], hi[:K]
     else:
         ref = 0.0
-        ys, lo, hi = _bootstrap([t for *_, t in cells], _knot_fit(n, knots, c[:, None] if split else None), n_boot,
-                                rng)
+        fit = _knot_fit(n, knots, c[:, None] if split else None)
+        ys, lo, hi = _bootstrap([t for *_, t in cells], fit, n_boot, rng)
         slope = float(ys[-1]) if split else 0.0
         ys, lo, hi = ys[: len(knots)], lo[: len(knots)], hi[: len(knots)]
     mono, kept = monotone_knots(ys, lo, hi, trust_intervals=repeats >= MIN_REPEATS)
