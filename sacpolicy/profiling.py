@@ -224,7 +224,6 @@ def _fit_verify(cells: list[tuple[int, int, np.ndarray]], repeats: int, n_boot: 
         slope = ys[K:]
         ys, lo, hi = ys[:K], lo[:K], hi[:K]
     else:
-        ref = 0.0
         fit = _knot_fit(n, knots, c[:, None] if split else None)
         ys, lo, hi = _bootstrap([t for *_, t in cells], fit, n_boot, rng)
         slope = float(ys[-1]) if split else 0.0

@@ -70,6 +70,7 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
     tokens = sum(len(r.tokens) for r in res)
     lat = np.array([r.latency_s for r in res])
     drafted = sum(s.drafted for r in res for s in r.steps)
+    prefill = float(sum(r.prefill_s for r in res))
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "p50_s": float(np.percentile(lat, 50)), "p90_s": float(np.percentile(lat, 90)),
             "p99_s": float(np.percentile(lat, 99)),
@@ -78,11 +79,10 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
             "mean_k": float(np.mean([s.drafted for r in res for s in r.steps])),
             "latency_sum_s": float(lat.sum()),
             # the prompts' prefills (each admitted request's pass over its prompt), which no policy changes
-            "prefill_share": float(sum(r.prefill_s for r in res)) / wall,
+            "prefill_share": prefill / wall,
             "policy_share": timed.seconds / wall,
             # of the decoding steps' time (the wall time but the prefills, which run between steps)
-            "policy_step_share": timed.seconds / max(wall - float(sum(r.prefill_s for r in res)), 1e-9)}, \
-        [r.tokens for r in res]
+            "policy_step_share": timed.seconds / max(wall - prefill, 1e-9)}, [r.tokens for r in res]
 
 
 def merge_repeats(runs: list[dict]) -> dict:

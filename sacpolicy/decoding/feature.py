@@ -53,53 +53,39 @@ class FeatureDrafter(Drafter):
         self._pending, self._true = [], start + m
         self._tail = (out[:, -1:], logits[0, -1])
 
-    @torch.inference_mode()
     def propose(self, context, k, sampling: SamplingConfig, generator=None, stop=None) -> DraftBlock:
+        return self.propose_batch([self], [context], [k], [sampling], [generator], [stop])[0]
+
+    def _start(self, context, k: int, label: str) -> tuple | None:
+        """Settle the last proposal, feed the rows handed over since, and return the (pre-norm output, draft logits)
+        a proposal starts from; None when there is nothing to propose."""
         n = context.shape[0]
         if self._rows != n - 1:
-            raise ValueError(f"the feature drafter holds hidden states of {self._rows} positions but the context has "
-                             f"{n} tokens (it needs {n - 1}: every committed position but the last); the decoder "
-                             "must call extend_features after every target pass")
+            raise ValueError(f"{label} holds hidden states of {self._rows} positions but the context has {n} tokens "
+                             f"(it needs {n - 1}: every committed position but the last); the decoder must call "
+                             "extend_features after every target pass")
         self.accept(0)  # drop the chain of an unsettled proposal
         if k <= 0 or n < 2:
-            return DraftBlock.empty(context.device)
+            return None
         if self._pending:
             self._feed(context)
-        hidden, logits = self._tail
-        tokens, block_logits = [], []
-        for i in range(k):
-            full = self.head.full_logits(logits)
-            tok = select_token(full, sampling, generator)
-            tokens.append(tok)
-            block_logits.append(full)
-            if i + 1 == k or (stop is not None and stop(i, draft_stats(full))):
-                break
-            hidden, step_logits = self.head(hidden, tok.view(1, 1), self._cache)
-            logits = step_logits[0, -1]
-        return DraftBlock(torch.stack(tokens), torch.stack(block_logits))
+        return self._tail
 
     @torch.inference_mode()
     def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
-        """Every row's block (``rows``: this drafter's forks), each drafted token's draft logits from ONE output
-        projection over the rows still drafting: the projection to the vocabulary is most of a head step, and one
-        matrix product over b rows reads its weights once instead of b times. The layer itself runs per row on the
-        row's own cache (rows hold caches of different lengths), as ``propose`` runs it."""
+        """Every row's block (``rows``: this drafter's forks; ``propose`` is one row), each drafted token's draft logits
+        from ONE output projection over the rows still drafting: the projection to the vocabulary is most of a head
+        step, and one matrix product over b rows reads its weights once instead of b times. The layer itself runs per
+        row on the row's own cache (rows hold caches of different lengths)."""
         out: list[DraftBlock | None] = [None] * len(rows)
-        tails, live = {}, []
+        tails = {}
         for i, (d, c, k) in enumerate(zip(rows, contexts, ks)):
-            n = c.shape[0]
-            if d._rows != n - 1:
-                raise ValueError(f"the feature drafter of row {i} holds hidden states of {d._rows} positions but its "
-                                 f"context has {n} tokens (it needs {n - 1}); the decoder must call extend_features "
-                                 "after every target pass")
-            d.accept(0)
-            if k <= 0 or n < 2:
+            tail = d._start(c, k, "the feature drafter" if len(rows) == 1 else f"the feature drafter of row {i}")
+            if tail is None:
                 out[i] = DraftBlock.empty(c.device)
-                continue
-            if d._pending:
-                d._feed(c)
-            tails[i] = d._tail
-            live.append(i)
+            else:
+                tails[i] = tail
+        live = list(tails)
         tokens: dict[int, list] = {i: [] for i in live}
         block_logits: dict[int, list] = {i: [] for i in live}
         while live:
@@ -113,8 +99,7 @@ class FeatureDrafter(Drafter):
                 if not (n == ks[i] or (stops[i] is not None and stops[i](n - 1, draft_stats(full)))):
                     going.append(i)
             if going:
-                hidden = [rows[i].head.layer_step(tails[i][0], tokens[i][-1].view(1, 1), rows[i]._cache)
-                          for i in going]
+                hidden = [self.head.layer_step(tails[i][0], tokens[i][-1].view(1, 1), rows[i]._cache) for i in going]
                 logits = self.head.logits(torch.cat(hidden))  # [b, 1, Vd]
                 for r, i in enumerate(going):
                     tails[i] = (hidden[r], logits[r, -1])

@@ -127,7 +127,7 @@ class DecisionRule:
                 at += X.shape[0]
                 best = (-1.0, None, [])  # the row's drafter: best at its best k >= 1 (AR is weighed for the batch)
                 for name, a in zip(names, p):
-                    tps = max(self.cost.tokens_per_s_table(name, context_lens[i], a[:cap], B))
+                    tps = max(self.cost.tokens_per_s_table(name, context_lens[i], a, B))
                     if tps > best[0]:
                         best = (tps, name, a.tolist())
                 chosen[i] = best[1:]
