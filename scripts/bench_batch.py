@@ -152,6 +152,7 @@ def main(argv=None) -> int:
                                                            "order; the table shows each ratio's range over them")
     ap.add_argument("--out", default="bench_batch.json")
     args = ap.parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the runs: the plot is written first
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.static_ks = [int(k) for k in args.static_ks.split(",") if k]
     rates = [r for r in args.rates.split(",") if r]

@@ -1,7 +1,8 @@
 """What one target pass costs as a function of the tokens it reads: the verify cost curve behind every speculative
 speedup, on torch's own CPU kernels and on the ones the decoder switches a CPU target to (``use_cpu_kernels``). torch's
 CPU ``linear`` runs one row as a matrix-vector product and 2 or 3 rows as one each (reading the weights once per row);
-``CpuLinear`` computes up to 256 rows as one matrix product with the weight on the left.
+``CpuLinear`` computes up to 4 rows as one matrix product with the weight on the left and more through oneDNN
+(``sacpolicy-mkl``: the same without oneDNN, MKL's weight-on-left product up to 256 rows, as before oneDNN).
 
     python scripts/bench_verify.py                      # the embedded target, 2 and 1 threads
     python scripts/bench_verify.py --tokens 1,2,3,4,5,8,16 --threads 2 --context 200
@@ -24,13 +25,26 @@ import time
 
 import torch
 
+from sacpolicy.decoding import compat
 from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
 from sacpolicy.decoding.ragged import new_cache
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.profiling import prefilled_batch
 
-KERNELS = {"torch": torch.nn.Linear, "sacpolicy": CpuLinear}
+
+class CpuLinearMkl(CpuLinear):
+    """``CpuLinear`` without oneDNN: MKL's paths at every size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        saved, compat._ONEDNN_LINEAR = compat._ONEDNN_LINEAR, None
+        try:
+            return super().forward(x)
+        finally:
+            compat._ONEDNN_LINEAR = saved
+
+
+KERNELS = {"torch": torch.nn.Linear, "sacpolicy-mkl": CpuLinearMkl, "sacpolicy": CpuLinear}
 
 
 def use(linears: list, kernel: str) -> None:
@@ -96,7 +110,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=EMBEDDED_TARGET)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--tokens", default="1,2,3,4,5,6,8,16")
+    ap.add_argument("--tokens", default="1,2,3,4,5,6,8,16,32,64")
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=9)
@@ -122,6 +136,7 @@ def main(argv=None) -> dict:
                 row |= {f"{k}_forward_ms": fwd[n][k] * 1e3, f"{k}_forward_vs_1": fwd[n][k] / fwd[1][k],
                         f"{k}_linear_us": lin[n][k]}
             row["speedup"] = fwd[n]["torch"] / fwd[n]["sacpolicy"]
+            row["onednn_speedup"] = fwd[n]["sacpolicy-mkl"] / fwd[n]["sacpolicy"]
             rows.append(row)
     use(linears, "sacpolicy")
     torch.set_num_threads(int(args.threads.split(",")[0]))
@@ -134,11 +149,14 @@ def main(argv=None) -> dict:
             "linear": f"mlp.up_proj {tuple(layer.weight.shape)}", "torch": torch.__version__}
     write_json(args.out, {"rows": rows, "caches": caches, "meta": meta})
     lines = [f"{args.target}, {args.dtype}, after {args.context} tokens of context; median of {args.repeats}", "",
-             ("| threads | tokens per pass | torch: forward ms (vs 1 token) | sacpolicy: forward ms (vs 1 token) | "
-              "speedup | linear us: torch / sacpolicy |"), "|---|---|---|---|---|---|"]
+             ("| threads | tokens per pass | torch: forward ms (vs 1 token) | sacpolicy without oneDNN | "
+              "sacpolicy: forward ms (vs 1 token) | speedup over torch | oneDNN's gain | "
+              "linear us: torch / without oneDNN / sacpolicy |"), "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['threads']} | {r['tokens']} | {r['torch_forward_ms']:.1f} ({r['torch_forward_vs_1']:.2f}x) | "
+              f"{r['sacpolicy-mkl_forward_ms']:.1f} ({r['sacpolicy-mkl_forward_vs_1']:.2f}x) | "
               f"{r['sacpolicy_forward_ms']:.1f} ({r['sacpolicy_forward_vs_1']:.2f}x) | {r['speedup']:.2f}x | "
-              f"{r['torch_linear_us']:.0f} / {r['sacpolicy_linear_us']:.0f} |" for r in rows]
+              f"{r['onednn_speedup']:.2f}x | {r['torch_linear_us']:.0f} / {r['sacpolicy-mkl_linear_us']:.0f} / "
+              f"{r['sacpolicy_linear_us']:.0f} |" for r in rows]
     if caches:
         lines += ["", f"AR step of R rows after ~{args.context} cached tokens (sacpolicy's linears), median ms",
                   "", "| rows | DynamicCache | new_cache (in place) | speedup |", "|---|---|---|---|"]

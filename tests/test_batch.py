@@ -503,10 +503,12 @@ def test_masked_grouped_query_attention_is_transformers_sdpa_bit_for_bit():
     assert eager.config._attn_implementation == "eager"  # other implementations are left alone
 
 
-def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it():
-    """``CpuLinear`` (few rows as one GEMM, weight on the left) gives torch's ``linear`` results up to float rounding
-    at every row count, keeps torch's own path (bit for bit) under autograd and for long feeds, and the decoder
-    switches the target's and a model drafter's linears to it without touching their parameters."""
+def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monkeypatch):
+    """``CpuLinear`` (few rows as one GEMM with the weight on the left, more through oneDNN) gives torch's ``linear``
+    results up to float rounding at every row count and input layout, keeps torch's own path (bit for bit) under
+    autograd and, without oneDNN, for long feeds, and the decoder switches the target's and a model drafter's linears to
+    it without touching their parameters."""
+    from sacpolicy.decoding import compat
     from sacpolicy.decoding.compat import _GEMM_MAX_ROWS, CpuLinear, use_cpu_kernels
     from sacpolicy.models import load_model
 
@@ -516,13 +518,19 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it():
     fast.load_state_dict(plain.state_dict())
     use_cpu_kernels(torch.nn.Sequential(fast))
     assert type(fast) is CpuLinear
-    with torch.inference_mode():
-        for shape in [(64,), (1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 5, 64), (_GEMM_MAX_ROWS, 64), (300, 64)]:
-            x = torch.randn(*shape)
+    shapes = [(64,), (1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 5, 64), (_GEMM_MAX_ROWS, 64), (300, 64)]
+    for onednn in (compat._ONEDNN_LINEAR, None):
+        monkeypatch.setattr(compat, "_ONEDNN_LINEAR", onednn)
+        with torch.inference_mode():
+            for shape in shapes:
+                x = torch.randn(*shape)
+                torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+                assert fast(x).shape == plain(x).shape
+            x = torch.randn(64, 7).t()  # 7 rows, not contiguous
             torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
-            assert fast(x).shape == plain(x).shape
-        x = torch.randn(300, 64)
-        assert torch.equal(fast(x), plain(x))  # a long feed keeps torch's path
+            if onednn is None:
+                x = torch.randn(300, 64)
+                assert torch.equal(fast(x), plain(x))  # a long feed keeps torch's path
     x = torch.randn(2, 64, requires_grad=True)
     assert torch.equal(fast(x), plain(x))  # autograd: torch's path
     fast(x).sum().backward()
