@@ -188,7 +188,8 @@ def main(argv=None) -> int:
             from sacpolicy.profiling import profile
 
             print(f"profiling the verify pass at batch sizes {sizes} -> {out_cost}", flush=True)
-            cost = profile(target, drafters, ks=tuple(range(9)), context_lens=(64, 256, 512), batch_sizes=sizes)
+            cost = profile(target, drafters, ks=tuple(range(9)), context_lens=(64, 256, 512),
+                           batch_sizes=sorted({1, *sizes}))  # the profile starts from one row
             cost.to_json(out_cost)
         rule = replace(rule, cost=cost)
     print(f"{len(prompts)} {args.run or args.source} test prompts, {args.max_tokens} new tokens, greedy, "
