@@ -25,7 +25,6 @@ import time
 
 import torch
 
-from sacpolicy.decoding import compat
 from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
 from sacpolicy.decoding.ragged import new_cache
 from sacpolicy.io import write_json
@@ -36,12 +35,7 @@ from sacpolicy.profiling import prefilled_batch
 class CpuLinearMkl(CpuLinear):
     """``CpuLinear`` without oneDNN: MKL's paths at every size."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        saved, compat._ONEDNN_LINEAR = compat._ONEDNN_LINEAR, None
-        try:
-            return super().forward(x)
-        finally:
-            compat._ONEDNN_LINEAR = saved
+    onednn = None
 
 
 KERNELS = {"torch": torch.nn.Linear, "sacpolicy-mkl": CpuLinearMkl, "sacpolicy": CpuLinear}

@@ -508,7 +508,6 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monke
     results up to float rounding at every row count and input layout, keeps torch's own path (bit for bit) under
     autograd and, without oneDNN, for long feeds, and the decoder switches the target's and a model drafter's linears to
     it without touching their parameters."""
-    from sacpolicy.decoding import compat
     from sacpolicy.decoding.compat import _GEMM_MAX_ROWS, CpuLinear, use_cpu_kernels
     from sacpolicy.models import load_model
 
@@ -519,8 +518,8 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monke
     use_cpu_kernels(torch.nn.Sequential(fast))
     assert type(fast) is CpuLinear
     shapes = [(64,), (1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 5, 64), (_GEMM_MAX_ROWS, 64), (300, 64)]
-    for onednn in (compat._ONEDNN_LINEAR, None):
-        monkeypatch.setattr(compat, "_ONEDNN_LINEAR", onednn)
+    for onednn in (CpuLinear.onednn, None):
+        monkeypatch.setattr(CpuLinear, "onednn", onednn)
         with torch.inference_mode():
             for shape in shapes:
                 x = torch.randn(*shape)

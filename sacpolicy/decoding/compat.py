@@ -76,10 +76,10 @@ def use_masked_gqa(model) -> None:
 # operand (a single row fed twice) is much faster for what decoding feeds. The embedded target's whole forward after
 # 300 cached tokens (2 cores, MKL, one process, configurations interleaved; ms): 1 / 2 / 3 tokens 72.8 / 112.6 / 140.0
 # -> 38.0 / 56.5 / 64.6. From 5 rows on, oneDNN's linear (``mkldnn::_linear_pointwise``, the kernel inductor emits for
-# CPU linears) beats both MKL paths at every size: MKL picks slow code paths on this AMD EPYC. The embedded target's
-# 210 body matrices, ms per pass at 4 / 8 / 16 / 32 / 128 / 512 rows: MKL weight-on-left 16.2 / 33.6 / 39.2 / 60.2 /
-# 175.2 / -, torch's linear 43.2 / 48.2 / 46.4 / 69.4 / 201.8 / 580.3, oneDNN 21.6 / 25.4 / 34.8 / 37.6 / 111.1 /
-# 324.6 (so prompts prefill faster too); the output layer (49152 x 576) at 8 / 64 rows 9.2 / 26.5 -> 5.4 / 12.5.
+# CPU linears) matches or beats both MKL paths at every size: MKL picks slow code paths on this AMD EPYC. The embedded
+# target's 210 body matrices, ms per pass at 4 / 8 / 16 / 32 / 128 / 512 rows: MKL weight-on-left 16.2 / 33.6 / 39.2 /
+# 60.2 / 175.2 / -, torch's linear 43.2 / 48.2 / 46.4 / 69.4 / 201.8 / 580.3, oneDNN 21.6 / 25.4 / 34.8 / 37.6 / 111.1
+# / 324.6 (so prompts prefill faster too); the output layer (49152 x 576) at 8 / 64 rows 9.2 / 26.5 -> 5.4 / 12.5.
 _MKL_MAX_ROWS = 4  # up to here the weight-on-left GEMM; beyond, oneDNN where torch has it
 _GEMM_MAX_ROWS = 256  # without oneDNN: the weight-on-left GEMM up to here, torch's linear beyond
 
@@ -94,22 +94,22 @@ def _onednn_linear():
         return None
 
 
-_ONEDNN_LINEAR = _onednn_linear()
-
-
 class CpuLinear(torch.nn.Linear):
     """``nn.Linear`` whose inference forward on the CPU picks the fastest kernel for the rows fed: ``(W @ x.T).T`` for
     up to 4 rows (one row is fed twice: torch's GEMV for it is the slow path), oneDNN's linear from 5 rows on (MKL's
     weight-on-left GEMM up to 256 rows where torch lacks oneDNN). Training, autograd and other devices use
-    ``nn.Linear.forward``; parameters and state dict are unchanged."""
+    ``nn.Linear.forward``; parameters and state dict are unchanged. ``onednn``: the oneDNN op, None for MKL's paths at
+    every size (a subclass or test may set it)."""
+
+    onednn = _onednn_linear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
         if (self.training or torch.is_grad_enabled() or x.device.type != "cpu" or rows < 1
                 or x.dtype != self.weight.dtype):
             return super().forward(x)
-        if rows > _MKL_MAX_ROWS and _ONEDNN_LINEAR is not None and x.dtype == torch.float32:
-            return _ONEDNN_LINEAR(x.contiguous(), self.weight, self.bias, "none", [], "")
+        if rows > _MKL_MAX_ROWS and self.onednn is not None and x.dtype == torch.float32:
+            return self.onednn(x.contiguous(), self.weight, self.bias, "none", [], "")
         if rows > _GEMM_MAX_ROWS:
             return super().forward(x)
         flat = x.reshape(rows, self.in_features)
@@ -124,9 +124,9 @@ class CpuLinear(torch.nn.Linear):
 def use_cpu_kernels(target, drafters=()) -> None:
     """Run the target and each drafter's model (``.model``, or a feature drafter's ``.head``) on the CPU with the
     faster kernels for what decoding feeds them: masked grouped-query attention without key/value copies
-    (``use_masked_gqa``) and linears on the fastest kernel for the rows fed (``CpuLinear``). The same arithmetic up to float rounding;
-    modules elsewhere are left as they are. Idempotent; the decoder and the profiler call it, so decoding and its cost
-    model time the same kernels."""
+    (``use_masked_gqa``) and linears on the fastest kernel for the rows fed (``CpuLinear``). The same arithmetic up to
+    float rounding; modules elsewhere are left as they are. Idempotent; the decoder and the profiler call it, so
+    decoding and its cost model time the same kernels."""
     modules = [target, *(getattr(d, attr, None) for d in drafters for attr in ("model", "head"))]
     for module in modules:
         if not _on_cpu(module):
