@@ -370,6 +370,56 @@ def test_stop_rule_rows_of_a_batch_draft_at_most_the_batch_plan(tiny_target, pro
     assert [r.tokens for r in dec.generate_batch(prompts, 20)] == reference
 
 
+def test_stop_rule_in_a_batch_weighs_a_rows_own_draft_time_at_the_batch_rate():
+    """A row of a batch drafts into a pass already as wide as the plan's longest block: one more token costs only its
+    own draft time, paid at the plan's rate. A per-token drafter stops exactly when optimism * P(all so far accepted)
+    * a(next) <= rate * draft time of a token; a drafter paying once per proposal never stops before the plan's k
+    (and asks the predictor nothing); alone, the rule is the single-row test it always was."""
+    from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
+    from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
+    from sacpolicy.runtime.predictors import Predictor
+    from sacpolicy.runtime.rule import Block, DecisionRule
+
+    n = len(FEATURE_NAMES)
+
+    class Counted(Predictor):  # every token accepted with probability 0.8, calls counted
+        calls = 0
+
+        def predict(self, X):
+            Counted.calls += 1
+            return np.full(len(X), 0.8)
+
+    pred = Counted("linear", {"mean": np.zeros(n), "scale": np.ones(n), "coef": np.zeros(n),
+                              "intercept": np.zeros(1)}, {"features": feature_spec()})
+    base = batch_cost()
+    cost = CostModel("cpu", base.verify, {"ngram": base.draft["ngram"], "draft": PiecewiseLinear([0.0], [0.004])},
+                     {"ngram": False, "draft": True}, batch=base.batch)
+    rule = DecisionRule(pred, cost, ("ngram", "draft"), 8, ("ngram", 2), mode="stop", optimism=1.0)
+    row = np.zeros(n)
+    for rate in (20.0, 60.0, 150.0):
+        block, stops = Block("draft", 100, 8, batch=4, rate=rate), []
+        while not (stops and stops[-1]):
+            stops.append(rule.stop(block, row, row))
+        # the token after n drafted ones is drafted while 0.8 ** n * 0.8 > rate * 0.004
+        expect = next(m for m in range(1, 9) if not 0.8 ** (m + 1) > rate * 0.004 or m == 8)
+        assert len(stops) == expect, rate
+    assert len(stops) < 8  # at 150 tokens/s the rate ends the block early
+    Counted.calls = 0
+    block = Block("ngram", 100, 5, batch=4, rate=150.0)
+    assert [rule.stop(block, row, row) for _ in range(5)] == [False] * 4 + [True]
+    assert Counted.calls == 0
+    alone, stops = Block("draft", 100, 8), []  # alone: E/T(n) against the next token's gain, as before
+    while not (stops and stops[-1]):
+        stops.append(rule.stop(alone, row, row))
+    E, S, m = 1.0, 1.0, 0
+    while m < 8:
+        m, S = m + 1, S * 0.8
+        E += S
+        if m == 8 or not (E + S * 0.8) / cost.step_time("draft", m + 1, 100) > E / cost.step_time("draft", m, 100):
+            break
+    assert len(stops) == m
+
+
 def test_k_by_batch_map_is_vllms_schedule():
     from sacpolicy.export import k_by_batch
     from sacpolicy.runtime.cost import CostModel

@@ -80,12 +80,13 @@ class LearnedPolicy(Policy):
                          for n in names} if k_cap > 0 else {})
             caps.append(k_cap)
         with one_blas_thread():
-            plans = self.rule.plan_batch(rows, [s.context_len for s in states], caps, per_row=self.per_row)
+            plans, rate = self.rule.plan_batch(rows, [s.context_len for s in states], caps, per_row=self.per_row)
         out = []
         for p, state, (name, k) in zip(policies, states, plans):
             if p.select == "request" and name is not None:
                 p.request_drafter = name
-            p.block = Block(name, state.context_len, k, batch=state.batch_size) if name is not None else None
+            p.block = Block(name, state.context_len, k, batch=state.batch_size,
+                            rate=rate if state.batch_size > 1 else None) if name is not None else None
             p.prev_top1 = None
             out.append(Decision(name, k) if name is not None else Decision.autoregressive())
         return out

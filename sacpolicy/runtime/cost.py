@@ -247,10 +247,12 @@ class CostModel:
         return self.expected_tokens(accept_probs[:k]) / self.step_time(drafter, k, context_len, batch)
 
     def tokens_per_s_table(self, drafter: str, context_len: int, accept_probs: Sequence[float],
-                           batch: int = 1) -> list[float]:
-        """``expected_tokens_per_s(drafter, k, ...)`` for k = 1 .. len(accept_probs), in one pass."""
+                           batch: int = 1, verify: Sequence[float] | None = None) -> list[float]:
+        """``expected_tokens_per_s(drafter, k, ...)`` for k = 1 .. len(accept_probs), in one pass. ``verify``:
+        ``verify_table(len(accept_probs), context_len, batch)`` when the caller has it already."""
         tokens = self.expected_tokens_table(accept_probs)
-        verify = self.verify_table(len(tokens) - 1, context_len, batch)
+        if verify is None:
+            verify = self.verify_table(len(tokens) - 1, context_len, batch)
         return [tokens[k] / (self.draft_time(drafter, k, context_len) + verify[k]) for k in range(1, len(tokens))]
 
     def best_k(self, drafter: str | None, context_len: int, accept_probs: Sequence[float],
@@ -279,10 +281,11 @@ class CostModel:
         # per row, k = 0 .. cap: expected tokens and draft seconds (tabulated once: the search reads them O(B K^2) times)
         tokens_of = [self.expected_tokens_table(a) for _, _, a in rows]
         draft_of = [self.draft_table(d, len(a), c) for d, c, a in rows]
+        verify = self.verify_table(k_max, ctx, B)
 
         def rate(ks: list[int]) -> float:
             tokens = sum(t[k] for t, k in zip(tokens_of, ks))
-            seconds = self.verify_time(max(ks), ctx, B) + sum(s[k] for s, k in zip(draft_of, ks))
+            seconds = verify[max(ks)] + sum(s[k] for s, k in zip(draft_of, ks))
             return tokens / seconds
 
         best = ([0] * B, rate([0] * B))

@@ -9,6 +9,10 @@ The in-framework ``LearnedPolicy`` and every exported adapter call this one clas
   E the expected tokens of the block if it ended now, drafting one more token (predicted acceptance a) is worth it
   when (E + optimism * S * a) / T(n + 1) > E / T(n), T from the cost model. ``optimism`` scales the predicted gain
   and is tuned on validation traces by the simulator; the threshold itself moves with the cost of each step.
+  In a batch the pass is as wide as the plan's longest block whatever one row drafts, so a row's next token costs
+  only its own draft time, paid at the batch's planned rate R (tokens/s): it is worth it when
+  optimism * S * a > R * (draft(n + 1) - draft(n)), the per-row test ``CostModel.best_batch_k`` plans with, now
+  with the drafted token's confidence known. A drafter paying once per proposal (n-gram) never stops early there.
 - Non-finite features (a broken signal upstream) never reach a decision: the rule falls back to the best static
   (drafter, k), chosen on validation traces, and counts it in ``fallbacks``.
 """
@@ -47,6 +51,7 @@ class Block:
     survive: float = 1.0  # P(all n accepted)
     expected: float = 1.0  # expected tokens emitted if the block ended now (accepted + the target's own token)
     batch: int = 1  # rows in the target pass that will verify the block
+    rate: float | None = None  # a batch's planned expected tokens/s (``plan_batch``); None: the row is alone
 
 
 def _finite(rows: np.ndarray) -> bool:
@@ -98,14 +103,15 @@ class DecisionRule:
     def plan(self, rows: dict[str, np.ndarray], context_len: int, k_cap: int | None = None) -> tuple[str | None, int]:
         """rows: {drafter: [k_cap, F] feature rows of positions 0..k_cap-1, confidence unknown} -> (drafter, k).
         (None, 0) = decode one token autoregressively."""
-        return self.plan_batch([rows], [context_len], [k_cap])[0]
+        return self.plan_batch([rows], [context_len], [k_cap])[0][0]
 
     def plan_batch(self, rows: list[dict[str, np.ndarray]], context_lens: list[int], k_caps: list[int | None],
-                   per_row: bool = True) -> list[tuple[str | None, int]]:
+                   per_row: bool = True) -> tuple[list[tuple[str | None, int]], float]:
         """``plan`` for the rows of a batch verified in one target pass: each row's drafter is the one with the best
         expected tokens/s for that row at this batch size (at its best k >= 1); then k, 0 included, maximises the
         whole batch's expected tokens/s (``CostModel.best_batch_k``; ``per_row``: rows may draft less than the
-        longest block). One predictor call for the whole batch."""
+        longest block). One predictor call for the whole batch. -> (each row's (drafter, k), the batch's expected
+        tokens/s at those k: the rate a row's stop rule weighs its draft time against)."""
         B = len(rows)
         caps = [min(self.k_max, c or self.k_max) for c in k_caps]
         blocks, out = [], [(None, 0)] * B
@@ -119,43 +125,54 @@ class DecisionRule:
                 out[i] = (name, min(k, cap)) if name in r else (None, 0)
                 continue
             blocks.append((i, list(r), cap, X))
-        if blocks:
-            probs = self.predictor.predict(np.concatenate([X for *_, X in blocks]))
-            chosen, at = {}, 0
-            for i, names, cap, X in blocks:
-                p = probs[at : at + X.shape[0]].reshape(len(names), cap)
-                at += X.shape[0]
-                best = (-1.0, None, [])  # the row's drafter: best at its best k >= 1 (AR is weighed for the batch)
-                for name, a in zip(names, p):
-                    tps = max(self.cost.tokens_per_s_table(name, context_lens[i], a, B))
-                    if tps > best[0]:
-                        best = (tps, name, a.tolist())
-                chosen[i] = best[1:]
-            # a row on the fallback keeps its k; it counts in the pass, with no acceptance assumed
-            batch_rows = [(chosen[i][0], context_lens[i], chosen[i][1]) if i in chosen
-                          else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(B)]
-            ks, _ = self.cost.best_batch_k(batch_rows, max(caps), per_row=per_row)
-            for i, (name, _) in chosen.items():
-                # mode "stop": the stop rule ends the block, alone up to the cap; in a batch up to the plan's k, since
-                # a row's stop rule weighs its own tokens against the whole pass, which every row's tokens share
-                if name is not None and ks[i] > 0:
-                    out[i] = (name, caps[i] if self.mode == "stop" and B == 1 else ks[i])
-        return out
+        if not blocks:
+            return out, 0.0
+        probs = self.predictor.predict(np.concatenate([X for *_, X in blocks]))
+        chosen, at = {}, 0
+        for i, names, cap, X in blocks:
+            p = probs[at : at + X.shape[0]].reshape(len(names), cap)
+            at += X.shape[0]
+            verify = self.cost.verify_table(cap, context_lens[i], B)  # the same pass whichever drafter drafts
+            best = (-1.0, None, [])  # the row's drafter: best at its best k >= 1 (AR is weighed for the batch)
+            for name, a in zip(names, p):
+                tps = max(self.cost.tokens_per_s_table(name, context_lens[i], a, B, verify=verify))
+                if tps > best[0]:
+                    best = (tps, name, a.tolist())
+            chosen[i] = best[1:]
+        # a row on the fallback keeps its k; it counts in the pass, with no acceptance assumed
+        batch_rows = [(chosen[i][0], context_lens[i], chosen[i][1]) if i in chosen
+                      else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(B)]
+        ks, rate = self.cost.best_batch_k(batch_rows, max(caps), per_row=per_row)
+        for i, (name, _) in chosen.items():
+            # mode "stop": the stop rule ends the block, alone up to the cap; in a batch up to the plan's k (the
+            # pass is as wide as the longest planned block), weighing each row's draft time at the batch's rate
+            if name is not None and ks[i] > 0:
+                out[i] = (name, caps[i] if self.mode == "stop" and B == 1 else ks[i])
+        return out, rate
 
     # ------------------------------------------------------------------ stop
     def stop(self, block: Block, row: np.ndarray, next_row: np.ndarray) -> bool:
         """After drafting a token (``row``, confidence known): True ends the block. ``next_row``: the next position,
         confidence unknown (its previous-token confidence is this token's)."""
-        X = np.stack([row, next_row])
         block.n += 1
+        if block.n >= block.k:
+            return True
+        batch = block.batch > 1 and block.rate is not None
+        extra = 0.0
+        if batch:  # a row of a batch pays only its own draft time for one more token
+            extra = (self.cost.draft_time(block.drafter, block.n + 1, block.context_len)
+                     - self.cost.draft_time(block.drafter, block.n, block.context_len))
+            if extra <= 0.0:  # a proposal paid once: more of it costs nothing, no prediction needed
+                return False
+        X = np.stack([row, next_row])
         if not _finite(X):
             self.fallbacks += 1
             return block.n >= self.fallback[1]
         a, a_next = self.predictor.predict(X).tolist()
         block.survive *= a
         block.expected += block.survive
-        if block.n >= block.k:
-            return True
+        if batch:
+            return not self.optimism * block.survive * a_next > block.rate * extra
         now = block.expected / self.cost.step_time(block.drafter, block.n, block.context_len, block.batch)
         more = (block.expected + self.optimism * block.survive * a_next) / self.cost.step_time(
             block.drafter, block.n + 1, block.context_len, block.batch)
