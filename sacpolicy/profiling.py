@@ -69,18 +69,23 @@ def _interleaved_times(cells: dict, device, repeats: int, warmup: int) -> dict:
     return {key: np.array(t) for key, t in times.items()}
 
 
-def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, repeats: int, warmup: int) -> dict:
-    """{n: [repeats] seconds of one forward of n new tokens on top of a KV cache holding context_len tokens}."""
+def _forward_cells(model, context_len: int, feeds: Sequence[int], device, gen) -> dict:
+    """{n: (run, undo)}: one forward of n new tokens on top of a KV cache holding context_len tokens, and the crop
+    back to context_len cached tokens for the next call."""
     def ids(n):
         return torch.randint(model.config.vocab_size, (1, n), generator=gen).to(device)
 
     cache = new_cache(model.config)
     model(input_ids=ids(context_len), **with_cache(model, cache), use_cache=True, logits_to_keep=1)
-    cells = {n: (lambda x=ids(n), n=n: model(input_ids=x, **with_cache(model, cache), use_cache=True,
-                                             logits_to_keep=n),
-                 lambda n=n: cache.crop(-n))  # back to context_len cached tokens for the next call
-             for n in feeds}
-    return _interleaved_times(cells, device, repeats, warmup)
+    return {n: (lambda x=ids(n), n=n: model(input_ids=x, **with_cache(model, cache), use_cache=True,
+                                            logits_to_keep=n),
+                lambda n=n: cache.crop(-n))
+            for n in feeds}
+
+
+def _forward_times(model, context_len: int, feeds: Sequence[int], device, gen, repeats: int, warmup: int) -> dict:
+    """{n: [repeats] seconds of one forward of n new tokens on top of a KV cache holding context_len tokens}."""
+    return _interleaved_times(_forward_cells(model, context_len, feeds, device, gen), device, repeats, warmup)
 
 
 def _prefill_times(model, context_len: int, device, gen, repeats: int, warmup: int) -> np.ndarray:
@@ -127,20 +132,39 @@ def prefilled_batch(model, lengths: Sequence[int], device, gen, make_cache=None)
     return batch
 
 
-def _batch_forward_times(model, rows: int, context_len: int, feeds: Sequence[int], device, gen, repeats: int,
-                         warmup: int) -> dict:
-    """``_forward_times`` for a batch: ``rows`` rows of n new tokens each, on ``prefilled_batch`` rows of
+def _batch_forward_cells(model, rows: int, context_len: int, feeds: Sequence[int], device, gen) -> dict:
+    """``_forward_cells`` for a batch: ``rows`` rows of n new tokens each, on ``prefilled_batch`` rows of
     ``batch_row_lengths`` tokens."""
     def ids(b, n):
         return torch.randint(model.config.vocab_size, (b, n), generator=gen).to(device)
 
     batch = prefilled_batch(model, batch_row_lengths(rows, context_len), device, gen)
     dtype = next(model.parameters()).dtype
-    cells = {n: (lambda x=ids(rows, n), n=n, extra=batch.inputs(n, dtype): model(
-                     input_ids=x, **with_cache(model, batch.cache), use_cache=True, logits_to_keep=n, **extra),
-                 lambda n=n: batch.cache.crop(-n))
-             for n in feeds}
-    return _interleaved_times(cells, device, repeats, warmup)
+    return {n: (lambda x=ids(rows, n), n=n, extra=batch.inputs(n, dtype): model(
+                    input_ids=x, **with_cache(model, batch.cache), use_cache=True, logits_to_keep=n, **extra),
+                lambda n=n: batch.cache.crop(-n))
+            for n in feeds}
+
+
+def _verify_times(model, batch_sizes: Sequence[int], context_lens: Sequence[int], feeds: Sequence[int], device, gen,
+                  repeats: int, warmup: int) -> dict:
+    """{batch size: [(tokens fed, context, [repeats] seconds)]} of the target's verify pass: every (batch size,
+    context, tokens fed) cell that fits, all timed in the same rounds (``_interleaved_times``), so a machine whose
+    speed drifts during the profile moves every batch size alike. Timed one batch size after another, a shared CPU
+    that slowed down midway priced a pass of 2 rows at 1.7x one row (48 against 28 ms; 1.1x when re-timed)."""
+    cells = {}
+    for b in sorted(batch_sizes):
+        for c in context_lens:
+            if not _fits(model, batch_row_lengths(b, c)[-1], feeds[-1]):
+                continue
+            made = (_forward_cells(model, c, feeds, device, gen) if b == 1
+                    else _batch_forward_cells(model, b, c, feeds, device, gen))
+            cells |= {(b, c, n): cell for n, cell in made.items()}
+    times = _interleaved_times(cells, device, repeats, warmup)
+    out = {b: [] for b in batch_sizes}
+    for (b, c, n), t in times.items():
+        out[b].append((n, c, t))
+    return out
 
 
 def _fits(model, context_len: int, new_tokens: int) -> bool:
@@ -283,18 +307,16 @@ def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
 
 # ---------------------------------------------------------------------- measuring
 def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, gen, repeats: int, warmup: int):
-    """-> verify cells (tokens fed, context, [repeats] seconds), prefill cells [(prompt tokens, [repeats] seconds)],
-    {drafter: [(context, [repeats] seconds)]} and the same for the drafters' once-per-proposal seconds (feature
-    drafters)."""
+    """-> prefill cells [(prompt tokens, [repeats] seconds)], {drafter: [(context, [repeats] seconds)]} and the same
+    for the drafters' once-per-proposal seconds (feature drafters). The verify pass: ``_verify_times``."""
     from sacpolicy.decoding.sampling import SamplingConfig
 
-    verify_rows, prefill_rows, draft_rows, fixed_rows = [], [], {name: [] for name in drafters}, {}
+    prefill_rows, draft_rows, fixed_rows = [], {name: [] for name in drafters}, {}
     feeds, k_max = sorted({k + 1 for k in ks}), max(max(ks), 1)
     for c in context_lens:
         if not _fits(target, c, feeds[-1]):
             continue
         logger.info("profiling context %d on %s", c, device)
-        verify_rows += [(n, c, t) for n, t in _forward_times(target, c, feeds, device, gen, repeats, warmup).items()]
         prefill_rows.append((c, _prefill_times(target, c, device, gen, repeats, warmup)))
         for name, drafter in drafters.items():
             if drafter.aux_layers:  # a feature head: a feed of the new rows, then one chain step per drafted token
@@ -310,7 +332,7 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
             context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
             propose = functools.partial(drafter.propose, context, k_max, SamplingConfig())
             draft_rows[name].append((c, _times(propose, drafter.reset, device, repeats, warmup)))
-    return verify_rows, prefill_rows, draft_rows, fixed_rows
+    return prefill_rows, draft_rows, fixed_rows
 
 
 def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int):
@@ -374,14 +396,13 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
                  for name, d in named.items()}
     if not batch_sizes or min(batch_sizes) < 1 or 1 not in batch_sizes:
         raise ValueError(f"batch_sizes must hold 1 and sizes >= 1, got {batch_sizes}")
-    verify_rows, prefill_rows, draft_rows, fixed_rows = _measure(target, named, per_token, ks, context_lens, device,
-                                                                 gen, repeats, warmup)
+    prefill_rows, draft_rows, fixed_rows = _measure(target, named, per_token, ks, context_lens, device, gen, repeats,
+                                                    warmup)
     feeds = sorted({k + 1 for k in ks})
-    batch_rows = {}
-    for b in sorted(set(batch_sizes) - {1}):
-        logger.info("profiling batch size %d on %s", b, device)
-        batch_rows[b] = [(n, c, t) for c in context_lens if _fits(target, batch_row_lengths(b, c)[-1], feeds[-1])
-                         for n, t in _batch_forward_times(target, b, c, feeds, device, gen, repeats, warmup).items()]
+    logger.info("profiling the verify pass at batch sizes %s on %s", sorted(set(batch_sizes)), device)
+    by_batch = _verify_times(target, sorted(set(batch_sizes)), context_lens, feeds, device, gen, repeats, warmup)
+    verify_rows = by_batch.pop(1)
+    batch_rows = by_batch
     if not verify_rows:
         raise ValueError(f"every context length in {tuple(context_lens)} exceeds the target's context window; "
                          "pass shorter context_lens")

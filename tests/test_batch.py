@@ -463,6 +463,33 @@ def test_profile_times_the_batched_pass(tiny_target, tmp_path):
         profile(tiny_target, [NgramDrafter()], ks=(0,), context_lens=(16,), repeats=1, batch_sizes=(2,))
 
 
+def test_profile_prices_batch_sizes_alike_on_a_machine_that_slows_down(tiny_target, monkeypatch):
+    """A shared machine's speed drifts while it is profiled. Every batch size's cells are timed in the same rounds, so
+    a steady slowdown moves them alike and the cost of a pass of 4 rows relative to 1 row stays what it is. (Timed one
+    batch size after the other, the later one absorbed the slowdown: here 2x too dear.) The clock is virtual: each
+    target forward of b rows of n tokens advances it by (10 ms * b + 1 ms * n) times a factor growing with every
+    forward."""
+    from sacpolicy import profiling
+
+    clock = {"t": 0.0, "calls": 0}
+
+    def forward(module, args, kwargs):
+        b, n = kwargs["input_ids"].shape if "input_ids" in kwargs else args[0].shape
+        clock["calls"] += 1
+        clock["t"] += (0.010 * b + 0.001 * n) * (1 + clock["calls"] / 20)
+
+    hook = tiny_target.model.register_forward_pre_hook(forward, with_kwargs=True)
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock["t"])
+    try:
+        cost = profiling.profile(tiny_target, [NgramDrafter()], ks=(0, 2), context_lens=(16, 32), repeats=5,
+                                 warmup=1, batch_sizes=(1, 4))
+    finally:
+        hook.remove()
+    for k in (0, 2):
+        true = (0.040 + 0.001 * (k + 1)) / (0.010 + 0.001 * (k + 1))
+        assert cost.verify_time(k, 24, 4) / cost.verify_time(k, 24) == pytest.approx(true, rel=0.15), k
+
+
 def test_batched_replay_is_exact_and_prices_the_batch():
     """simulate_batch at B = 1 is simulate; at B = 4 every prompt gets the same steps (acceptance does not depend on
     the batch) and the makespan is what the cost model says of the batched passes."""
