@@ -338,6 +338,13 @@ def test_learned_rule_plans_for_the_live_batch(tiny_target, prompts, reference):
     forks = [policy.fork() for _ in states]
     assert [d.k for d in policy.decide_batch(forks, states)] == [0] * 8
     assert [d.k for d in policy.decide_batch([policy], [alone])] == [policy.decide(alone).k]
+    # rows the decoder keeps autoregressive (cooling down) are not asked, but they are in the pass: one row asking in
+    # a batch of 8 is planned as one row of 8, not as a row alone
+    one_of_eight = DecodeState(request, context_len=100, remaining=20, drafters=("ngram",), batch_size=8)
+    assert [d.k for d in policy.decide_batch([policy.fork()], [one_of_eight])] == [0]
+    plans, _ = rule.plan_batch([{"ngram": np.zeros((8, len(FEATURE_NAMES)))}], [100], [8], batch=8)
+    ks, _ = rule.cost.best_batch_k([("ngram", 100, [0.4] * 8)] + [(None, 100, [])] * 7, 8)
+    assert plans == [("ngram", ks[0]) if ks[0] else (None, 0)]
     # and through the decoder, every row stays exact
     dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter()], LearnedPolicy(rule), stop_token_ids=[],
                              config=DecoderConfig(max_batch=4))

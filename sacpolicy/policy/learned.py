@@ -80,7 +80,8 @@ class LearnedPolicy(Policy):
                          for n in names} if k_cap > 0 else {})
             caps.append(k_cap)
         with one_blas_thread():
-            plans, rate = self.rule.plan_batch(rows, [s.context_len for s in states], caps, per_row=self.per_row)
+            plans, rate = self.rule.plan_batch(rows, [s.context_len for s in states], caps, per_row=self.per_row,
+                                               batch=states[0].batch_size)
         out = []
         for p, state, (name, k) in zip(policies, states, plans):
             if p.select == "request" and name is not None:

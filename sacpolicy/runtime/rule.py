@@ -106,15 +106,18 @@ class DecisionRule:
         return self.plan_batch([rows], [context_len], [k_cap])[0][0]
 
     def plan_batch(self, rows: list[dict[str, np.ndarray]], context_lens: list[int], k_caps: list[int | None],
-                   per_row: bool = True) -> tuple[list[tuple[str | None, int]], float]:
+                   per_row: bool = True, batch: int | None = None) -> tuple[list[tuple[str | None, int]], float]:
         """``plan`` for the rows of a batch verified in one target pass: each row's drafter is the one with the best
         expected tokens/s for that row at this batch size (at its best k >= 1); then k, 0 included, maximises the
         whole batch's expected tokens/s (``CostModel.best_batch_k``; ``per_row``: rows may draft less than the
         longest block). One predictor call for the whole batch. -> (each row's (drafter, k), the batch's expected
-        tokens/s at those k: the rate a row's stop rule weighs its draft time against)."""
-        B = len(rows)
+        tokens/s at those k: the rate a row's stop rule weighs its draft time against). ``batch``: the rows in the
+        target pass when more than these (rows the decoder keeps autoregressive, cooling down): they emit one token
+        each and pay the pass's width, at the planned rows' mean context."""
+        B = max(len(rows), batch or 0)
+        others = B - len(rows)
         caps = [min(self.k_max, c or self.k_max) for c in k_caps]
-        blocks, out = [], [(None, 0)] * B
+        blocks, out = [], [(None, 0)] * len(rows)
         for i, (r, cap) in enumerate(zip(rows, caps)):
             if cap < 1 or not r:
                 continue
@@ -141,7 +144,8 @@ class DecisionRule:
             chosen[i] = best[1:]
         # a row on the fallback keeps its k; it counts in the pass, with no acceptance assumed
         batch_rows = [(chosen[i][0], context_lens[i], chosen[i][1]) if i in chosen
-                      else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(B)]
+                      else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(len(rows))]
+        batch_rows += [(None, sum(context_lens) / len(context_lens), [])] * others
         ks, rate = self.cost.best_batch_k(batch_rows, max(caps), per_row=per_row)
         for i, (name, _) in chosen.items():
             # mode "stop": the stop rule ends the block, alone up to the cap; in a batch up to the plan's k (the
