@@ -35,7 +35,6 @@ __all__ = ["COST_FORMAT", "MIN_REPEATS", "N_BOOT", "CostModel", "PiecewiseLinear
 logger = logging.getLogger(__name__)
 
 
-
 # ---------------------------------------------------------------------- profiling
 def _sync(device: torch.device) -> None:
     backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu: wait for queued kernels
@@ -149,7 +148,9 @@ def _verify_times(model, batch_sizes: Sequence[int], context_lens: Sequence[int]
     """{batch size: [(tokens fed, context, [repeats] seconds)]} of the target's verify pass: every (batch size,
     context, tokens fed) cell that fits, all timed in the same rounds (``_interleaved_times``), so a machine whose
     speed drifts during the profile moves every batch size alike. Timed one batch size after another, a shared CPU
-    that slowed down midway priced a pass of 2 rows at 1.7x one row (48 against 28 ms; 1.1x when re-timed)."""
+    that slowed down midway priced a pass of 2 rows at 1.7x one row (48 against 28 ms; 1.15-1.25x in profiles taken
+    at a steady speed). The price: every cell's cache is held at once, the sum over batch sizes and contexts rather
+    than the largest one."""
     cells = {}
     for b in sorted(batch_sizes):
         for c in context_lens:
