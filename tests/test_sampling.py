@@ -10,7 +10,10 @@ from scipy.stats import chisquare
 from sacpolicy.decoding.sampling import (
     SamplingConfig,
     acceptance_stats,
+    copy_acceptance_stats,
+    draft_stats,
     probs_from_logits,
+    probs_stats,
     residual,
     sample,
     verify,
@@ -69,6 +72,18 @@ def test_verify_outputs_are_well_formed(p, q, seed):
     assert src[tok.item()] > 0
     stats = acceptance_stats(p, q, tokens)
     assert torch.all((stats[:, 2] >= 0) & (stats[:, 2] <= 1 + 1e-6))
+
+
+@settings(max_examples=50, deadline=None)
+@given(dists(4), st.lists(st.integers(0, V - 1), min_size=3, max_size=3))
+def test_a_copied_blocks_stats_are_those_of_its_one_hot_draft(p, tokens):
+    """The decoder's shortcut for deterministic drafts (n-gram copies) records exactly what the general formula does:
+    q(x) = 1 and beta = p(x), bit for bit."""
+    tokens = torch.tensor(tokens)
+    one_hot = torch.nn.functional.one_hot(tokens, V).float()
+    assert torch.equal(copy_acceptance_stats(p, tokens), acceptance_stats(p, one_hot, tokens))
+    logits = torch.log(p + 1e-3)
+    assert torch.equal(probs_stats(probs_from_logits(logits, SamplingConfig(temperature=1.0))), draft_stats(logits))
 
 
 def test_greedy_verify_accepts_the_matching_prefix():

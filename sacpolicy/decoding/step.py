@@ -16,8 +16,10 @@ from sacpolicy.decoding.ragged import RaggedCache
 from sacpolicy.decoding.sampling import (
     SamplingConfig,
     acceptance_stats,
+    copy_acceptance_stats,
     draft_stats,
     probs_from_logits,
+    probs_stats,
     verify,
     verify_greedy,
 )
@@ -230,14 +232,21 @@ class BatchStep:
         """[k, 6] = draft (top1, entropy, margin) + (q(x), p(x), beta), on device. ``pq``: the processed (p, q)
         verification used when sampling; None when greedy, where the records use temperature-1 distributions."""
         k = block.k
-        p, q = (probs_from_logits(logits[:k], _T1), self._draft_probs(block, _T1)) if pq is None else pq
-        if block.logits is not None:
-            conf = draft_stats(block.logits)
-        elif block.confidence is not None:
-            conf = block.confidence.to(self.device, torch.float32)
-        else:
-            conf = torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(k, 3)
+        if pq is None:  # greedy: temperature-1 softmax of the target and, for a model draft, of the draft, made once
+            p = probs_from_logits(logits[:k], _T1)
+            if block.logits is None:  # a copy: q is one-hot, nothing [k, V] to build
+                return torch.cat([self._copy_confidence(block), copy_acceptance_stats(p, block.tokens)], dim=-1)
+            q = probs_from_logits(block.logits, _T1)
+            return torch.cat([probs_stats(q), acceptance_stats(p, q, block.tokens)], dim=-1)
+        p, q = pq
+        conf = draft_stats(block.logits) if block.logits is not None else self._copy_confidence(block)
         return torch.cat([conf, acceptance_stats(p, q, block.tokens)], dim=-1)
+
+    def _copy_confidence(self, block: DraftBlock) -> torch.Tensor:
+        """[k, 3] confidence of a deterministic proposal: the drafter's own, else certain."""
+        if block.confidence is not None:
+            return block.confidence.to(self.device, torch.float32)
+        return torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(block.k, 3)
 
     def _extend_features(self, run: Row, row: int, m: int) -> None:
         """Hand the row's feature drafters the target's hidden states of the first m positions of its row in the
