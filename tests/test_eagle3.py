@@ -70,6 +70,24 @@ def features(target, ids, aux=AUX) -> torch.Tensor:
     return a[0]
 
 
+def test_a_rows_captured_features_are_its_own(tiny_target):
+    """``AuxCapture.rows`` of one row of a batched pass: that row's positions of each layer, in the order asked, in a
+    tensor of their own (a feature drafter keeps it until its next proposal; a view into the batch's concatenation
+    kept the whole batch alive, once per row and step)."""
+    from sacpolicy.decoding.aux import AuxCapture
+
+    capture = AuxCapture(tiny_target.model, [2, 0])
+    ids = torch.randint(3, 512, (3, 5), generator=torch.Generator().manual_seed(0))
+    with capture, torch.no_grad():
+        tiny_target.model(input_ids=ids)
+    whole = capture.batch([2, 0])
+    assert whole.shape[:2] == (3, 5)
+    row = capture.rows([2, 0], 4, row=1)
+    assert torch.equal(row, whole[1, :4])
+    assert row.untyped_storage().nbytes() == row.numel() * row.element_size()
+    assert torch.equal(capture.rows([0]), capture.batch([0])[0])
+
+
 def test_ttt_mask_pattern():
     m = ttt_mask(torch.tensor([[True, True, True]]), 2)[0, 0].int()
     expected = [[1, 0, 0, 1, 0, 0, 1, 0, 0],

@@ -258,7 +258,7 @@ class BatchStep:
             d = run.drafters[name]
             if d.aux_layers:
                 try:
-                    d.extend_features(self.features.batch(d.aux_layers)[row, :m])
+                    d.extend_features(self.features.rows(d.aux_layers, m, row))
                 except Exception as exc:
                     self._drop(run, name, exc)
 
