@@ -14,7 +14,9 @@ seed rule (its load: live rows / max batch) and the learned rule, whose cost mod
 batch sizes here (``--cost`` reuses a saved one), so it plans each step for the live batch. Every row of every run is
 checked against that prompt decoded alone autoregressively at B = 1. Per run: total tokens/s (all tokens / wall
 time), per-request latency P50/P90/P99 (arrival to last token), tokens per target call, the prompts' prefills and the
-policy's own compute as shares of the wall time (prefills stall a running batch while a request joins, and no policy
+policy's own compute as shares of the wall time, and tokens/s over the steps with all B rows, with their share of
+the wall time (a closed batch drains: rows that speculate finish at different steps and the tail runs narrow;
+prefills stall a running batch while a request joins, and no policy
 changes them: with short outputs they cap what batching and speculation can show). Poisson rates ending in ``x`` are
 fractions of AR's request throughput at the largest B. Over the Poisson mix (all rates' requests pooled), each
 policy's request speed: its requests' tokens over their summed latencies (below capacity every policy's total
@@ -71,6 +73,9 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
     lat = np.array([r.latency_s for r in res])
     drafted = sum(s.drafted for r in res for s in r.steps)
     prefill = float(sum(r.prefill_s for r in res))
+    # the steps with all B rows: each row's record holds the whole pass's verify time and its own drafting time
+    full = [s for r in res for s in r.steps if s.batch_size == B]
+    full_s = sum(s.verify_s / B + s.draft_s for s in full)
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "p50_s": float(np.percentile(lat, 50)), "p90_s": float(np.percentile(lat, 90)),
             "p99_s": float(np.percentile(lat, 99)),
@@ -82,13 +87,19 @@ def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrival
             "prefill_share": prefill / wall,
             "policy_share": timed.seconds / wall,
             # of the decoding steps' time (the wall time but the prefills, which run between steps)
-            "policy_step_share": timed.seconds / max(wall - prefill, 1e-9)}, [r.tokens for r in res]
+            "policy_step_share": timed.seconds / max(wall - prefill, 1e-9),
+            # tokens/s of the steps with every row of the batch (target passes and drafting, the policy's compute
+            # left out), and their share of the wall time: a closed batch drains as its rows finish, and rows that
+            # speculate finish at different steps, so the tail runs narrow; this separates that from a full step
+            "full_batch_tokens_per_s": sum(s.emitted for s in full) / full_s if full_s else None,
+            "full_batch_share": full_s / wall}, [r.tokens for r in res]
 
 
 def merge_repeats(runs: list[dict]) -> dict:
     """One row from repeated runs of a policy: the figures of one run averaged over them (tokens/s: mean tokens over
     mean wall time), each run's tokens/s kept (``tokens_per_s_runs``) for the paired ratios (``add_load_ratios``)."""
-    out = {key: float(np.mean([r[key] for r in runs])) for key in runs[0] if key != "identical"}
+    out = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]
+           if key != "identical" and all(r[key] is not None for r in runs)}
     out["tokens_per_s"] = out["tokens"] / out["wall_s"]
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     out["identical"] = all(r["identical"] for r in runs)
@@ -101,14 +112,21 @@ def _ratio(r: dict, key: str) -> str:
     return f"{r[key]:.2f}x{spread}"
 
 
+def _full(r: dict) -> str:
+    tps = r.get("full_batch_tokens_per_s")
+    return "-" if tps is None else f"{tps:.1f} ({100 * r['full_batch_share']:.0f}%)"
+
+
 def table(rows: list[dict], key: str) -> str:
     out = [(f"| {key} | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call | mean k | "
-            "acceptance | prefill | policy compute (of the steps) | lossless |"), "|" + "---|" * 14]
+            "acceptance | prefill | policy compute (of the steps) | full-B steps: tokens/s (of the wall) | lossless |"),
+           "|" + "---|" * 15]
     for r in rows:
         out.append(f"| {r[key]} | {r['policy']} | {r['tokens_per_s']:.1f} | {_ratio(r, 'vs_ar')} | "
                    f"{_ratio(r, 'vs_best_static')} | {r['p50_s']:.1f} | {r['p90_s']:.1f} | {r['p99_s']:.1f} | "
                    f"{r['tokens_per_call']:.2f} | {r['mean_k']:.2f} | {r['acceptance']:.2f} | "
                    f"{100 * r['prefill_share']:.0f}% | {100 * r['policy_share']:.2f}% ({100 * r['policy_step_share']:.2f}%) | "
+                   f"{_full(r)} | "
                    f"{'yes' if r['identical'] else 'NO'} |")
     return "\n".join(out)
 

@@ -96,6 +96,10 @@ def test_batch_benchmark_runs_a_pipeline_runs_policy_on_its_test_prompts(smoke_r
         assert max(r["tokens_per_s_runs"]) >= r["tokens_per_s"] * (1 - 1e-9)
         if r["policy"] == "ar":
             assert r["vs_ar_runs"] == [1.0, 1.0]
+        # steps with all B rows: at B = 1 every step, whose tokens/s leaves out only the prefills and the policy
+        assert 0 < r["full_batch_share"] <= 1 and r["full_batch_tokens_per_s"] > 0
+        if r["batch"] == 1:
+            assert r["full_batch_tokens_per_s"] >= r["tokens_per_s"]
         ar = next(a for a in bench["batch"] if a["policy"] == "ar" and a["batch"] == r["batch"])
         assert r["vs_ar_runs"] == pytest.approx([x / y for x, y in zip(r["tokens_per_s_runs"],
                                                                          ar["tokens_per_s_runs"])])
