@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from sacpolicy.data import assign_split, load_prompts
-from sacpolicy.decoding import DecoderConfig, NgramDrafter, SpeculativeDecoder
+from sacpolicy.decoding import DecoderConfig, NgramDrafter, RequestInfo, SpeculativeDecoder
 from sacpolicy.evaluation.evaluate import Timed, add_load_ratios
 from sacpolicy.export import build_drafters
 from sacpolicy.io import write_json
@@ -60,14 +60,16 @@ def policies(args, rule, drafter: str = "ngram") -> dict:
     return make
 
 
-def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrivals=None) -> tuple[dict, list]:
+def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrivals=None,
+        requests=None) -> tuple[dict, list]:
+    """``requests``: each prompt's ``RequestInfo`` (its category, a feature of the learned rule, as in evaluation)."""
     timed = Timed(policy)
     dec = SpeculativeDecoder(target.model, drafters, timed, config=DecoderConfig(max_batch=max_batch, k_max=8),
                              stop_token_ids=target.eos_token_ids)
-    dec.generate_batch(prompts[:B], 4, max_batch=B)  # warm-up at this batch size
+    dec.generate_batch(prompts[:B], 4, max_batch=B, requests=requests and requests[:B])  # warm-up at this size
     timed.seconds = 0.0
     t0 = time.perf_counter()
-    res = dec.generate_batch(prompts, args.max_tokens, max_batch=B, arrivals=arrivals)
+    res = dec.generate_batch(prompts, args.max_tokens, max_batch=B, arrivals=arrivals, requests=requests)
     wall = time.perf_counter() - t0
     tokens = sum(len(r.tokens) for r in res)
     lat = np.array([r.latency_s for r in res])
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
 
     if args.run:
-        target, prompts, drafters, static, rule = from_run(Path(args.run), args)
+        target, prompts, requests, drafters, static, rule = from_run(Path(args.run), args)
         if static["k"] not in args.static_ks:
             args.static_ks = sorted([*args.static_ks, static["k"]])
     else:
@@ -187,6 +189,7 @@ def main(argv=None) -> int:
         rows_in = [r for r in load_prompts(args.source, tokenizer=target.tokenizer)
                    if assign_split(r["prompt_id"]) == "test"]
         prompts, static = [r["input_ids"] for r in rows_in[: args.prompts]], {"drafter": "ngram"}
+        requests = [RequestInfo(category=r["category"]) for r in rows_in[: args.prompts]]
         rule, drafters = None, [NgramDrafter()]
         if args.policy:
             art = load_artifact(args.policy)
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
         runs = {name: [] for name in make}
         for rep in range(args.repeats):  # policies alternate order between repeats (ABC CBA ...): drift cancels
             for name in (list(make) if rep % 2 == 0 else list(make)[::-1]):
-                stats, outs = run(target, drafters, make[name](), prompts, args, B, max(sizes))
+                stats, outs = run(target, drafters, make[name](), prompts, args, B, max(sizes), requests=requests)
                 runs[name].append({**stats, "identical": outs == reference})
                 print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
         rows += [{"batch": B, "policy": name, **merge_repeats(r)} for name, r in runs.items()]
@@ -238,7 +241,7 @@ def main(argv=None) -> int:
         per_s = float(rate[:-1]) * capacity if rate.endswith("x") else float(rate)
         arrivals = (np.cumsum(gaps) / per_s).tolist()
         for name, new in make.items():
-            stats, outs = run(target, drafters, new(), prompts, args, max(sizes), max(sizes), arrivals)
+            stats, outs = run(target, drafters, new(), prompts, args, max(sizes), max(sizes), arrivals, requests)
             poisson.append({"rate": rate, "requests_per_s": per_s, "policy": name, **stats,
                             "identical": outs == reference})
             print(f"  rate={rate} ({per_s:.2f}/s) {name}: {stats['tokens_per_s']:.1f} tok/s, P90 "
@@ -261,7 +264,7 @@ def main(argv=None) -> int:
 
 
 def from_run(run_dir: Path, args):
-    """(target, prompts, drafters, best static {drafter, k}, learned rule) of a pipeline run."""
+    """(target, prompts, their requests (category), drafters, best static {drafter, k}, learned rule) of a run."""
     from omegaconf import OmegaConf
 
     from sacpolicy.pipeline.context import RunContext
@@ -269,7 +272,8 @@ def from_run(run_dir: Path, args):
     if not (run_dir / "config.yaml").is_file():
         raise SystemExit(f"--run {run_dir}: no config.yaml there; pass a directory scripts/train.py wrote")
     ctx = RunContext(OmegaConf.load(run_dir / "config.yaml"), run_dir)
-    prompts = [r["input_ids"] for r in ctx.test_prompts()[: args.prompts]]
+    rows = ctx.test_prompts()[: args.prompts]
+    prompts, requests = [r["input_ids"] for r in rows], [RequestInfo(category=r["category"]) for r in rows]
     if args.policy:
         art = load_artifact(args.policy)
         rule, drafters = art.rule, build_drafters(art, ctx.target)
@@ -277,7 +281,7 @@ def from_run(run_dir: Path, args):
         rules, headline = ctx.learned_rules("bench_batch")
         rule, drafters = rules[headline], ctx.drafters
         print(f"learned policy: {run_dir}/policies/{headline} (the lowest validation log-loss)", flush=True)
-    return ctx.target, prompts, drafters, ctx.best_static(), rule
+    return ctx.target, prompts, requests, drafters, ctx.best_static(), rule
 
 
 CEILING = "per-rate best static (hindsight)"

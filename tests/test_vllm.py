@@ -223,7 +223,8 @@ def test_proposer_tracks_each_requests_history_without_request_ids(tmp_path):
     for i, ctx in enumerate(rows):
         table[i, : len(ctx)] = ctx
     second = proposer.propose([[9], [*first[0], 7]], np.array([len(b2), len(a2)]), table)
-    assert second == [proposer.block(b2, accept_ema=0.0), proposer.block(a2, accept_ema=1.0)]
+    # b's history: nothing of 1 at risk; a's: every drafted token accepted
+    assert second == [proposer.block(b2, history=(0.0, 1.0)), proposer.block(a2, history=(len(first[0]),) * 2)]
 
 
 def test_vllm_cost_profile_times_steps_and_replaces_the_verify_curve():

@@ -34,7 +34,7 @@ from sacpolicy.decoding.types import (
     StepRecord,
     StopFn,
 )
-from sacpolicy.runtime.features import next_accept_ema
+from sacpolicy.runtime.features import next_accept_history
 
 logger = logging.getLogger("sacpolicy.decoding.decoder")
 
@@ -268,12 +268,13 @@ class BatchStep:
         run.state.drafters = tuple(d for d in run.state.drafters if d != name)
 
     def _track_acceptance(self, run: Row, rec: StepRecord) -> None:
-        """Per-drafter EMA for policies (the ``accept_ema`` feature, weight fixed by the feature spec); the overall
-        EMA drives the cooldown (autoregressive steps)."""
+        """Per-drafter acceptance history for policies (the ``accept_ema`` feature, weight fixed by the feature spec);
+        the overall EMA of accepted / drafted drives the cooldown (autoregressive steps)."""
         if not rec.drafted or rec.drafter is None:
             return
         rate = rec.accepted / rec.drafted
-        run.state.accept_ema[rec.drafter] = next_accept_ema(run.state.accept_ema.get(rec.drafter), rate)
+        history = run.state.accept_history
+        history[rec.drafter] = next_accept_history(history.get(rec.drafter), rec.accepted, rec.drafted)
         a = self.config.cooldown_ema
         run.ema = rate if run.ema is None else a * rate + (1 - a) * run.ema
         run.spec_steps += 1

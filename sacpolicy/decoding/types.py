@@ -50,7 +50,8 @@ class DecodeState:
     remaining: int = 0  # new tokens still allowed
     drafters: tuple[str, ...] = ()  # drafters still usable (a failing drafter is dropped for the request)
     last: StepRecord | None = None
-    accept_ema: dict[str, float] = field(default_factory=dict)  # per drafter, EMA of accepted / drafted
+    # per drafter, its acceptance history in the request (``runtime.features.next_accept_history``)
+    accept_history: dict[str, tuple[float, float]] = field(default_factory=dict)
     drafter: str | None = None  # while drafting: the drafter in use
     # before deciding, for policies that ask (``uses_peeks``): drafters that can tell cheaply what they would propose
     # (n-gram) -> its confidence (top-1, entropy, margin), or None when they would propose nothing

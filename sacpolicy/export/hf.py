@@ -34,7 +34,7 @@ from sacpolicy.export import (
     static_k,
 )
 from sacpolicy.io import write_json
-from sacpolicy.runtime.features import RowContext, feature_row, next_accept_ema, plan_rows
+from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, next_accept_history, plan_rows
 from sacpolicy.runtime.rule import Block, DecisionRule
 
 MODEL_KINDS = ("model", "layer_skip")  # drafters an assistant model can stand for
@@ -50,7 +50,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         rule.check_drafter(drafter)
         self.rule, self.drafter, self.category, self.load = rule, drafter, category, load
         self.generation_config.assistant_confidence_threshold = 0.0  # the rule, not a threshold, ends a block
-        self.accept_ema: float | None = None
+        self.accept_history: tuple[float, float] | None = None
         self.rounds: list[dict] = []
         self._block: Block | None = None
         self._prev_top1: float | None = None
@@ -58,7 +58,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
 
     def _ctx(self, context_len: int) -> RowContext:
         return RowContext(context_len=context_len, drafter_index=self.rule.drafters.index(self.drafter),
-                          accept_ema=self.accept_ema, load=self.load, category=self.category)
+                          accept_ema=accept_rate(self.accept_history), load=self.load, category=self.category)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         n = input_ids.shape[-1]
@@ -100,8 +100,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         r = self.rounds[-1]
         if r["drafted"]:
             r["accepted"] = int(num_matches)
-            rate = r["accepted"] / r["drafted"]
-            self.accept_ema = next_accept_ema(self.accept_ema, rate)
+            self.accept_history = next_accept_history(self.accept_history, r["accepted"], r["drafted"])
 
 
 class _RuleStop(StoppingCriteria):

@@ -32,7 +32,7 @@ from sacpolicy.export import k_by_batch, pick_drafter, static_k
 from sacpolicy.io import write_json, write_text
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
-from sacpolicy.runtime.features import next_accept_ema
+from sacpolicy.runtime.features import next_accept_history
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
 
 
 class _History:
-    """Each request's ``accept_ema`` across vLLM steps. The proposer hook gives no request ids, so a request is found
+    """Each request's acceptance history (``next_accept_history``) across vLLM steps. The proposer hook gives no request ids, so a request is found
     again by its committed tokens: after a step that committed s tokens (accepted drafts + the target's own), the
     row's first n - s tokens are the context it was drafted on. Equal contexts share their history, which is exact
     for greedy decoding (equal contexts saw equal blocks) and a close estimate when sampling."""
@@ -146,16 +146,16 @@ class _History:
     def _key(context: np.ndarray) -> tuple[int, bytes]:
         return len(context), hashlib.blake2b(context.tobytes(), digest_size=16).digest()
 
-    def advance(self, context: np.ndarray, committed: int) -> float | None:
-        """The request's ``accept_ema`` now that its last step committed ``committed`` tokens (None: a new request)."""
+    def advance(self, context: np.ndarray, committed: int) -> tuple[float, float] | None:
+        """The request's history now that its last step committed ``committed`` tokens (None: a new request)."""
         entry = self.entries.pop(self._key(context[: len(context) - committed]), None)
         if entry is None:
             return None
-        ema, drafted = entry
-        return next_accept_ema(ema, (committed - 1) / drafted) if drafted else ema
+        history, drafted = entry
+        return next_accept_history(history, committed - 1, drafted) if drafted else history
 
-    def record(self, context: np.ndarray, ema: float | None, drafted: int) -> None:
-        self.entries[self._key(context)] = (ema, drafted)
+    def record(self, context: np.ndarray, history: tuple[float, float] | None, drafted: int) -> None:
+        self.entries[self._key(context)] = (history, drafted)
         while len(self.entries) > self.capacity:  # finished requests are never looked up again
             self.entries.popitem(last=False)
 
@@ -201,18 +201,19 @@ class PolicyNgramProposer:
                 out.append([])
                 continue
             context = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
-            ema = self.history.advance(context, len(sampled))
-            block = self.block(context, ema)
-            self.history.record(context, ema, len(block))
+            history = self.history.advance(context, len(sampled))
+            block = self.block(context, history)
+            self.history.record(context, history, len(block))
             out.append(block)
         return out
 
-    def block(self, context: np.ndarray, accept_ema: float | None = None) -> list[int]:
-        """The tokens the decoder would draft on ``context``: peek, plan, draft with the stop rule."""
+    def block(self, context: np.ndarray, history: tuple[float, float] | None = None) -> list[int]:
+        """The tokens the decoder would draft on ``context`` (``history``: the request's acceptance history, None
+        before its first block): peek, plan, draft with the stop rule."""
         n, ctx = len(context), torch.from_numpy(context)
         room = min(self.k_cap, self.max_model_len - n - 1)  # the decoder's remaining - 1
         state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=(self.drafter,),
-                            accept_ema={} if accept_ema is None else {self.drafter: accept_ema},
+                            accept_history={} if history is None else {self.drafter: history},
                             peeks={self.drafter: self.ngram.peek(ctx)})
         decision = self.policy.decide(state)
         k = min(decision.k, room)

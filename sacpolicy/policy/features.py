@@ -15,6 +15,7 @@ from sacpolicy.runtime.features import (
     FEATURE_NAMES,
     FEATURE_VERSION,
     RowContext,
+    accept_rate,
     category_index,
     feature_row,
     feature_spec,
@@ -31,7 +32,7 @@ def row_context(state: DecodeState, drafter: str | None) -> RowContext:
     live batch size (``DecodeState.batch_size``)."""
     drafters = state.request.drafters
     return RowContext(context_len=state.context_len, drafter_index=drafters.index(drafter) if drafter in drafters else -1,
-                      accept_ema=state.accept_ema.get(drafter) if drafter is not None else None,
+                      accept_ema=accept_rate(state.accept_history.get(drafter)) if drafter is not None else None,
                       load=state.request.load, category=state.request.category, peek=state.peeks.get(drafter))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-FEATURE_VERSION = 3  # 3: a peeked proposal's confidence is known before drafting
+FEATURE_VERSION = 4  # 3: a peeked proposal's confidence is known before drafting; 4: accept_ema per token at risk
 FEATURE_NAMES = (
     "top1", "entropy", "margin", "conf_known", "prev_top1", "position", "log_context_len", "accept_ema",
     "has_accept_ema", "drafter_index", "load", "category_index",
@@ -23,12 +23,30 @@ CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction"
 CONFIDENCE = slice(0, 3)  # columns that are NaN before the token is drafted
 PREV_TOP1 = FEATURE_NAMES.index("prev_top1")  # NaN when the previous drafted token is not drafted yet either
 _NAN = float("nan")
-ACCEPT_EMA = 0.5  # weight of the newest block in a drafter's ``accept_ema`` (exponential moving acceptance)
+ACCEPT_EMA = 0.5  # weight of the newest block in a drafter's acceptance history (exponential moving sums)
 
 
-def next_accept_ema(prev: float | None, rate: float) -> float:
-    """A drafter's ``accept_ema`` after a block whose drafted tokens were accepted at ``rate`` (None: its first)."""
-    return rate if prev is None else ACCEPT_EMA * rate + (1 - ACCEPT_EMA) * prev
+def next_accept_history(prev: tuple[float, float] | None, accepted: int, drafted: int) -> tuple[float, float]:
+    """A drafter's acceptance history after a block of ``drafted`` tokens whose first ``accepted`` were accepted (prev
+    None: its first block): moving sums, weight ``ACCEPT_EMA`` per block, of the tokens accepted and of the tokens at
+    risk, the accepted ones plus the one rejected when the block ended on a rejection. Their ratio, the ``accept_ema``
+    feature (``accept_rate``), estimates the drafter's per-token acceptance whatever lengths the blocks had: a block of
+    8 that accepts 2 and rejects the third counts 2 of 3, as a block of 3 does. Accepted / drafted counted 2 of 8
+    there, so the feature depended on the block lengths of whichever policy drafted them: trained on the recording
+    policy's long blocks (the head's accepted / drafted: 0.09 on average in the training examples) and read after the
+    learned rule's short ones (0.40 live in a batch of 8), it made the head look like a far better drafter than it was."""
+    if drafted < 1 or not 0 <= accepted <= drafted:
+        raise ValueError(f"a block's history needs 0 <= accepted <= drafted and drafted >= 1, got accepted={accepted}, "
+                         f"drafted={drafted}")
+    at_risk = accepted + (accepted < drafted)
+    if prev is None:
+        return float(accepted), float(at_risk)
+    return (ACCEPT_EMA * accepted + (1 - ACCEPT_EMA) * prev[0], ACCEPT_EMA * at_risk + (1 - ACCEPT_EMA) * prev[1])
+
+
+def accept_rate(history: tuple[float, float] | None) -> float | None:
+    """The ``accept_ema`` feature of a drafter's acceptance history (None: no block yet)."""
+    return None if history is None else history[0] / history[1]
 
 
 def category_index(category: str | None) -> int:
@@ -38,7 +56,7 @@ def category_index(category: str | None) -> int:
 def feature_spec() -> dict:
     """What an exported predictor was trained on; the runtime refuses a predictor whose spec differs."""
     return {"version": FEATURE_VERSION, "names": list(FEATURE_NAMES), "categories": list(CATEGORIES),
-            "accept_ema_weight": ACCEPT_EMA}
+            "accept_ema_weight": ACCEPT_EMA, "accept_ema": "accepted / at risk"}
 
 
 def feature_vector(*, position: int, context_len: int, drafter_index: int, top1: float | None = None,
@@ -47,8 +65,8 @@ def feature_vector(*, position: int, context_len: int, drafter_index: int, top1:
     """Features of the token drafted at ``position`` (0-based in the block) on top of ``context_len`` committed tokens.
 
     ``prev_top1``: the previous drafted token's top-1 probability in this block; None at position 0 (then 1.0,
-    "nothing doubtful drafted yet") or when unknown further in (NaN). ``accept_ema``: this drafter's recent acceptance
-    rate in the request, None before its first block. ``drafter_index``: its index among the decoder's drafters.
+    "nothing doubtful drafted yet") or when unknown further in (NaN). ``accept_ema``: this drafter's recent per-token
+    acceptance in the request (``accept_rate``), None before its first block. ``drafter_index``: its index among the decoder's drafters.
     """
     known = top1 is not None
     if prev_top1 is None:

@@ -75,7 +75,7 @@ class _Recorder(Static):
 
     def decide(self, state: DecodeState) -> Decision:
         d = super().decide(state)
-        self._snap = dataclasses.replace(state, accept_ema=dict(state.accept_ema), drafter=d.drafter)
+        self._snap = dataclasses.replace(state, accept_history=dict(state.accept_history), drafter=d.drafter)
         return d
 
     def observe(self, record) -> None:
