@@ -60,13 +60,18 @@ def policies(args, rule, drafter: str = "ngram") -> dict:
     return make
 
 
-def run(target, drafters, policy, prompts, args, B: int, max_batch: int, arrivals=None,
-        requests=None) -> tuple[dict, list]:
-    """``requests``: each prompt's ``RequestInfo`` (its category, a feature of the learned rule, as in evaluation)."""
+def prompts_of(rows) -> tuple[list, list[RequestInfo]]:
+    """Prompt rows -> (their token ids, their requests): each request carries its prompt's category, which the learned
+    rule reads, as in evaluation."""
+    return [r["input_ids"] for r in rows], [RequestInfo(category=r["category"]) for r in rows]
+
+
+def run(target, drafters, policy, prompts, requests, args, B: int, max_batch: int,
+        arrivals=None) -> tuple[dict, list]:
     timed = Timed(policy)
     dec = SpeculativeDecoder(target.model, drafters, timed, config=DecoderConfig(max_batch=max_batch, k_max=8),
                              stop_token_ids=target.eos_token_ids)
-    dec.generate_batch(prompts[:B], 4, max_batch=B, requests=requests and requests[:B])  # warm-up at this size
+    dec.generate_batch(prompts[:B], 4, max_batch=B, requests=requests[:B])  # warm-up at this size
     timed.seconds = 0.0
     t0 = time.perf_counter()
     res = dec.generate_batch(prompts, args.max_tokens, max_batch=B, arrivals=arrivals, requests=requests)
@@ -188,8 +193,7 @@ def main(argv=None) -> int:
         target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
         rows_in = [r for r in load_prompts(args.source, tokenizer=target.tokenizer)
                    if assign_split(r["prompt_id"]) == "test"]
-        prompts, static = [r["input_ids"] for r in rows_in[: args.prompts]], {"drafter": "ngram"}
-        requests = [RequestInfo(category=r["category"]) for r in rows_in[: args.prompts]]
+        (prompts, requests), static = prompts_of(rows_in[: args.prompts]), {"drafter": "ngram"}
         rule, drafters = None, [NgramDrafter()]
         if args.policy:
             art = load_artifact(args.policy)
@@ -227,7 +231,7 @@ def main(argv=None) -> int:
         runs = {name: [] for name in make}
         for rep in range(args.repeats):  # policies alternate order between repeats (ABC CBA ...): drift cancels
             for name in (list(make) if rep % 2 == 0 else list(make)[::-1]):
-                stats, outs = run(target, drafters, make[name](), prompts, args, B, max(sizes), requests=requests)
+                stats, outs = run(target, drafters, make[name](), prompts, requests, args, B, max(sizes))
                 runs[name].append({**stats, "identical": outs == reference})
                 print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
         rows += [{"batch": B, "policy": name, **merge_repeats(r)} for name, r in runs.items()]
@@ -241,7 +245,7 @@ def main(argv=None) -> int:
         per_s = float(rate[:-1]) * capacity if rate.endswith("x") else float(rate)
         arrivals = (np.cumsum(gaps) / per_s).tolist()
         for name, new in make.items():
-            stats, outs = run(target, drafters, new(), prompts, args, max(sizes), max(sizes), arrivals, requests)
+            stats, outs = run(target, drafters, new(), prompts, requests, args, max(sizes), max(sizes), arrivals)
             poisson.append({"rate": rate, "requests_per_s": per_s, "policy": name, **stats,
                             "identical": outs == reference})
             print(f"  rate={rate} ({per_s:.2f}/s) {name}: {stats['tokens_per_s']:.1f} tok/s, P90 "
@@ -272,8 +276,7 @@ def from_run(run_dir: Path, args):
     if not (run_dir / "config.yaml").is_file():
         raise SystemExit(f"--run {run_dir}: no config.yaml there; pass a directory scripts/train.py wrote")
     ctx = RunContext(OmegaConf.load(run_dir / "config.yaml"), run_dir)
-    rows = ctx.test_prompts()[: args.prompts]
-    prompts, requests = [r["input_ids"] for r in rows], [RequestInfo(category=r["category"]) for r in rows]
+    prompts, requests = prompts_of(ctx.test_prompts()[: args.prompts])
     if args.policy:
         art = load_artifact(args.policy)
         rule, drafters = art.rule, build_drafters(art, ctx.target)

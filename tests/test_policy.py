@@ -242,8 +242,8 @@ def test_the_decoder_keeps_each_drafters_acceptance_history(tiny_target, tiny_dr
             self.records.append(record)
 
     policy = Watch()
-    dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter(name="ngram"), ModelDrafter(tiny_draft.model, name="draft")],
-                             policy, stop_token_ids=[])
+    drafters = [NgramDrafter(name="ngram"), ModelDrafter(tiny_draft.model, name="draft")]
+    dec = SpeculativeDecoder(tiny_target.model, drafters, policy, stop_token_ids=[])
     dec.generate([5, 6, 7, 8] * 6, 24)
     expect = {}
     for seen, record in zip(policy.seen, policy.records):

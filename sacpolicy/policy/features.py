@@ -31,8 +31,9 @@ def row_context(state: DecodeState, drafter: str | None) -> RowContext:
     rows share the target pass, the cost of the pass does, and the learned rule reads that from the cost model at the
     live batch size (``DecodeState.batch_size``)."""
     drafters = state.request.drafters
+    history = state.accept_history.get(drafter) if drafter is not None else None
     return RowContext(context_len=state.context_len, drafter_index=drafters.index(drafter) if drafter in drafters else -1,
-                      accept_ema=accept_rate(state.accept_history.get(drafter)) if drafter is not None else None,
+                      accept_ema=accept_rate(history),
                       load=state.request.load, category=state.request.category, peek=state.peeks.get(drafter))
 
 

@@ -34,7 +34,8 @@ def next_accept_history(prev: tuple[float, float] | None, accepted: int, drafted
     8 that accepts 2 and rejects the third counts 2 of 3, as a block of 3 does. Accepted / drafted counted 2 of 8
     there, so the feature depended on the block lengths of whichever policy drafted them: trained on the recording
     policy's long blocks (the head's accepted / drafted: 0.09 on average in the training examples) and read after the
-    learned rule's short ones (0.40 live in a batch of 8), it made the head look like a far better drafter than it was."""
+    learned rule's short ones (0.40 live in a batch of 8), it made the head look like a far better drafter than it
+    was."""
     if drafted < 1 or not 0 <= accepted <= drafted:
         raise ValueError(f"a block's history needs 0 <= accepted <= drafted and drafted >= 1, got accepted={accepted}, "
                          f"drafted={drafted}")
@@ -66,7 +67,8 @@ def feature_vector(*, position: int, context_len: int, drafter_index: int, top1:
 
     ``prev_top1``: the previous drafted token's top-1 probability in this block; None at position 0 (then 1.0,
     "nothing doubtful drafted yet") or when unknown further in (NaN). ``accept_ema``: this drafter's recent per-token
-    acceptance in the request (``accept_rate``), None before its first block. ``drafter_index``: its index among the decoder's drafters.
+    acceptance in the request (``accept_rate``), None before its first block. ``drafter_index``: its index among the
+    decoder's drafters.
     """
     known = top1 is not None
     if prev_top1 is None:
