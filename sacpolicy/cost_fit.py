@@ -131,11 +131,14 @@ def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
                    draft_cells: Mapping[str, list[tuple[int, np.ndarray]]], per_token: Mapping[str, bool],
                    meta: Mapping | None = None, *, batch_cells: Mapping[int, list] | None = None,
                    fixed_cells: Mapping[str, list] | None = None, prefill_cells: list | None = None,
+                   share_cells: Mapping[str, Mapping[int, np.ndarray]] | None = None,
                    n_boot: int = N_BOOT, seed: int = 0) -> CostModel:
     """A CostModel from timings: ``verify_cells`` (tokens fed, context, [repeats] seconds of one target forward),
     ``draft_cells`` {drafter: [(context, [repeats] seconds of one draft step or proposal)]}, ``batch_cells`` {batch
     size > 1: verify cells of a pass over that many rows}, ``fixed_cells`` {per-token drafter: [(context, [repeats]
-    seconds it spends once per proposal)]}, ``prefill_cells`` [(prompt tokens, [repeats] seconds of its prefill)]."""
+    seconds it spends once per proposal)]}, ``prefill_cells`` [(prompt tokens, [repeats] seconds of its prefill)],
+    ``share_cells`` {drafter: {rows > 1: [repeats] per-row share of that many rows drafting together}} (the median
+    share per size, its 95% bootstrap interval as the knot's; share 1 at one row)."""
     rng = np.random.default_rng(seed)
     repeats = min(len(t) for *_, t in verify_cells)
     draft = {name: _fit_draft(name, cells, per_token[name], n_boot, rng) for name, cells in draft_cells.items()}
@@ -144,5 +147,13 @@ def fit_cost_model(device: str, verify_cells: list[tuple[int, int, np.ndarray]],
     meta = {**(meta or {}), "knot_interval": f"95% bootstrap over repeats ({n_boot} resamples)"}
     fixed = {name: _fit_draft(name, cells, True, n_boot, rng) for name, cells in (fixed_cells or {}).items()}
     prefill = _fit_draft("prefill", prefill_cells, True, n_boot, rng) if prefill_cells else None
+    shares = {name: _fit_shares(cells, n_boot, rng) for name, cells in (share_cells or {}).items() if cells}
     return CostModel(device, _fit_verify(verify_cells, repeats, n_boot, rng), draft, dict(per_token), meta,
-                     batch=batch, draft_fixed=fixed, prefill=prefill)
+                     batch=batch, draft_fixed=fixed, prefill=prefill, draft_batch=shares)
+
+
+def _fit_shares(cells: Mapping[int, np.ndarray], n_boot: int, rng) -> PiecewiseLinear:
+    """g(r) with knots at 1 (share 1) and each profiled r (the median of its repeats, bootstrap interval)."""
+    sizes = sorted(cells)
+    ys, lo, hi = _bootstrap([np.asarray(cells[r], dtype=float) for r in sizes], lambda T: T, n_boot, rng)
+    return PiecewiseLinear([1, *sizes], [1.0, *ys.tolist()], [1.0, *lo.tolist()], [1.0, *hi.tolist()])

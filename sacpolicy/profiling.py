@@ -231,6 +231,44 @@ def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeat
     return per_token, t[1] - per_token
 
 
+def _feature_batch_shares(target, drafter, c: int, k_max: int, batch_sizes: Sequence[int], device, gen,
+                          repeats: int, warmup: int) -> dict[int, np.ndarray]:
+    """A feature drafter's rows drafting together (``propose_batch``, as the decoder drafts a batch's rows that chose
+    it), each on c committed tokens with 2 rows handed over since its last proposal: -> {r: [repeats] per-row share},
+    the seconds of r rows' proposals over r, as a fraction of one row's, blocks of 1 and of K tokens counted alike
+    (the share of their sum). Every size is timed in the same rounds."""
+    from sacpolicy.decoding.aux import aux_pass
+    from sacpolicy.decoding.sampling import SamplingConfig
+
+    K, pending, R = max(k_max, 2), 2, max(batch_sizes)
+    context = torch.randint(target.config.vocab_size, (c + pending,), generator=gen).to(device)
+    _, capture = aux_pass(target, context, 1, drafter.aux_layers)
+    feats = capture.rows(drafter.aux_layers, c + pending - 1)
+    forks = [drafter.fork() for _ in range(R)]
+
+    def committed(rows):  # each row after a proposal at c tokens, the next 2 rows handed over and not fed yet
+        for d in rows:
+            d.reset()
+            d.extend_features(feats[: c - 1])
+        drafter.propose_batch(rows, [context[:c]] * len(rows), [1] * len(rows), [SamplingConfig()] * len(rows),
+                              [None] * len(rows), [None] * len(rows))
+        for d in rows:
+            d.extend_features(feats[c - 1 :])
+
+    def cell(r: int, k: int):
+        rows = forks[:r]
+        run = functools.partial(drafter.propose_batch, rows, [context] * r, [k] * r, [SamplingConfig()] * r,
+                                [None] * r, [None] * r)
+        return run, functools.partial(committed, rows)
+
+    sizes = sorted({1, *batch_sizes})
+    for r in sizes:
+        committed(forks[:r])
+    t = _interleaved_times({(r, k): cell(r, k) for r in sizes for k in (1, K)}, device, repeats, warmup)
+    one = t[(1, 1)] + t[(1, K)]
+    return {r: (t[(r, 1)] + t[(r, K)]) / r / one for r in sizes if r > 1}
+
+
 @torch.inference_mode()
 def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 256, 1024), repeats: int = 5,
             device=None, warmup: int = 2, seed: int = 0, batch_sizes=(1,)) -> CostModel:
@@ -243,7 +281,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     lookup). Every cell is timed `repeats` times
     (>= 5 for knot intervals that can tell a real decrease in verify cost from noise; see the module docstring).
     ``batch_sizes``: also time the verify pass over that many rows (the batched decoder's ragged cache and mask), so
-    policies can weigh drafting at the live batch size.
+    policies can weigh drafting at the live batch size, and a feature drafter's proposals for that many rows drafting
+    together (``CostModel.draft_batch``: each row's share of their batched drafting), at the middle profiled context.
     """
     import transformers
 
@@ -273,6 +312,14 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     by_batch = _verify_times(target, sorted(set(batch_sizes)), context_lens, feeds, device, gen, repeats, warmup)
     verify_rows = by_batch.pop(1)
     batch_rows = by_batch
+    shares = {}
+    if len(set(batch_sizes)) > 1:
+        c = sorted(context_lens)[len(context_lens) // 2]
+        for name, drafter in named.items():
+            if drafter.aux_layers and _fits(target, c, 2):
+                logger.info("profiling %s drafting rows together at batch sizes %s", name, sorted(set(batch_sizes)))
+                shares[name] = _feature_batch_shares(target, drafter, c, max(max(ks), 1), batch_sizes, device, gen,
+                                                     repeats, warmup)
     if not verify_rows:
         raise ValueError(f"every context length in {tuple(context_lens)} exceeds the target's context window; "
                          "pass shorter context_lens")
@@ -287,4 +334,4 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
             "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats,
             "batch_sizes": sorted(set(batch_sizes)), "batch_row_spread": list(ROW_SPREAD)}
     return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, batch_cells=batch_rows,
-                          fixed_cells=fixed_rows, prefill_cells=prefill_rows, seed=seed)
+                          fixed_cells=fixed_rows, prefill_cells=prefill_rows, share_cells=shares, seed=seed)

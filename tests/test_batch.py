@@ -427,6 +427,54 @@ def test_stop_rule_in_a_batch_weighs_a_rows_own_draft_time_at_the_batch_rate():
     assert len(stops) == m
 
 
+def test_the_batch_plan_prices_a_drafter_at_the_rows_drafting_with_it():
+    """A model drafter that is dear for one row (50 ms a token) but cheap per row when eight rows draft with it
+    together (``draft_batch``: a tenth each) loses to the n-gram drafter alone and wins in a batch of eight, where the
+    plan prices each of its rows at its share; the rows' stop rule gets that count (``Block.rows``)."""
+    from dataclasses import replace
+
+    from sacpolicy.decoding import DecodeState
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
+    from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
+    from sacpolicy.runtime.predictors import DRAFTER_INDEX, Predictor
+    from sacpolicy.runtime.rule import DecisionRule
+
+    n = len(FEATURE_NAMES)
+
+    class ByDrafter(Predictor):  # the model drafter's tokens accepted with probability 0.8, the n-gram's 0.3
+        def predict(self, X):
+            return np.where(X[:, DRAFTER_INDEX] == 0, 0.8, 0.3)
+
+    pred = ByDrafter("linear", {"mean": np.zeros(n), "scale": np.ones(n), "coef": np.zeros(n),
+                                "intercept": np.zeros(1)}, {"features": feature_spec()})
+
+    def curve(t1, t9):
+        return {"tokens": PiecewiseLinear([1, 9], [t1, t9]), "per_context": 0.0}
+
+    cost = CostModel("cpu", curve(0.050, 0.060), {"draft": PiecewiseLinear([0.0], [0.050]),
+                                                  "ngram": PiecewiseLinear([0.0], [1e-4])},
+                     {"draft": True, "ngram": False}, batch={8: curve(0.100, 0.140)},
+                     draft_batch={"draft": PiecewiseLinear([1.0, 8.0], [1.0, 0.1])})
+    rule = DecisionRule(pred, cost, ("draft", "ngram"), 4, ("ngram", 2), mode="k")
+    rows = [{d: np.zeros((4, n)) for d in ("draft", "ngram")} for _ in range(8)]
+    for r in rows:
+        r["draft"][:, DRAFTER_INDEX], r["ngram"][:, DRAFTER_INDEX] = 0, 1
+    alone, _ = rule.plan_batch(rows[:1], [100], [4])
+    assert alone[0][0] == "ngram"
+    together, _ = rule.plan_batch(rows, [100] * 8, [4] * 8)
+    assert all(name == "draft" and k > 0 for name, k in together)
+    unshared, _ = replace(rule, cost=replace(cost, draft_batch={})).plan_batch(rows, [100] * 8, [4] * 8)
+    assert all(name != "draft" for name, _ in unshared)
+    request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=("draft", "ngram"))
+    states = [DecodeState(request, context_len=100, remaining=20, drafters=("draft", "ngram"), batch_size=8)
+              for _ in range(8)]
+    policy = LearnedPolicy(rule)
+    forks = [policy.fork() for _ in states]
+    assert [d.drafter for d in policy.decide_batch(forks, states)] == ["draft"] * 8
+    assert [f.block.rows for f in forks] == [8] * 8
+
+
 def test_k_by_batch_map_is_vllms_schedule():
     from sacpolicy.export import k_by_batch
     from sacpolicy.runtime.cost import CostModel
@@ -522,6 +570,24 @@ def test_batched_replay_is_exact_and_prices_the_batch():
 
         simulate_batch(Static(2, "ngram"), grouped, CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft),
                        vocab_size=1000, max_batch=2)
+    # rows drafting together pay their share (``draft_batch``): a replayed batch's proposals advance the clock by
+    # each drafting row's share at that many rows, and a proposal alone by its one-row time
+    from sacpolicy.traces.simulate import ReplayDrafter, VirtualClock
+
+    cost.draft_batch = {"draft": PiecewiseLinear([1.0, 4.0], [1.0, 0.4])}
+    pids = list(grouped)[:3]
+    clock = VirtualClock()
+    replay = ReplayDrafter("draft", {i: grouped[p]["drafters"]["draft"] for i, p in enumerate(pids)},
+                           {i: grouped[p]["prompt_len"] for i, p in enumerate(pids)}, 1000, clock, cost)
+    contexts = [torch.tensor([i] + [0] * (grouped[p]["prompt_len"] + 2)) for i, p in enumerate(pids)]
+    rows = [replay.fork() for _ in pids]
+    blocks = replay.propose_batch(rows, contexts, [3, 3, 3], [None] * 3, [None] * 3, [None] * 3)
+    assert [b.k for b in blocks] == [3, 3, 3]
+    assert clock.t == pytest.approx(sum(cost.draft_time("draft", 3, c.shape[0], 3) for c in contexts))
+    assert cost.draft_time("draft", 3, 100, 3) == pytest.approx(0.6 * cost.draft_time("draft", 3, 100))
+    t = clock.t
+    assert replay.propose(contexts[0], 3, None).k == 3
+    assert clock.t - t == pytest.approx(cost.draft_time("draft", 3, contexts[0].shape[0]))
 
 
 def test_evaluation_has_a_section_under_load(tmp_path):

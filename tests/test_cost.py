@@ -117,6 +117,42 @@ def test_a_per_proposal_draft_cost_is_paid_once_per_block_and_round_trips(tmp_pa
                   draft_fixed={"ngram": PiecewiseLinear([0.0], [0.1])})
 
 
+def test_rows_drafting_together_pay_their_profiled_share_and_it_round_trips(tmp_path):
+    """``draft_batch``: a model drafter's rows drafting together each pay g(r) of one row's draft time (interpolated
+    between the profiled r, the last one's beyond them); a drafter without one pays its one-row time; the batch plan
+    prices each row at the number of rows drafting with its drafter; the share survives the JSON file."""
+    cost = hand_model()
+    cost.draft_batch = {"draft": PiecewiseLinear([1.0, 4.0, 16.0], [1.0, 0.5, 0.2])}
+    one = cost.draft_time("draft", 3, 100)
+    assert cost.draft_time("draft", 3, 100, rows=1) == one
+    assert cost.draft_time("draft", 3, 100, rows=4) == pytest.approx(0.5 * one)
+    assert cost.draft_time("draft", 3, 100, rows=10) == pytest.approx(0.35 * one)
+    assert cost.draft_time("draft", 3, 100, rows=64) == pytest.approx(0.2 * one)  # not extrapolated below
+    assert cost.draft_time("draft", 0, 100, rows=4) == 0.0
+    assert cost.draft_time("ngram", 3, 100, rows=8) == cost.draft_time("ngram", 3, 100)
+    assert cost.step_time("draft", 3, 100, rows=4) == pytest.approx(0.5 * one + cost.verify_time(3, 100))
+    assert cost.tokens_per_s_table("draft", 100, [0.5] * 3, rows=4)[2] == pytest.approx(
+        cost.expected_tokens([0.5] * 3) / (0.5 * one + cost.verify_time(3, 100)))
+    # a batch of three rows, two drafting with "draft": each of those pays its share at 2 rows (0.833)
+    cost.batch = {4: cost.verify}
+    rows = [("draft", 100, [0.9] * 3), ("draft", 100, [0.9] * 3), ("ngram", 100, [0.9] * 3)]
+    ks, tps = cost.best_batch_k(rows, 3, per_row=False)
+    share = cost.draft_batch["draft"](2)
+    assert share == pytest.approx(1 - 0.5 / 3)
+    seconds = cost.verify_time(max(ks), 100, 3) + sum(
+        (share if d == "draft" else 1.0) * cost.draft_time(d, k, c) for (d, c, _), k in zip(rows, ks))
+    assert tps == pytest.approx(sum(cost.expected_tokens(a[:k]) for (_, _, a), k in zip(rows, ks)) / seconds)
+    cost.to_json(tmp_path / "cost.json")
+    assert CostModel.from_json(tmp_path / "cost.json") == cost
+    assert "draft_batch" not in hand_model().to_dict()
+    with pytest.raises(ValueError, match="draft_batch names drafter 'eagle'"):
+        CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft,
+                  draft_batch={"eagle": PiecewiseLinear([1.0, 2.0], [1.0, 0.6])})
+    with pytest.raises(ValueError, match="must start at 1 row with share 1"):
+        CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft,
+                  draft_batch={"draft": PiecewiseLinear([2.0, 4.0], [0.8, 0.6])})
+
+
 def test_prefill_is_its_profiled_curve_or_the_verify_curve_of_older_files(tmp_path):
     """A prompt's prefill is priced by its own profiled line when there is one; an older file without it extends the
     verify curve to the prompt's length (what the simulator did before)."""

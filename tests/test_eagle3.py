@@ -147,6 +147,32 @@ def test_feed_keeps_only_the_logits_it_reads(tiny_target, sequences):
     assert last_cache.length == full_cache.length == x.shape[1]
 
 
+def test_rows_with_their_own_caches_step_together_as_each_steps_alone(tiny_target, sequences):
+    """``layer_step_rows``: rows whose caches hold different lengths, each with its own number of new entries (a
+    prompt's feed, a verify pass's accepted rows, one chain token), laid one after another, give each row the outputs
+    and the cache that ``layer_step`` gives it alone."""
+    head = random_head(tiny_target, seed=4)
+    ids = [torch.tensor(sequences[i]["input_ids"]) for i in (0, 1, 2)]
+    cached, counts = [5, 11, 8], [3, 1, 2]
+    alone, together = [KVCache() for _ in ids], [KVCache() for _ in ids]
+    with torch.inference_mode():
+        aux = [head.fc(features(tiny_target, x)) for x in ids]
+        for caches in (alone, together):  # the same cached entries for both
+            for c, x, a, n in zip(caches, ids, aux, cached):
+                head.layer_step(a[None, :n], x[None, 1 : n + 1], c)
+        want = [head.layer_step(a[None, n : n + m], x[None, n + 1 : n + 1 + m], c)
+                for c, x, a, n, m in zip(alone, ids, aux, cached, counts)]
+        got = head.layer_step_rows(torch.cat([a[None, n : n + m] for a, n, m in zip(aux, cached, counts)], dim=1),
+                                   torch.cat([x[n + 1 : n + 1 + m] for x, n, m in zip(ids, cached, counts)])[None],
+                                   together, counts)
+    # one matrix product over all entries rounds differently from one per row: float32 noise of these large weights
+    torch.testing.assert_close(got, torch.cat(want, dim=1), atol=1e-4, rtol=1e-4)
+    for a, b, n, m in zip(alone, together, cached, counts):
+        assert a.length == b.length == n + m
+        torch.testing.assert_close(a.k[:, :, : a.length], b.k[:, :, : b.length], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.v[:, :, : a.length], b.v[:, :, : b.length], atol=1e-4, rtol=1e-4)
+
+
 def test_profile_prices_a_feature_drafters_feed_once_per_proposal(tiny_target):
     """The profiler times a feature head as the decoder runs it (a feed of the committed rows, then the chain), so its
     cost has a per-token part and a per-proposal part, each a line over the profiled contexts with knot intervals;
@@ -164,6 +190,28 @@ def test_profile_prices_a_feature_drafters_feed_once_per_proposal(tiny_target):
     ids = torch.randint(3, 512, (10,))
     drafter.extend_features(features(tiny_target, ids)[:9])
     assert drafter.propose(ids, 3, SamplingConfig()).k == 3
+
+
+def test_profile_prices_rows_of_a_feature_drafter_drafting_together(tiny_target):
+    """With batch sizes, the profiler times the head's proposals for that many rows drafting together
+    (``propose_batch``) and keeps each row's share of one row's time (``draft_batch``: 1 at one row, a knot with its
+    interval per profiled size), which the cost model applies to the head's draft time; the n-gram drafter gets none."""
+    from sacpolicy.decoding import NgramDrafter
+    from sacpolicy.profiling import profile
+
+    drafter = FeatureDrafter(random_head(tiny_target, aux=AUX))
+    cost = profile(tiny_target.model, [drafter, NgramDrafter()], ks=(0, 2), context_lens=(16, 32), repeats=3,
+                   warmup=1, batch_sizes=(1, 2, 4))
+    share = cost.draft_batch[drafter.name]
+    assert set(cost.draft_batch) == {drafter.name}
+    assert share.xs == [1.0, 2.0, 4.0] and share.ys[0] == 1.0 and min(share.ys) > 0
+    assert all(lo <= hi for lo, hi in zip(share.lo, share.hi))
+    one = cost.draft_time(drafter.name, 2, 24)
+    assert cost.draft_time(drafter.name, 2, 24, rows=4) == pytest.approx(share.ys[2] * one)
+    ids = torch.randint(3, 512, (10,))
+    drafter.reset()
+    drafter.extend_features(features(tiny_target, ids)[:9])
+    assert drafter.propose(ids, 2, SamplingConfig()).k == 2
 
 
 def test_teacher_force_equals_proposals(tiny_target, sequences):
@@ -214,8 +262,9 @@ def test_drafter_state_across_steps(tiny_target, sequences):
 
 def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, sequences):
     """``propose_batch``: rows with their own contexts, k and stops (one at k = 0, one stopped after its first token)
-    draft what ``propose`` drafts for each, the draft logits from one projection over the rows still drafting; and
-    each row's state afterwards is its own (its next proposal equals a fresh drafter's)."""
+    draft what ``propose`` drafts for each, the draft logits from one projection over the rows still drafting (and
+    over the rows whose features were fed, all rows' entries through the layer at once); and each row's state
+    afterwards is its own (its next proposal equals a fresh drafter's)."""
     head = random_head(tiny_target, seed=3)
     proto = FeatureDrafter(head)
     ids = [torch.tensor(sequences[i]["input_ids"]) for i in (4, 5, 6, 7)]
@@ -230,7 +279,7 @@ def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, seq
         return out
     alone = [d.propose(x[:n], k, SamplingConfig(), None, st) for d, x, n, k, st in zip(rows(), ids, ns, ks, stops)]
     widths = []
-    hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[0]))
+    hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].numel() // a[0].shape[-1]))
     together_rows = rows()
     together = proto.propose_batch(together_rows, [x[:n] for x, n in zip(ids, ns)], ks, [SamplingConfig()] * 4,
                                    [None] * 4, stops)
@@ -240,6 +289,7 @@ def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, seq
         assert torch.equal(a.tokens, b.tokens)
         if a.k:
             torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=1e-5)
+    assert widths[0] == 3  # the three proposing rows' features fed, their last outputs through one projection
     assert 2 in widths  # rows 0 and 1 drafted their later tokens through one projection
     for d, x, a, n in zip(together_rows, ids, aux, ns):  # accept 1, feed the verify pass, propose again
         d.accept(1)
@@ -460,7 +510,7 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows):
     dec = SpeculativeDecoder(model, [FeatureDrafter(head)], Static(2), sampling=SamplingConfig(temperature=1.0),
                              config=DecoderConfig(timing=False, max_batch=rows), stop_token_ids=[])
     widths = []
-    hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[0]))
+    hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].numel() // a[0].shape[-1]))
     with torch.no_grad():
         def p(prefix):
             return torch.softmax(model(torch.tensor([prefix])).logits[0, -1].double(), -1)

@@ -94,3 +94,25 @@ def test_warm_start_keeps_the_head_or_trains_on_from_it(tiny_target, sequences, 
                      tmp_path / "clash", progress=False)
     with pytest.raises(ValueError, match="budget"):
         Eagle3Settings(budget_minutes=0, max_steps=None)
+
+
+def test_bench_head_times_rows_drafting_together(tmp_path):
+    """scripts/bench_head.py: the shipped head's proposals for 1 and 3 rows drafting together, timed per call and per
+    row, with each size's share of one row's time."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "scripts/bench_head.py"), "--rows", "1,3", "--steps", "2",
+                          "--warmup", "0", "--context", "24", "--threads", "1", "--out", str(tmp_path / "h.json")],
+                         capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads((tmp_path / "h.json").read_text())
+    assert [r["rows"] for r in out["rows"]] == [1, 3]
+    one, three = out["rows"]
+    assert one["share"] == 1.0 and three["per_row_ms"] == pytest.approx(three["call_ms"] / 3)
+    assert three["share"] == pytest.approx(three["per_row_ms"] / one["per_row_ms"])
+    assert "| 3 |" in res.stdout

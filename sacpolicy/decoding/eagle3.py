@@ -182,7 +182,12 @@ class Eagle3Layer(nn.Module):
     def finish(self, q, keys, values, mask, hidden):
         """Attention of q over keys/values (mask [B, 1, Q, K] bool, True = attend; None = all), then the residual
         (the un-normed hidden part) and the MLP -> [B, Q, H]."""
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.after_attention(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True),
+                                    hidden)
+
+    def after_attention(self, out, hidden):
+        """Attention outputs [B, Hq, Q, D] -> the layer's outputs [B, Q, H]: output projection, the residual (the
+        un-normed hidden part) and the MLP, all per entry."""
         h = hidden + self.self_attn.o_proj(out.transpose(1, 2).flatten(2))
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -265,6 +270,28 @@ class Eagle3Head(nn.Module):
         if m > 1:  # entry start + i sees the cache and the new entries up to itself
             mask = torch.ones(m, start + m, dtype=torch.bool, device=hidden.device).tril(start)[None, None]
         return layer.finish(q, keys, values, mask, hidden)
+
+    def layer_step_rows(self, hidden: torch.Tensor, input_ids: torch.Tensor, caches: list[KVCache],
+                        counts: list[int]) -> torch.Tensor:
+        """``layer_step`` for rows with caches of their own: row r's ``counts[r]`` new entries follow its cache, and
+        the rows' entries lie one after another in hidden [1, M, H] and input_ids [1, M] (M = sum of counts). The
+        projections and the MLP run once over all M entries (one read of the layer's weights for every row, which is
+        most of a one-token step); the attention runs per row over its own cache. -> pre-norm outputs [1, M, H]."""
+        layer = self.layers[0]
+        pos = torch.cat([torch.arange(c.length, c.length + m, device=input_ids.device) for c, m in zip(caches, counts)])
+        cos, sin = self.rotary_emb(hidden, pos.view(1, -1))
+        q, k, v = layer.qkv(self.embed(input_ids), hidden, cos, sin)
+        outs, s = [], 0
+        for cache, m in zip(caches, counts):
+            start = cache.length
+            keys, values = cache.append(k[:, :, s : s + m], v[:, :, s : s + m])
+            mask = None
+            if m > 1:  # entry start + i sees the cache and the new entries up to itself
+                mask = torch.ones(m, start + m, dtype=torch.bool, device=hidden.device).tril(start)[None, None]
+            outs.append(F.scaled_dot_product_attention(q[:, :, s : s + m], keys, values, attn_mask=mask,
+                                                       enable_gqa=True))
+            s += m
+        return layer.after_attention(torch.cat(outs, dim=2), hidden)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm outputs [..., H] -> draft logits [..., Vd]."""

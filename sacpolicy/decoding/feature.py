@@ -43,48 +43,53 @@ class FeatureDrafter(Drafter):
         self._pending.append(aux)
         self._rows += aux.shape[0]
 
-    def _feed(self, context: torch.Tensor) -> None:
-        """Run the pending (row, token) pairs through the head, caching them as true entries."""
+    def _take_pending(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending (row, token) pairs, now counted as fed: feature rows [m, A] and their tokens [m]. The caller runs
+        them through the head (``propose_batch``: every row's at once), which caches them as true entries."""
         rows = torch.cat(self._pending)
         m, start = rows.shape[0], self._true
-        hidden = self.head.fc(rows.to(self.head.fc.weight.dtype)).unsqueeze(0)  # [1, m, H]
-        # only the last entry's logits are read: a prompt's feed skips the draft head on all the others
-        out, logits = self.head(hidden, context[start + 1 : start + 1 + m].view(1, m), self._cache, logits_to_keep=1)
         self._pending, self._true = [], start + m
-        self._tail = (out[:, -1:], logits[0, -1])
+        return rows, context[start + 1 : start + 1 + m]
 
     def propose(self, context, k, sampling: SamplingConfig, generator=None, stop=None) -> DraftBlock:
         return self.propose_batch([self], [context], [k], [sampling], [generator], [stop])[0]
 
-    def _start(self, context, k: int, label: str) -> tuple | None:
-        """Settle the last proposal, feed the rows handed over since, and return the (pre-norm output, draft logits)
-        a proposal starts from; None when there is nothing to propose."""
+    def _start(self, context, k: int, label: str) -> bool:
+        """Settle the last proposal and say whether to propose (the rows handed over since still to feed)."""
         n = context.shape[0]
         if self._rows != n - 1:
             raise ValueError(f"{label} holds hidden states of {self._rows} positions but the context has {n} tokens "
                              f"(it needs {n - 1}: every committed position but the last); the decoder must call "
                              "extend_features after every target pass")
         self.accept(0)  # drop the chain of an unsettled proposal
-        if k <= 0 or n < 2:
-            return None
-        if self._pending:
-            self._feed(context)
-        return self._tail
+        return k > 0 and n >= 2
 
     @torch.inference_mode()
     def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
         """Every row's block (``rows``: this drafter's forks; ``propose`` is one row), each drafted token's draft logits
         from ONE output projection over the rows still drafting: the projection to the vocabulary is most of a head
-        step, and one matrix product over b rows reads its weights once instead of b times. The layer itself runs per
-        row on the row's own cache (rows hold caches of different lengths)."""
+        step, and one matrix product over b rows reads its weights once instead of b times. The target features handed
+        over since each row's last proposal are fed the same way: the layer per row, one projection of their last
+        outputs. The layer runs per row on the row's own cache (rows hold caches of different lengths)."""
         out: list[DraftBlock | None] = [None] * len(rows)
-        tails = {}
+        tails, fed = {}, {}
         for i, (d, c, k) in enumerate(zip(rows, contexts, ks)):
-            tail = d._start(c, k, "the feature drafter" if len(rows) == 1 else f"the feature drafter of row {i}")
-            if tail is None:
+            if not d._start(c, k, "the feature drafter" if len(rows) == 1 else f"the feature drafter of row {i}"):
                 out[i] = DraftBlock.empty(c.device)
+            elif d._pending:  # target features handed over since the row's last proposal: fed below
+                fed[i] = d._take_pending(c)
             else:
-                tails[i] = tail
+                tails[i] = d._tail
+        if fed:  # every fed row's entries through the layer at once; their last outputs through one projection
+            feats, ids = (torch.cat(parts) for parts in zip(*fed.values()))
+            counts = [f.shape[0] for f, _ in fed.values()]
+            hidden = self.head.fc(feats.to(self.head.fc.weight.dtype)).unsqueeze(0)  # [1, M, H]
+            h = self.head.layer_step_rows(hidden, ids.view(1, -1), [rows[i]._cache for i in fed], counts)
+            last = h[0, torch.tensor(counts, device=h.device).cumsum(0) - 1].unsqueeze(1)  # [b, 1, H]
+            logits = self.head.logits(last)  # [b, 1, Vd]
+            for r, i in enumerate(fed):
+                rows[i]._tail = tails[i] = (last[r : r + 1], logits[r, -1])
+        tails = dict(sorted(tails.items()))
         live = list(tails)
         tokens: dict[int, list] = {i: [] for i in live}
         block_logits: dict[int, list] = {i: [] for i in live}
@@ -99,10 +104,12 @@ class FeatureDrafter(Drafter):
                 if not (n == ks[i] or (stops[i] is not None and stops[i](n - 1, draft_stats(full)))):
                     going.append(i)
             if going:
-                hidden = [self.head.layer_step(tails[i][0], tokens[i][-1].view(1, 1), rows[i]._cache) for i in going]
-                logits = self.head.logits(torch.cat(hidden))  # [b, 1, Vd]
+                h = self.head.layer_step_rows(torch.cat([tails[i][0] for i in going], dim=1),
+                                              torch.cat([tokens[i][-1].view(1) for i in going]).view(1, -1),
+                                              [rows[i]._cache for i in going], [1] * len(going))  # [1, b, H]
+                logits = self.head.logits(h)  # [1, b, Vd]
                 for r, i in enumerate(going):
-                    tails[i] = (hidden[r], logits[r, -1])
+                    tails[i] = (h[:, r : r + 1], logits[0, r])
             live = going
         for i, drafted in tokens.items():
             out[i] = DraftBlock(torch.stack(drafted), torch.stack(block_logits[i]))

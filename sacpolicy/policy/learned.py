@@ -5,6 +5,7 @@ runtime decides exactly as it does."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import numpy as np
 
@@ -82,11 +83,11 @@ class LearnedPolicy(Policy):
         with one_blas_thread():
             plans, rate = self.rule.plan_batch(rows, [s.context_len for s in states], caps, per_row=self.per_row,
                                                batch=states[0].batch_size)
-        out = []
+        out, together = [], Counter(name for name, k in plans if name is not None and k > 0)
         for p, state, (name, k) in zip(policies, states, plans):
             if p.select == "request" and name is not None:
                 p.request_drafter = name
-            p.block = Block(name, state.context_len, k, batch=state.batch_size,
+            p.block = Block(name, state.context_len, k, batch=state.batch_size, rows=together[name],
                             rate=rate if state.batch_size > 1 else None) if name is not None else None
             p.prev_top1 = None
             out.append(Decision(name, k) if name is not None else Decision.autoregressive())

@@ -19,7 +19,10 @@ Prefill: a prompt of n tokens fed at once, where profiled (``prefill``, a line o
 
 Batches: a target pass verifying B rows of k + 1 tokens each costs a_B(k + 1) + b_B * context (context: the rows'
 mean), profiled at a few batch sizes (``batch``) and interpolated linearly in B between them; each row drafts its own
-block, so a batch's draft time is the sum of its rows'. A model profiled at B = 1 only refuses a larger B.
+block, so a batch's draft time is the sum of its rows'. A model profiled at B = 1 only refuses a larger B. Rows that
+draft with the same model drafter draft together (one forward per token over all of them), so each row's share costs
+less: where profiled (``draft_batch``), a row's draft time is its one-row time times g(r), the per-row share of r rows
+drafting together (g(1) = 1; interpolated between the profiled r, the last one's beyond them).
 
 A profiled curve keeps each knot's 95% interval (``lo``, ``hi``) beside its value; ``profiling`` makes the verify curve
 non-decreasing in tokens fed unless the intervals show a decrease beyond noise. Files without intervals still load.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +42,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-COST_FORMAT = 1  # intervals (lo, hi), per-batch-size curves (batch), per-proposal draft costs (draft_fixed) and the
-# prefill curve (prefill) are optional: older files load unchanged
+COST_FORMAT = 1  # intervals (lo, hi), per-batch-size curves (batch), per-proposal draft costs (draft_fixed), the
+# prefill curve (prefill) and batched drafting (draft_batch) are optional: older files load unchanged
 # Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
 # finite and positive.
 _MIN_S = 1e-7
@@ -117,6 +121,8 @@ class CostModel:
     # per-token drafter -> seconds it spends once per proposal on top of k * draft (vs context length)
     draft_fixed: dict[str, PiecewiseLinear] = field(default_factory=dict)
     prefill: PiecewiseLinear | None = None  # seconds of a target forward over a prompt of n tokens, vs n
+    # drafter -> g(r): its per-row draft time when r rows draft together, as a fraction of one row's (g(1) = 1)
+    draft_batch: dict[str, PiecewiseLinear] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for b, curves in [(1, self.verify), *self.batch.items()]:
@@ -134,6 +140,13 @@ class CostModel:
             raise ValueError(f"draft_fixed is a per-proposal cost on top of a per-token one, but {once} "
                              f"{'is' if len(once) == 1 else 'are'} not per-token drafters of this model "
                              f"(per_token_draft: {self.per_token_draft})")
+        for name, g in self.draft_batch.items():
+            if name not in self.draft:
+                raise ValueError(f"draft_batch names drafter {name!r}, which has no draft curve; profiled: "
+                                 f"{sorted(self.draft)}")
+            if g.xs[0] != 1.0 or g.ys[0] != 1.0 or min(g.ys) <= 0.0:
+                raise ValueError(f"draft_batch[{name!r}] must start at 1 row with share 1 and stay positive, got xs "
+                                 f"{g.xs} and ys {g.ys}. Fix: re-profile with sacpolicy.profiling.profile")
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -189,9 +202,14 @@ class CostModel:
             return self.verify_time(prompt_len - 1, 0)
         return max(_MIN_S, self.prefill(prompt_len))
 
-    def draft_time(self, drafter: str | None, k: int, context_len: int) -> float:
+    def draft_time(self, drafter: str | None, k: int, context_len: int, rows: int = 1) -> float:
+        """Seconds one row spends drafting k tokens on ``context_len`` committed ones, ``rows`` rows drafting with this
+        drafter together (its share of their batched drafting, where ``draft_batch`` has the drafter)."""
         if drafter is None or k <= 0:
             return 0.0
+        if rows > 1 and drafter in self.draft_batch:
+            g = self.draft_batch[drafter]
+            return g(min(rows, g.xs[-1])) * self.draft_time(drafter, k, context_len)
         if drafter not in self.draft:
             raise ValueError(f"no draft cost for drafter {drafter!r}; profiled: {sorted(self.draft)}. "
                              "Fix: re-run profile() with this drafter, or pick a profiled one")
@@ -202,9 +220,10 @@ class CostModel:
         once = max(0.0, fixed(context_len)) if fixed is not None else 0.0
         return once + k * max(_MIN_S, self.draft[drafter](context_len + (k - 1) / 2))
 
-    def step_time(self, drafter: str | None, k: int, context_len: int, batch: int = 1) -> float:
-        """One row's draft plus the target pass (of ``batch`` rows of k + 1 tokens)."""
-        return self.draft_time(drafter, k, context_len) + self.verify_time(k, context_len, batch)
+    def step_time(self, drafter: str | None, k: int, context_len: int, batch: int = 1, rows: int = 1) -> float:
+        """One row's draft (``rows`` rows drafting with it together) plus the target pass (of ``batch`` rows of
+        k + 1 tokens)."""
+        return self.draft_time(drafter, k, context_len, rows) + self.verify_time(k, context_len, batch)
 
     @staticmethod
     def expected_tokens(accept_probs: Sequence[float]) -> float:
@@ -230,9 +249,9 @@ class CostModel:
             out.append(total)
         return out
 
-    def draft_table(self, drafter: str | None, k_max: int, context_len: int) -> list[float]:
-        """``draft_time(drafter, k, context_len)`` for k = 0 .. k_max."""
-        return [self.draft_time(drafter, k, context_len) for k in range(k_max + 1)]
+    def draft_table(self, drafter: str | None, k_max: int, context_len: int, rows: int = 1) -> list[float]:
+        """``draft_time(drafter, k, context_len, rows)`` for k = 0 .. k_max."""
+        return [self.draft_time(drafter, k, context_len, rows) for k in range(k_max + 1)]
 
     def expected_tokens_per_s(self, drafter: str | None, k: int, context_len: int,
                               accept_probs: Sequence[float], batch: int = 1) -> float:
@@ -247,13 +266,15 @@ class CostModel:
         return self.expected_tokens(accept_probs[:k]) / self.step_time(drafter, k, context_len, batch)
 
     def tokens_per_s_table(self, drafter: str, context_len: int, accept_probs: Sequence[float],
-                           batch: int = 1, verify: Sequence[float] | None = None) -> list[float]:
-        """``expected_tokens_per_s(drafter, k, ...)`` for k = 1 .. len(accept_probs), in one pass. ``verify``:
-        ``verify_table(len(accept_probs), context_len, batch)`` when the caller has it already."""
+                           batch: int = 1, verify: Sequence[float] | None = None, rows: int = 1) -> list[float]:
+        """``expected_tokens_per_s(drafter, k, ...)`` for k = 1 .. len(accept_probs), in one pass, ``rows`` rows
+        drafting with this drafter together. ``verify``: ``verify_table(len(accept_probs), context_len, batch)`` when
+        the caller has it already."""
         tokens = self.expected_tokens_table(accept_probs)
         if verify is None:
             verify = self.verify_table(len(tokens) - 1, context_len, batch)
-        return [tokens[k] / (self.draft_time(drafter, k, context_len) + verify[k]) for k in range(1, len(tokens))]
+        draft = self.draft_table(drafter, len(tokens) - 1, context_len, rows)
+        return [tokens[k] / (draft[k] + verify[k]) for k in range(1, len(tokens))]
 
     def best_k(self, drafter: str | None, context_len: int, accept_probs: Sequence[float],
                k_max: int, batch: int = 1) -> tuple[int, float]:
@@ -273,14 +294,16 @@ class CostModel:
         The target pass costs what its longest block costs, so the search is over that length K (0..k_max): every
         row drafts up to K. With ``per_row``, each row then keeps only the tokens that pay for their own draft time
         at the batch's rate (max over k <= K of E_i(k) - rate * draft_i(k)): a row whose drafter is slow or unlikely
-        to be accepted drafts less, or nothing. Ties go to the smaller K. One row: ``best_k``."""
+        to be accepted drafts less, or nothing. Ties go to the smaller K. A row's draft time is its share of its
+        drafter's rows drafting together (``draft_batch``). One row: ``best_k``."""
         B = len(rows)
         if B == 0:
             raise ValueError("best_batch_k needs at least one row")
         ctx = sum(c for _, c, _ in rows) / B
+        together = Counter(d for d, _, a in rows if d is not None and len(a))
         # per row, k = 0 .. cap: expected tokens and draft seconds (tabulated once: the search reads them O(B K^2) times)
         tokens_of = [self.expected_tokens_table(a) for _, _, a in rows]
-        draft_of = [self.draft_table(d, len(a), c) for d, c, a in rows]
+        draft_of = [self.draft_table(d, len(a), c, together[d]) for d, c, a in rows]
         verify = self.verify_table(k_max, ctx, B)
 
         def rate(ks: list[int]) -> float:
@@ -311,6 +334,8 @@ class CostModel:
             d["prefill"] = self.prefill.to_dict()
         if self.draft_fixed:
             d["draft_fixed"] = {name: curve.to_dict() for name, curve in self.draft_fixed.items()}
+        if self.draft_batch:
+            d["draft_batch"] = {name: curve.to_dict() for name, curve in self.draft_batch.items()}
         return {**d, "batch": {str(b): _curves_to_dict(v) for b, v in self.batch.items()}} if self.batch else d
 
     @classmethod
@@ -332,7 +357,8 @@ class CostModel:
                    per_token_draft={name: bool(v) for name, v in d["per_token_draft"].items()},
                    meta=dict(d.get("meta", {})), batch=batch,
                    draft_fixed={name: PiecewiseLinear(**c) for name, c in d.get("draft_fixed", {}).items()},
-                   prefill=PiecewiseLinear(**d["prefill"]) if "prefill" in d else None)
+                   prefill=PiecewiseLinear(**d["prefill"]) if "prefill" in d else None,
+                   draft_batch={name: PiecewiseLinear(**c) for name, c in d.get("draft_batch", {}).items()})
 
     def to_json(self, path) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a file."""

@@ -19,6 +19,7 @@ The in-framework ``LearnedPolicy`` and every exported adapter call this one clas
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,7 @@ class Block:
     survive: float = 1.0  # P(all n accepted)
     expected: float = 1.0  # expected tokens emitted if the block ended now (accepted + the target's own token)
     batch: int = 1  # rows in the target pass that will verify the block
+    rows: int = 1  # rows drafting with this block's drafter together (``CostModel.draft_batch``)
     rate: float | None = None  # a batch's planned expected tokens/s (``plan_batch``); None: the row is alone
 
 
@@ -131,17 +133,30 @@ class DecisionRule:
         if not blocks:
             return out, 0.0
         probs = self.predictor.predict(np.concatenate([X for *_, X in blocks]))
-        chosen, at = {}, 0
+        tables, at = [], 0
         for i, names, cap, X in blocks:
             p = probs[at : at + X.shape[0]].reshape(len(names), cap)
             at += X.shape[0]
-            verify = self.cost.verify_table(cap, context_lens[i], B)  # the same pass whichever drafter drafts
-            best = (-1.0, None, [])  # the row's drafter: best at its best k >= 1 (AR is weighed for the batch)
-            for name, a in zip(names, p):
-                tps = max(self.cost.tokens_per_s_table(name, context_lens[i], a, B, verify=verify))
-                if tps > best[0]:
-                    best = (tps, name, a.tolist())
-            chosen[i] = best[1:]
+            tables.append((i, names, p, self.cost.verify_table(cap, context_lens[i], B)))  # same pass for any drafter
+
+        def choose(together) -> dict:  # each row's drafter: best at its best k >= 1 (AR is weighed for the batch)
+            chosen = {}
+            for i, names, p, verify in tables:
+                best = (-1.0, None, [])
+                for name, a in zip(names, p):
+                    tps = max(self.cost.tokens_per_s_table(name, context_lens[i], a, B, verify=verify,
+                                                           rows=together(name, i)))
+                    if tps > best[0]:
+                        best = (tps, name, a.tolist())
+                chosen[i] = best[1:]
+            return chosen
+
+        # rows drafting with one model drafter share its batched drafting (``CostModel.draft_batch``): choose as if
+        # every planned row drafted with it, then again with the rows that chose it (and this row)
+        chosen = choose(lambda name, i: len(tables))
+        if self.cost.draft_batch and len(tables) > 1:
+            first, counts = chosen, Counter(name for name, _ in chosen.values())
+            chosen = choose(lambda name, i: counts[name] + (first[i][0] != name))
         # a row on the fallback keeps its k; it counts in the pass, with no acceptance assumed
         batch_rows = [(chosen[i][0], context_lens[i], chosen[i][1]) if i in chosen
                       else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(len(rows))]
@@ -164,8 +179,8 @@ class DecisionRule:
         batch = block.batch > 1 and block.rate is not None
         extra = 0.0
         if batch:  # a row of a batch pays only its own draft time for one more token
-            extra = (self.cost.draft_time(block.drafter, block.n + 1, block.context_len)
-                     - self.cost.draft_time(block.drafter, block.n, block.context_len))
+            extra = (self.cost.draft_time(block.drafter, block.n + 1, block.context_len, block.rows)
+                     - self.cost.draft_time(block.drafter, block.n, block.context_len, block.rows))
             if extra <= 0.0:  # a proposal paid once: more of it costs nothing, no prediction needed
                 return False
         X = np.stack([row, next_row])

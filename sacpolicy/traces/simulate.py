@@ -139,6 +139,21 @@ class ReplayDrafter(Drafter):
         return tuple(confidence(rows, g, 0))
 
     def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
+        block = self._propose(context, k, stop)
+        if self.clock is not None:
+            self.clock.t += self.cost.draft_time(self.name, block.k, context.shape[0])
+        return block
+
+    def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
+        """Every row's proposal, drafted together as the decoder drafts a batch's rows: with a clock, each row that
+        drafts pays its share of that many rows drafting together (``CostModel.draft_batch``)."""
+        blocks = [d._propose(c, k, stop) for d, c, k, stop in zip(rows, contexts, ks, stops)]
+        if self.clock is not None:
+            n = sum(1 for b in blocks if b.k)
+            self.clock.t += sum(self.cost.draft_time(self.name, b.k, c.shape[0], n) for b, c in zip(blocks, contexts))
+        return blocks
+
+    def _propose(self, context, k, stop) -> DraftBlock:
         rows, g = self._rows(context)  # g: the position predicted next
         G = len(rows["target_token"])
         k = min(k, rows["proposal_len"][g], G - g)
@@ -150,8 +165,6 @@ class ReplayDrafter(Drafter):
             conf.append(confidence(rows, g, j))
             if stop is not None and j + 1 < k and stop(j, torch.tensor(conf[-1])):
                 break
-        if self.clock is not None:
-            self.clock.t += self.cost.draft_time(self.name, len(tokens), context.shape[0])
         if not tokens:
             return DraftBlock(torch.empty(0, dtype=torch.long), None)
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(conf))
