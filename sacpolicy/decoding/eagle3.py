@@ -251,32 +251,26 @@ class Eagle3Head(nn.Module):
         return full.index_copy_(-1, self.draft_ids, logits)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache, logits_to_keep: int = 0):
-        """Inference over m new entries after the cached ones: hidden [B, m, H] (fc'd target features or the head's
-        own outputs), input_ids [B, m] -> (pre-norm outputs [B, m, H], draft logits [B, m', Vd]) of the last
+        """Inference over one row's m new entries after its cached ones: hidden [1, m, H] (fc'd target features or the
+        head's own outputs), input_ids [1, m] -> (pre-norm outputs [1, m, H], draft logits [1, m', Vd]) of the last
         m' = ``logits_to_keep`` entries (0: all m)."""
         out = self.layer_step(hidden, input_ids, cache)
         return out, self.logits(out[:, -logits_to_keep:])
 
     def layer_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """``forward`` without the draft logits: the pre-norm outputs [B, m, H], the entries cached."""
-        layer = self.layers[0]
-        B, m = input_ids.shape
-        start = cache.length
-        pos = torch.arange(start, start + m, device=input_ids.device).expand(B, m)
-        cos, sin = self.rotary_emb(hidden, pos)
-        q, k, v = layer.qkv(self.embed(input_ids), hidden, cos, sin)
-        keys, values = cache.append(k, v)
-        mask = None
-        if m > 1:  # entry start + i sees the cache and the new entries up to itself
-            mask = torch.ones(m, start + m, dtype=torch.bool, device=hidden.device).tril(start)[None, None]
-        return layer.finish(q, keys, values, mask, hidden)
+        """``forward`` without the draft logits, for one row: the pre-norm outputs [1, m, H], the entries cached."""
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"layer_step steps one row, got {input_ids.shape[0]}; rows with caches of their own step "
+                             "together through layer_step_rows")
+        return self.layer_step_rows(hidden, input_ids, [cache], [input_ids.shape[1]])
 
     def layer_step_rows(self, hidden: torch.Tensor, input_ids: torch.Tensor, caches: list[KVCache],
                         counts: list[int]) -> torch.Tensor:
-        """``layer_step`` for rows with caches of their own: row r's ``counts[r]`` new entries follow its cache, and
-        the rows' entries lie one after another in hidden [1, M, H] and input_ids [1, M] (M = sum of counts). The
-        projections and the MLP run once over all M entries (one read of the layer's weights for every row, which is
-        most of a one-token step); the attention runs per row over its own cache. -> pre-norm outputs [1, M, H]."""
+        """The layer's cached step for rows with caches of their own: row r's ``counts[r]`` new entries follow its
+        cache, and the rows' entries lie one after another in hidden [1, M, H] and input_ids [1, M] (M = sum of
+        counts). The projections and the MLP run once over all M entries (one read of the layer's weights for every
+        row, which is most of a one-token step); the attention runs per row over its own cache. -> pre-norm outputs
+        [1, M, H]."""
         layer = self.layers[0]
         pos = torch.cat([torch.arange(c.length, c.length + m, device=input_ids.device) for c, m in zip(caches, counts)])
         cos, sin = self.rotary_emb(hidden, pos.view(1, -1))
@@ -291,7 +285,7 @@ class Eagle3Head(nn.Module):
             outs.append(F.scaled_dot_product_attention(q[:, :, s : s + m], keys, values, attn_mask=mask,
                                                        enable_gqa=True))
             s += m
-        return layer.after_attention(torch.cat(outs, dim=2), hidden)
+        return layer.after_attention(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), hidden)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm outputs [..., H] -> draft logits [..., Vd]."""
