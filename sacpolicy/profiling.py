@@ -205,66 +205,59 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
     return prefill_rows, draft_rows, fixed_rows
 
 
-def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int):
-    """A feature drafter timed as the decoder runs it on top of c committed tokens: each proposal first feeds the rows
-    committed since the last one (here 2: the last token and one accepted draft), then drafts its chain. Blocks of 1
-    and of K = max(k_max, 2) tokens are timed in the same rounds; -> ([repeats] seconds per drafted token,
-    [repeats] seconds once per proposal), the two solving t(k) = fixed + k * per_token at k = 1 and K."""
+def _feature_cells(target, drafter, forks: list, c: int, sizes: Sequence[int], ks: Sequence[int], device,
+                   gen) -> dict:
+    """Timing cells {(r, k): (run, undo)} of a feature drafter as the decoder runs it on top of c committed tokens:
+    the first r of ``forks`` (the drafter itself, or its forks for a batch's rows) each hold c - 1 fed rows and 2 more
+    handed over since their last proposal (the last token and one accepted draft), and ``run`` proposes k tokens for
+    all r in one ``propose_batch`` call, which first feeds those rows; ``undo`` restores that state."""
     from sacpolicy.decoding.aux import aux_pass
     from sacpolicy.decoding.sampling import SamplingConfig
 
-    K, pending = max(k_max, 2), 2
+    pending = 2
     context = torch.randint(target.config.vocab_size, (c + pending,), generator=gen).to(device)
     _, capture = aux_pass(target, context, 1, drafter.aux_layers)
-    rows = capture.rows(drafter.aux_layers, c + pending - 1)
+    feats = capture.rows(drafter.aux_layers, c + pending - 1)
 
-    def committed():  # the drafter after a proposal at c tokens, the next 2 rows handed over and not fed yet
-        drafter.reset()
-        drafter.extend_features(rows[: c - 1])
-        drafter.propose(context[:c], 1, SamplingConfig())
-        drafter.extend_features(rows[c - 1:])
+    def propose(rows: list, ctx: torch.Tensor, k: int) -> None:
+        n = len(rows)
+        drafter.propose_batch(rows, [ctx] * n, [k] * n, [SamplingConfig()] * n, [None] * n, [None] * n)
 
-    committed()
-    cells = {k: (functools.partial(drafter.propose, context, k, SamplingConfig()), committed) for k in (1, K)}
-    t = _interleaved_times(cells, device, repeats, warmup)
-    per_token = (t[K] - t[1]) / (K - 1)
-    return per_token, t[1] - per_token
+    def committed(rows: list) -> None:  # each row after a proposal at c tokens, the next rows handed over, not fed
+        for d in rows:
+            d.reset()
+            d.extend_features(feats[: c - 1])
+        propose(rows, context[:c], 1)
+        for d in rows:
+            d.extend_features(feats[c - 1 :])
+
+    for r in sizes:
+        committed(forks[:r])
+    return {(r, k): (functools.partial(propose, forks[:r], context, k), functools.partial(committed, forks[:r]))
+            for r in sizes for k in ks}
+
+
+def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeats: int, warmup: int):
+    """A feature drafter timed as the decoder runs it on top of c committed tokens (``_feature_cells``, one row):
+    blocks of 1 and of K = max(k_max, 2) tokens timed in the same rounds; -> ([repeats] seconds per drafted token,
+    [repeats] seconds once per proposal), the two solving t(k) = fixed + k * per_token at k = 1 and K."""
+    K = max(k_max, 2)
+    t = _interleaved_times(_feature_cells(target, drafter, [drafter], c, [1], (1, K), device, gen), device, repeats,
+                           warmup)
+    per_token = (t[(1, K)] - t[(1, 1)]) / (K - 1)
+    return per_token, t[(1, 1)] - per_token
 
 
 def _feature_batch_shares(target, drafter, c: int, k_max: int, batch_sizes: Sequence[int], device, gen,
                           repeats: int, warmup: int) -> dict[int, np.ndarray]:
     """A feature drafter's rows drafting together (``propose_batch``, as the decoder drafts a batch's rows that chose
-    it), each on c committed tokens with 2 rows handed over since its last proposal: -> {r: [repeats] per-row share},
-    the seconds of r rows' proposals over r, as a fraction of one row's, blocks of 1 and of K tokens counted alike
-    (the share of their sum). Every size is timed in the same rounds."""
-    from sacpolicy.decoding.aux import aux_pass
-    from sacpolicy.decoding.sampling import SamplingConfig
-
-    K, pending, R = max(k_max, 2), 2, max(batch_sizes)
-    context = torch.randint(target.config.vocab_size, (c + pending,), generator=gen).to(device)
-    _, capture = aux_pass(target, context, 1, drafter.aux_layers)
-    feats = capture.rows(drafter.aux_layers, c + pending - 1)
-    forks = [drafter.fork() for _ in range(R)]
-
-    def committed(rows):  # each row after a proposal at c tokens, the next 2 rows handed over and not fed yet
-        for d in rows:
-            d.reset()
-            d.extend_features(feats[: c - 1])
-        drafter.propose_batch(rows, [context[:c]] * len(rows), [1] * len(rows), [SamplingConfig()] * len(rows),
-                              [None] * len(rows), [None] * len(rows))
-        for d in rows:
-            d.extend_features(feats[c - 1 :])
-
-    def cell(r: int, k: int):
-        rows = forks[:r]
-        run = functools.partial(drafter.propose_batch, rows, [context] * r, [k] * r, [SamplingConfig()] * r,
-                                [None] * r, [None] * r)
-        return run, functools.partial(committed, rows)
-
-    sizes = sorted({1, *batch_sizes})
-    for r in sizes:
-        committed(forks[:r])
-    t = _interleaved_times({(r, k): cell(r, k) for r in sizes for k in (1, K)}, device, repeats, warmup)
+    it; ``_feature_cells`` over its forks): -> {r: [repeats] per-row share}, the seconds of r rows' proposals over r,
+    as a fraction of one row's, blocks of 1 and of K tokens counted alike (the share of their sum). Every size is
+    timed in the same rounds."""
+    K, sizes = max(k_max, 2), sorted({1, *batch_sizes})
+    forks = [drafter.fork() for _ in range(sizes[-1])]
+    t = _interleaved_times(_feature_cells(target, drafter, forks, c, sizes, (1, K), device, gen), device, repeats,
+                           warmup)
     one = t[(1, 1)] + t[(1, K)]
     return {r: (t[(r, 1)] + t[(r, K)]) / r / one for r in sizes if r > 1}
 

@@ -68,9 +68,11 @@ class FeatureDrafter(Drafter):
     def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
         """Every row's block (``rows``: this drafter's forks; ``propose`` is one row), each drafted token's draft logits
         from ONE output projection over the rows still drafting: the projection to the vocabulary is most of a head
-        step, and one matrix product over b rows reads its weights once instead of b times. The target features handed
-        over since each row's last proposal are fed the same way: the layer per row, one projection of their last
-        outputs. The layer runs per row on the row's own cache (rows hold caches of different lengths)."""
+        step, and one matrix product over b rows reads its weights once instead of b times. The layer runs once over
+        every row's entries too (``Eagle3Head.layer_step_rows``: its projections and MLP over all of them, the
+        attention per row on the row's own cache, since rows hold caches of different lengths), for each drafted token
+        and for the target features handed over since each row's last proposal, whose last outputs share one
+        projection."""
         out: list[DraftBlock | None] = [None] * len(rows)
         tails, fed = {}, {}
         for i, (d, c, k) in enumerate(zip(rows, contexts, ks)):

@@ -135,9 +135,10 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
 
 class _History:
     """Each request's acceptance history (``next_accept_history``) across vLLM steps. The proposer hook gives no
-    request ids, so a request is found again by its committed tokens: after a step that committed s tokens (accepted drafts + the target's own), the
-    row's first n - s tokens are the context it was drafted on. Equal contexts share their history, which is exact
-    for greedy decoding (equal contexts saw equal blocks) and a close estimate when sampling."""
+    request ids, so a request is found again by its committed tokens: after a step that committed s tokens (accepted
+    drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Equal contexts share
+    their history, which is exact for greedy decoding (equal contexts saw equal blocks) and a close estimate when
+    sampling."""
 
     def __init__(self, capacity: int):
         self.capacity, self.entries = capacity, OrderedDict()

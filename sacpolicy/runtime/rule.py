@@ -139,24 +139,25 @@ class DecisionRule:
             at += X.shape[0]
             tables.append((i, names, p, self.cost.verify_table(cap, context_lens[i], B)))  # same pass for any drafter
 
-        def choose(together) -> dict:  # each row's drafter: best at its best k >= 1 (AR is weighed for the batch)
-            chosen = {}
-            for i, names, p, verify in tables:
-                best = (-1.0, None, [])
-                for name, a in zip(names, p):
-                    tps = max(self.cost.tokens_per_s_table(name, context_lens[i], a, B, verify=verify,
-                                                           rows=together(name, i)))
-                    if tps > best[0]:
-                        best = (tps, name, a.tolist())
-                chosen[i] = best[1:]
-            return chosen
+        def score(i: int, name: str, a, verify, rows: int) -> float:  # the row's tokens/s at its best k >= 1
+            return max(self.cost.tokens_per_s_table(name, context_lens[i], a, B, verify=verify, rows=rows))
 
-        # rows drafting with one model drafter share its batched drafting (``CostModel.draft_batch``): choose as if
-        # every planned row drafted with it, then again with the rows that chose it (and this row)
-        chosen = choose(lambda name, i: len(tables))
+        def pick() -> dict:  # each row's drafter: the best at its best k >= 1 (AR is weighed for the batch)
+            return {i: max(names, key=lambda n, i=i: scores[i][n]) for i, names, _, _ in tables}
+
+        # rows drafting with one model drafter share its batched drafting (``CostModel.draft_batch``): score as if
+        # every planned row drafted with it, then rescore those drafters with the rows that chose them (and this row)
+        scores = {i: {n: score(i, n, a, verify, len(tables)) for n, a in zip(names, p)}
+                  for i, names, p, verify in tables}
+        chosen = pick()
         if self.cost.draft_batch and len(tables) > 1:
-            first, counts = chosen, Counter(name for name, _ in chosen.values())
-            chosen = choose(lambda name, i: counts[name] + (first[i][0] != name))
+            counts = Counter(chosen.values())
+            for i, names, p, verify in tables:
+                for n, a in zip(names, p):
+                    if n in self.cost.draft_batch:
+                        scores[i][n] = score(i, n, a, verify, counts[n] + (chosen[i] != n))
+            chosen = pick()
+        chosen = {i: (chosen[i], p[names.index(chosen[i])].tolist()) for i, names, p, _ in tables}
         # a row on the fallback keeps its k; it counts in the pass, with no acceptance assumed
         batch_rows = [(chosen[i][0], context_lens[i], chosen[i][1]) if i in chosen
                       else (out[i][0], context_lens[i], [0.0] * out[i][1]) for i in range(len(rows))]
