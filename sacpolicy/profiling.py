@@ -248,16 +248,42 @@ def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeat
     return per_token, t[(1, 1)] - per_token
 
 
-def _feature_batch_shares(target, drafter, c: int, k_max: int, batch_sizes: Sequence[int], device, gen,
-                          repeats: int, warmup: int) -> dict[int, np.ndarray]:
-    """A feature drafter's rows drafting together (``propose_batch``, as the decoder drafts a batch's rows that chose
-    it; ``_feature_cells`` over its forks): -> {r: [repeats] per-row share}, the seconds of r rows' proposals over r,
-    as a fraction of one row's, blocks of 1 and of K tokens counted alike (the share of their sum). Every size is
-    timed in the same rounds."""
+def _model_cells(target, drafter, forks: list, c: int, sizes: Sequence[int], ks: Sequence[int], device,
+                 gen) -> dict:
+    """Timing cells {(r, k): (run, undo)} of a model drafter (its own KV cache) as the decoder runs a batch's rows:
+    the first r of ``forks`` each hold c committed tokens in their caches and are handed one more (the token the
+    target emitted), and ``run`` proposes k tokens for all r in one ``propose_batch`` call (the rows' caches stacked,
+    one forward per drafted token); ``undo`` restores that state."""
+    from sacpolicy.decoding.sampling import SamplingConfig
+
+    context = torch.randint(target.config.vocab_size, (c + 1,), generator=gen).to(device)
+
+    def propose(rows: list, k: int) -> None:
+        n = len(rows)
+        drafter.propose_batch(rows, [context] * n, [k] * n, [SamplingConfig()] * n, [None] * n, [None] * n)
+
+    def committed(rows: list) -> None:  # each row's cache holds the c tokens before the one handed over
+        for d in rows:
+            d.reset()
+            d.propose(context[:c], 1, SamplingConfig())
+
+    for r in sizes:
+        committed(forks[:r])
+    return {(r, k): (functools.partial(propose, forks[:r], k), functools.partial(committed, forks[:r]))
+            for r in sizes for k in ks}
+
+
+def _batch_shares(target, drafter, c: int, k_max: int, batch_sizes: Sequence[int], device, gen, repeats: int,
+                  warmup: int) -> dict[int, np.ndarray]:
+    """A model or feature drafter's rows drafting together (``propose_batch``, as the decoder drafts a batch's rows
+    that chose it; ``_feature_cells`` or ``_model_cells`` over its forks): -> {r: [repeats] per-row share}, the
+    seconds of r rows' proposals over r, as a fraction of one row's, blocks of 1 and of K tokens counted alike (the
+    share of their sum). Every size is timed in the same rounds."""
     K, sizes = max(k_max, 2), sorted({1, *batch_sizes})
     forks = [drafter.fork() for _ in range(sizes[-1])]
-    t = _interleaved_times(_feature_cells(target, drafter, forks, c, sizes, (1, K), device, gen), device, repeats,
-                           warmup)
+    cells = (_feature_cells(target, drafter, forks, c, sizes, (1, K), device, gen) if drafter.aux_layers
+             else _model_cells(target, drafter, forks, c, sizes, (1, K), device, gen))
+    t = _interleaved_times(cells, device, repeats, warmup)
     one = t[(1, 1)] + t[(1, K)]
     return {r: (t[(r, 1)] + t[(r, K)]) / r / one for r in sizes if r > 1}
 
@@ -274,8 +300,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     lookup). Every cell is timed `repeats` times
     (>= 5 for knot intervals that can tell a real decrease in verify cost from noise; see the module docstring).
     ``batch_sizes``: also time the verify pass over that many rows (the batched decoder's ragged cache and mask), so
-    policies can weigh drafting at the live batch size, and a feature drafter's proposals for that many rows drafting
-    together (``CostModel.draft_batch``: each row's share of their batched drafting), at the middle profiled context.
+    policies can weigh drafting at the live batch size, and a model or feature drafter's proposals for that many rows
+    drafting together (``CostModel.draft_batch``: each row's share of their batched drafting), at the middle profiled context.
     """
     import transformers
 
@@ -309,10 +335,12 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     if len(set(batch_sizes)) > 1:
         c = sorted(context_lens)[len(context_lens) // 2]
         for name, drafter in named.items():
-            if drafter.aux_layers and _fits(target, c, 2):
+            K = max(max(ks), 2)
+            fits = _fits(target, c, 2) if drafter.aux_layers else per_token[name] and _fits(drafter.model, c, K + 1)
+            if fits:
                 logger.info("profiling %s drafting rows together at batch sizes %s", name, sorted(set(batch_sizes)))
-                shares[name] = _feature_batch_shares(target, drafter, c, max(max(ks), 1), batch_sizes, device, gen,
-                                                     repeats, warmup)
+                shares[name] = _batch_shares(target, drafter, c, max(max(ks), 1), batch_sizes, device, gen, repeats,
+                                             warmup)
     if not verify_rows:
         raise ValueError(f"every context length in {tuple(context_lens)} exceeds the target's context window; "
                          "pass shorter context_lens")

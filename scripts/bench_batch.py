@@ -212,9 +212,11 @@ def main(argv=None) -> int:
         else:
             from sacpolicy.profiling import profile
 
-            print(f"profiling the verify pass at batch sizes {sizes} -> {out_cost}", flush=True)
-            cost = profile(target, drafters, ks=tuple(range(9)), context_lens=(64, 256, 512),
-                           batch_sizes=sorted({1, *sizes}))  # the profile starts from one row
+            # a running batch passes through every size below its largest (joining, draining): profile powers of two
+            # up to it as well as the sizes run, which interpolating between 1 and 16 rows alone would misprice
+            profiled = sorted({1, *sizes, *(2 ** i for i in range(1, max(sizes).bit_length()) if 2 ** i < max(sizes))})
+            print(f"profiling the verify pass at batch sizes {profiled} -> {out_cost}", flush=True)
+            cost = profile(target, drafters, ks=tuple(range(9)), context_lens=(64, 256, 512), batch_sizes=profiled)
             cost.to_json(out_cost)
         rule = replace(rule, cost=cost)
     print(f"{len(prompts)} {args.run or args.source} test prompts, {args.max_tokens} new tokens, greedy, "

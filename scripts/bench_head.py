@@ -3,11 +3,14 @@
 
     python scripts/bench_head.py                                  # the shipped head of the embedded target
     python scripts/bench_head.py --rows 1,2,4,8,16 --k 3 --pending 2 --context 300
+    python scripts/bench_head.py --stop                           # rows read each drafted token's confidence
 
 Each of R rows holds ``--context`` + 20 i committed tokens (the head fed their target features once, untimed); then,
 ``--steps`` times, as the decoder does between two proposals, every row accepts one drafted token, is handed
 ``--pending`` new feature rows (a verify pass's last token and accepted drafts) and drafts a block of ``--k`` tokens,
-all R rows in one ``propose_batch`` call. The features are random (the cost depends on shapes, not values). Reports
+all R rows in one ``propose_batch`` call; with ``--stop`` every row has a stop callback that never ends its block, as
+a policy asking for token feedback (the learned rule) has: the drafter then computes each drafted token's confidence
+for it. The features are random (the cost depends on shapes, not values). Reports
 the median milliseconds of a call and per row, and each size's per-row time as a fraction of one row's (what the
 cost model's ``draft_batch`` share measures). Prints a Markdown table and writes bench_head.json.
 """
@@ -37,9 +40,10 @@ def time_rows(proto, rows: int, args, gen: torch.Generator) -> list[float]:
     for d, c in zip(forks, contexts):
         d.extend_features(torch.randn(c.numel() - 1, width, generator=gen))
     sampling = [SamplingConfig()] * rows
+    stops = [(lambda position, stats: False) if args.stop else None] * rows
 
     def propose():
-        return proto.propose_batch(forks, contexts, [args.k] * rows, sampling, [None] * rows, [None] * rows)
+        return proto.propose_batch(forks, contexts, [args.k] * rows, sampling, [None] * rows, stops)
 
     propose()  # the prompts' feeds, untimed
     times = []
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stop", action="store_true", help="rows have a stop callback (never stopping): the confidence "
+                    "a policy asking for token feedback reads is computed per drafted token")
     ap.add_argument("--out", default="bench_head.json")
     args = ap.parse_args()
     sizes = [int(r) for r in args.rows.split(",")]
@@ -81,6 +87,7 @@ def main() -> None:
         print(f"  {r} rows: {1e3 * call:.2f} ms a call, {1e3 * call / r:.2f} ms a row", flush=True)
     one = next((x["per_row_ms"] for x in rows if x["rows"] == 1), None)
     lines = [f"{args.k} tokens a row after {args.pending} new feature rows, context {args.context}+, "
+             f"{'with' if args.stop else 'without'} a stop callback, "
              f"{args.threads} threads, median of {args.steps} calls", "",
              "| rows | ms a call | ms a row | share of one row |", "|---|---|---|---|"]
     for x in rows:

@@ -399,6 +399,42 @@ def test_profile_rejects_contexts_that_all_exceed_the_window(tiny_target):
         profile(tiny_target.model, [], ks=(0,), context_lens=(4096,), repeats=1, warmup=0)
 
 
+def test_profile_prices_rows_of_a_model_drafter_drafting_together(tiny_target, tiny_draft):
+    """A model drafter's rows are timed drafting together as the decoder drafts them (their caches stacked, one
+    forward of every row per drafted token): each cell's run drafts all its rows in one forward per token, its undo
+    puts every row back on c cached tokens, and the profile keeps a row's share (``draft_batch``) for it alone."""
+    import torch
+
+    from sacpolicy.profiling import _model_cells
+
+    drafter = ModelDrafter(tiny_draft.model, name="draft")
+    forks = [drafter.fork() for _ in range(3)]
+    cells = _model_cells(tiny_target.model, drafter, forks, 12, [1, 3], (1, 2), "cpu", torch.Generator().manual_seed(0))
+    widths = []
+    hook = tiny_draft.model.register_forward_hook(lambda m, args, kwargs, out: widths.append(kwargs["input_ids"].shape),
+                                                  with_kwargs=True)
+    try:
+        run, undo = cells[(3, 2)]
+        run()
+        first = [f._cache.get_seq_length() for f in forks]
+        undo()
+        assert [f._valid for f in forks] == [12] * 3 and [f._cache.get_seq_length() for f in forks] == [12] * 3
+        run()
+    finally:
+        hook.remove()
+    # two drafted tokens, every row in each forward; between the runs each row's c tokens are cached again
+    assert widths == [(3, 1), (3, 1), *[(1, 12)] * 3, (3, 1), (3, 1)]
+    assert first == [f._cache.get_seq_length() for f in forks] == [14] * 3  # c + the token handed over + 1 draft
+
+    cost = profile(tiny_target.model, [drafter, NgramDrafter()], ks=(0, 2), context_lens=(16, 32), repeats=3,
+                   warmup=1, batch_sizes=(1, 2, 4))
+    share = cost.draft_batch["draft"]
+    assert set(cost.draft_batch) == {"draft"}
+    assert share.xs == [1.0, 2.0, 4.0] and share.ys[0] == 1.0 and min(share.ys) > 0
+    assert all(lo <= hi for lo, hi in zip(share.lo, share.hi))
+    assert cost.draft_time("draft", 2, 24, rows=4) == pytest.approx(share.ys[2] * cost.draft_time("draft", 2, 24))
+
+
 def test_profile_interleaves_cells_so_a_drifting_machine_tilts_no_curve(monkeypatch):
     """Cells are timed round-robin, each round starting one cell later: on a machine whose every call gets slower
     (a shared CPU under a neighbour's growing load), each cell sees the same drift, where timing one cell's repeats

@@ -302,6 +302,33 @@ def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, seq
         proto.propose_batch(rows(), [ids[0][:7], ids[1][:13]], [2, 2], [SamplingConfig()] * 2, [None] * 2, [None] * 2)
 
 
+def test_a_drafted_tokens_confidence_is_its_distribution_over_the_target_vocabulary(tiny_target, sequences):
+    """The rows' draft logits are read over the draft vocabulary (the head's trimmed one): each token is the argmax of
+    the block's full-vocabulary logits, and the confidence a stop callback gets is ``draft_stats`` of them (q = 0
+    outside the draft vocabulary); a sampled token is one the draft can propose."""
+    from sacpolicy.decoding.sampling import draft_stats
+
+    head = random_head(tiny_target, seed=4)
+    assert head.config.draft_vocab_size < head.config.target_vocab_size
+    proto = FeatureDrafter(head)
+    ids = [torch.tensor(sequences[i]["input_ids"])[:n] for i, n in ((8, 9), (9, 14))]
+    seen = [[], []]
+    rows = [proto.fork() for _ in ids]
+    for d, x in zip(rows, ids):
+        d.extend_features(features(tiny_target, x)[: x.numel() - 1])
+    stops = [lambda i, s, r=r: seen[r].append(s.clone()) is not None for r in range(2)]  # never stops
+    blocks = proto.propose_batch(rows, ids, [3, 4], [SamplingConfig()] * 2, [None] * 2, stops)
+    for b, stats in zip(blocks, seen):
+        assert b.logits.shape == (b.k, head.config.target_vocab_size)
+        assert torch.equal(b.tokens, b.logits.argmax(-1))
+        # asked after every token but the last (the block ends there anyway)
+        torch.testing.assert_close(torch.stack(stats), draft_stats(b.logits[:-1]), atol=1e-6, rtol=1e-5)
+    d = proto.fork()
+    d.extend_features(features(tiny_target, ids[1])[: ids[1].numel() - 1])
+    sampled = d.propose(ids[1], 4, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    assert sampled.k == 4 and bool(head.t2d[sampled.tokens].all())
+
+
 def trainer(tmp, **kw):
     return functools.partial(L.Trainer, accelerator="cpu", devices=1, enable_progress_bar=False, max_epochs=1000,
                              default_root_dir=str(tmp), enable_model_summary=False, num_sanity_val_steps=-1, **kw)

@@ -96,14 +96,20 @@ class FeatureDrafter(Drafter):
         tokens: dict[int, list] = {i: [] for i in live}
         block_logits: dict[int, list] = {i: [] for i in live}
         while live:
+            # the live rows' draft logits at once, over the draft vocabulary: its argmax is the full vocabulary's (ties
+            # included: ``set_vocab``) and q = 0 outside it, so the confidence is the same, 6x fewer logits to read
+            # than per row over the target's vocabulary (16 rows of 8k logits: 9 ms -> 2 ms a drafted token)
+            trimmed = torch.stack([tails[i][1] for i in live])  # [b, Vd]
+            greedy = self.head.draft_ids[trimmed.argmax(-1)]
+            stats = draft_stats(trimmed) if any(stops[i] is not None for i in live) else None
             going = []
-            for i in live:
-                full = self.head.full_logits(tails[i][1])
-                tok = select_token(full, samplings[i], generators[i])
+            for r, i in enumerate(live):
+                tok = greedy[r] if samplings[i].greedy else select_token(
+                    self.head.full_logits(trimmed[r]), samplings[i], generators[i])
                 tokens[i].append(tok)
-                block_logits[i].append(full)
+                block_logits[i].append(trimmed[r])
                 n = len(tokens[i])
-                if not (n == ks[i] or (stops[i] is not None and stops[i](n - 1, draft_stats(full)))):
+                if not (n == ks[i] or (stops[i] is not None and stops[i](n - 1, stats[r]))):
                     going.append(i)
             if going:
                 h = self.head.layer_step_rows(torch.cat([tails[i][0] for i in going], dim=1),
@@ -114,7 +120,7 @@ class FeatureDrafter(Drafter):
                     tails[i] = (h[:, r : r + 1], logits[0, r])
             live = going
         for i, drafted in tokens.items():
-            out[i] = DraftBlock(torch.stack(drafted), torch.stack(block_logits[i]))
+            out[i] = DraftBlock(torch.stack(drafted), self.head.full_logits(torch.stack(block_logits[i])))
         return out
 
     def accept(self, n_accepted: int) -> None:
