@@ -301,7 +301,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     (>= 5 for knot intervals that can tell a real decrease in verify cost from noise; see the module docstring).
     ``batch_sizes``: also time the verify pass over that many rows (the batched decoder's ragged cache and mask), so
     policies can weigh drafting at the live batch size, and a model or feature drafter's proposals for that many rows
-    drafting together (``CostModel.draft_batch``: each row's share of their batched drafting), at the middle profiled context.
+    drafting together (``CostModel.draft_batch``: each row's share of their batched drafting), at the middle profiled
+    context.
     """
     import transformers
 
@@ -333,9 +334,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     batch_rows = by_batch
     shares = {}
     if len(set(batch_sizes)) > 1:
-        c = sorted(context_lens)[len(context_lens) // 2]
+        c, K = sorted(context_lens)[len(context_lens) // 2], max(max(ks), 2)  # K: the longest block _batch_shares times
         for name, drafter in named.items():
-            K = max(max(ks), 2)
             fits = _fits(target, c, 2) if drafter.aux_layers else per_token[name] and _fits(drafter.model, c, K + 1)
             if fits:
                 logger.info("profiling %s drafting rows together at batch sizes %s", name, sorted(set(batch_sizes)))

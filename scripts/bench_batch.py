@@ -214,7 +214,7 @@ def main(argv=None) -> int:
 
             # a running batch passes through every size below its largest (joining, draining): profile powers of two
             # up to it as well as the sizes run, which interpolating between 1 and 16 rows alone would misprice
-            profiled = sorted({1, *sizes, *(2 ** i for i in range(1, max(sizes).bit_length()) if 2 ** i < max(sizes))})
+            profiled = sorted({*sizes, *(2 ** i for i in range(max(sizes).bit_length()))})  # 1, 2, 4, ... <= largest
             print(f"profiling the verify pass at batch sizes {profiled} -> {out_cost}", flush=True)
             cost = profile(target, drafters, ks=tuple(range(9)), context_lens=(64, 256, 512), batch_sizes=profiled)
             cost.to_json(out_cost)

@@ -106,7 +106,8 @@ def test_bench_head_times_rows_drafting_together(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, str(root / "scripts/bench_head.py"), "--rows", "1,3", "--steps", "2",
-                          "--warmup", "0", "--context", "24", "--threads", "1", "--stop", "--out", str(tmp_path / "h.json")],
+                          "--warmup", "0", "--context", "24", "--threads", "1", "--stop",
+                          "--out", str(tmp_path / "h.json")],
                          capture_output=True, text=True, timeout=300, cwd=root,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
