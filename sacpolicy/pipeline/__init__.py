@@ -36,6 +36,7 @@ from sacpolicy.io import write_json
 from sacpolicy.pipeline.context import PipelineError, RunContext
 from sacpolicy.training.distill import DistillSettings
 from sacpolicy.training.eagle3 import Eagle3Settings
+from sacpolicy.training.head_data import HeadDataSettings
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ ConfigStore.instance().store(group="decoder", name="default",
 ConfigStore.instance().store(group="distill", name="base", node=asdict(DistillSettings()))  # fkl.yaml extends it
 ConfigStore.instance().store(group="head", name="eagle3", node={
     "_target_": "sacpolicy.training.eagle3.Eagle3Settings", **asdict(Eagle3Settings()), "seed": "${seed}"})
+# ``head_data=sharegpt``: the head's data, ShareGPT's fixed answers teacher-forced (unset: the distillation data)
+ConfigStore.instance().store(group="head_data", name="sharegpt", node={
+    "_target_": "sacpolicy.training.head_data.HeadDataSettings", **asdict(HeadDataSettings())})
 
 
 def validate(cfg: DictConfig) -> None:

@@ -1,7 +1,8 @@
-"""Stage ``head``: an EAGLE-3 feature head trained with the training-time test on the distillation data (the
-target's own continuations, generated once and shared with the ``distill`` stage) into ``head/head``, warm-started
-from ``head.init_from`` (the embedded default: the head shipped in ``sacpolicy/heads``, used as it is with a budget
-of 0); later stages add it to the drafters as ``feature``."""
+"""Stage ``head``: an EAGLE-3 feature head trained with the training-time test into ``head/head``, warm-started from
+``head.init_from`` (the embedded default: the head shipped in ``sacpolicy/heads``, used as it is with a budget of 0);
+later stages add it to the drafters as ``feature``. Its data: ``head_data=sharegpt``, chat text with its fixed
+answers teacher-forced at scale (``sacpolicy.training.head_data``), or by default the distillation data (the
+target's own continuations, generated once and shared with the ``distill`` stage)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,20 @@ def run(ctx: RunContext) -> dict:
     from sacpolicy.training.eagle3 import train_eagle3
 
     settings = instantiate(ctx.cfg.head)
-    train, val = [], []
-    if settings.trains:  # budget 0 with a warm start: the warm-start head as it is, no data needed
+    train, val, caches, data = [], [], None, None
+    if settings.trains and ctx.cfg.get("head_data"):
+        from dataclasses import asdict
+
+        from sacpolicy.training.eagle3 import head_layers
+        from sacpolicy.training.head_data import build_head_data
+
+        head_data = instantiate(ctx.cfg.head_data, _convert_="all")
+        caches = build_head_data(ctx.target, head_data, head_layers(settings, ctx.target))
+        data = {**asdict(head_data), "kind": "fixed answers, teacher-forced"}
+    elif settings.trains:  # budget 0 with a warm start: the warm-start head as it is, no data needed
         dm = distill_data(ctx, instantiate(ctx.cfg.distill))
         dm.setup()
         train, val = dm.train, dm.val
     metrics = train_eagle3(ctx.target, train, val, settings, instantiate(ctx.cfg.trainer), ctx.out_dir / "head",
-                           ctx.lightning_logger("head"))
+                           ctx.lightning_logger("head"), caches=caches, data=data)
     return {"target": ctx.target.spec, "head_dir": str(ctx.out_dir / "head" / "head"), **metrics}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from sacpolicy.training.common import MinuteLog, StepAcceptance, WarmupAdamW, co
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Eagle3Module", "Eagle3Settings", "draft_vocabulary", "init_head", "load_head", "save_head", "train_eagle3"]
+__all__ = ["Eagle3Module", "Eagle3Settings", "draft_vocabulary", "head_layers", "init_head", "load_head", "save_head",
+           "train_eagle3"]
 
 
 DEFAULT_DRAFT_VOCAB = 8192
@@ -97,6 +99,15 @@ def warm_start_dir(init_from: str | None, target) -> Path | None:
         raise FileNotFoundError(f"head.init_from={init_from!r} is not an EAGLE-3 head directory (no {CONFIG_FILE}); "
                                 "give a head directory, 'shipped' or null")
     return path
+
+
+def head_layers(settings: Eagle3Settings, target) -> list[int]:
+    """The target layers whose inputs the head of ``settings`` reads: the warm-start head's, else the settings' or
+    the default for the target."""
+    init_dir = warm_start_dir(settings.init_from, target)
+    if init_dir is not None:
+        return list(json.loads((init_dir / CONFIG_FILE).read_text())["aux_layer_ids"])
+    return list(Eagle3Config.from_target(target.model.config, 1, settings.aux_layer_ids).aux_layer_ids)
 
 
 def draft_vocabulary(sequences, target, size: int) -> torch.Tensor:
@@ -204,14 +215,16 @@ def save_head(head: Eagle3Head, out_dir, provenance: dict) -> Path:
 
 # ---------------------------------------------------------------------- the whole stage
 def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer_factory, out_dir, logger=None,
-                 callbacks=(), progress: bool = True) -> dict:
+                 callbacks=(), progress: bool = True, caches: dict | None = None, data: dict | None = None) -> dict:
     """Train a head for ``target`` on sequences (rows with ``input_ids``, ``prompt_len``), resuming from
     ``out_dir/checkpoints/last.ckpt``; features cached under ``out_dir/features``; the best head (by
-    ``val/accept_len``) saved to ``out_dir/head``. ``trainer_factory(**kwargs)`` builds a ``lightning.Trainer``."""
+    ``val/accept_len``) saved to ``out_dir/head``. ``trainer_factory(**kwargs)`` builds a ``lightning.Trainer``.
+    ``caches``: {"train", "val"} feature caches built elsewhere (``sacpolicy.training.head_data``) instead of
+    sequences; ``data``: their recipe, recorded in the head's provenance as this leg's data."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from sacpolicy.training.eagle3_data import build_feature_cache, collate_features
+    from sacpolicy.training.eagle3_data import LengthBuckets, build_feature_cache, collate_features
 
     s, out_dir = settings, Path(out_dir)
     init_dir = warm_start_dir(s.init_from, target)
@@ -219,7 +232,8 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
         size = s.draft_vocab_size or DEFAULT_DRAFT_VOCAB
         config = Eagle3Config.from_target(target.model.config, size, s.aux_layer_ids, verifier=target.spec,
                                           vocab_hash=vocab_hash(target.tokenizer))
-        draft_ids = draft_vocabulary(train_seqs, target, size)
+        seqs = caches["train"].sequences() if caches is not None else train_seqs
+        draft_ids = draft_vocabulary(seqs, target, size)
         head = init_head(target, config, draft_ids, seed=s.seed)
         origin = {}
     else:
@@ -230,9 +244,14 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
         save_head(head, out_dir / "head", {**_provenance_of(init_dir), "settings": asdict(s), "metrics": metrics,
                                            "target": target.spec, "trained_here": False})
         return metrics
-    caches = {split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
-                                         progress=progress)
-              for split, seqs in (("train", train_seqs), ("val", val_seqs))}
+    if caches is None:
+        caches = {split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
+                                             progress=progress)
+                  for split, seqs in (("train", train_seqs), ("val", val_seqs))}
+    for split, cache in caches.items():
+        if cache.aux_layer_ids != list(config.aux_layer_ids):
+            raise ValueError(f"the {split} feature cache {cache.dir} holds aux layers {cache.aux_layer_ids}, the head "
+                             f"reads {list(config.aux_layer_ids)}; build the cache for the head's layers")
     rows = target.model.get_output_embeddings().weight[draft_ids.to(target.device)]
     module = Eagle3Module(head, rows, s, config_id={"target": target.spec, "draft_ids": draft_ids.tolist(),
                                                  **origin, **s.identity()})
@@ -247,9 +266,8 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     if s.max_steps:
         kwargs["max_steps"] = s.max_steps
     trainer = trainer_factory(**kwargs)
-    gen = torch.Generator().manual_seed(s.seed)
-    train_dl = DataLoader(caches["train"], batch_size=s.batch_size, shuffle=True, generator=gen,
-                          collate_fn=collate_features)
+    train_dl = DataLoader(caches["train"], collate_fn=collate_features,
+                          batch_sampler=LengthBuckets(caches["train"].lengths, s.batch_size, seed=s.seed))
     val_dl = DataLoader(caches["val"], batch_size=s.batch_size, collate_fn=collate_features)
     last = ckpt_dir / "last.ckpt"
     trainer.fit(module, train_dl, val_dl, ckpt_path=str(last) if last.is_file() else None)
@@ -258,9 +276,11 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     score = best.best_model_score
     metrics = {"val/accept_len": None if score is None else float(score), "global_step": trainer.global_step}
     if trainer.is_global_zero:
-        save_head(head, out_dir / "head", {"settings": asdict(s), "metrics": metrics, "target": target.spec,
-                                           "train_sequences": len(caches["train"]),
-                                           **(_provenance_of(init_dir) if init_dir else {}), **origin})
+        leg = {"command": " ".join(sys.argv), "settings": asdict(s), "metrics": metrics,
+               "train_sequences": len(caches["train"]), "train_tokens": sum(caches["train"].lengths),
+               "val_sequences": len(caches["val"]),
+               "data": data or {"source": "the target's continuations of the training prompts (distill data)"}}
+        save_head(head, out_dir / "head", {**leg, "target": target.spec, **_legs_of(init_dir, leg), **origin})
     return metrics
 
 
@@ -280,6 +300,13 @@ def _warm_head(init_dir: Path, target, s: Eagle3Settings):
     head = load_head(init_dir, target.model.get_input_embeddings(), device=target.device, dtype=torch.float32)
     head.train()
     return head, {"init_sha256": file_sha256(init_dir / WEIGHTS_FILE)}
+
+
+def _legs_of(init_dir: Path | None, leg: dict) -> dict:
+    """The training legs behind a head: its warm-start head's (a shipped head's provenance lists them) and this one."""
+    prov = init_dir / PROVENANCE_FILE if init_dir else None
+    before = json.loads(prov.read_text()) if prov is not None and prov.is_file() else {}
+    return {"init_from": str(init_dir) if init_dir else None, "legs": [*before.get("legs", []), leg]}
 
 
 def _provenance_of(init_dir: Path) -> dict:

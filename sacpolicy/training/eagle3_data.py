@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.io import write_json
@@ -50,12 +50,28 @@ def sequences_hash(sequences) -> str:
     return h.hexdigest()[:16]
 
 
-def _shard_tensors(target, rows: list[dict], layer_ids, batch_size: int, dtype: torch.dtype) -> dict:
-    """The cached tensors of one shard's sequences (right-padded batches; real rows kept)."""
+def _batches(rows: list[dict], batch_size: int | None, batch_tokens: int | None) -> list[list[dict]]:
+    """Consecutive rows in batches of ``batch_size``, or of at most ``batch_tokens`` padded tokens."""
+    if batch_tokens is None:
+        return [rows[s : s + batch_size] for s in range(0, len(rows), batch_size)]
+    out, cur, width = [], [], 0
+    for r in rows:
+        w = max(width, len(r["input_ids"]))
+        if cur and w * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur, w = [], len(r["input_ids"])
+        cur.append(r)
+        width = w
+    return out + [cur] if cur else out
+
+
+def shard_tensors(target, rows: list[dict], layer_ids, dtype: torch.dtype, *, batch_size: int | None = 8,
+                  batch_tokens: int | None = None) -> dict:
+    """The cached tensors of one shard's sequences (right-padded batches of ``batch_size`` rows or of at most
+    ``batch_tokens`` padded tokens; real rows kept)."""
     model, parts = target.model.eval(), {"input_ids": [], "aux": [], "final": [], "top": []}
     head = model.get_output_embeddings()
-    for s in range(0, len(rows), batch_size):
-        chunk = rows[s : s + batch_size]
+    for chunk in _batches(rows, batch_size, batch_tokens):
         width = max(len(r["input_ids"]) for r in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -98,7 +114,7 @@ def build_feature_cache(target, sequences, cache_dir, aux_layer_ids, *, batch_si
         path = cache_dir / f"shard-{k:05d}.safetensors"
         if path.is_file():
             continue
-        tensors = _shard_tensors(target, rows[s : s + shard_size], meta["aux_layer_ids"], batch_size, dtype)
+        tensors = shard_tensors(target, rows[s : s + shard_size], meta["aux_layer_ids"], dtype, batch_size=batch_size)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
@@ -123,8 +139,12 @@ class FeatureCache(Dataset):
         self.meta = json.loads((self.dir / META_FILE).read_text())
         self.aux_layer_ids = list(self.meta["aux_layer_ids"])
         self._index = []  # (shard path, first row, last row, prompt_len) per sequence
-        for k in range(-(-self.meta["sequences"] // self.meta["shard_size"])):
-            path = self.dir / f"shard-{k:05d}.safetensors"
+        if "sequences" in self.meta:  # a cache of given sequences: every shard must be there
+            paths = [self.dir / f"shard-{k:05d}.safetensors"
+                     for k in range(-(-self.meta["sequences"] // self.meta["shard_size"]))]
+        else:  # a streamed cache (sacpolicy.training.head_data): the shards built so far, in order
+            paths = sorted(self.dir.glob("shard-*.safetensors"))
+        for path in paths:
             if not path.is_file():
                 raise FileNotFoundError(f"feature shard {path} is missing; rerun build_feature_cache to finish it")
             with safe_open(str(path), framework="pt") as f:
@@ -133,6 +153,17 @@ class FeatureCache(Dataset):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens per sequence."""
+        return [b - a for _, a, b, _ in self._index]
+
+    def sequences(self):
+        """``input_ids`` (a list) and ``prompt_len`` of every sequence, without reading the features."""
+        for path, a, b, plen in self._index:
+            with safe_open(path, framework="pt") as f:
+                yield {"input_ids": f.get_slice("input_ids")[a:b].tolist(), "prompt_len": plen}
 
     def __getitem__(self, i: int) -> dict:
         path, a, b, plen = self._index[i]
@@ -165,3 +196,27 @@ def collate_features(items: list[dict]) -> dict:
     batch["length"] = torch.tensor(lens)
     batch["first"] = torch.tensor([it["prompt_len"] - 2 for it in items])
     return batch
+
+
+class LengthBuckets(Sampler):
+    """Batches of ``batch_size`` sequences of similar length (little padding), in a new random order every epoch:
+    the sequences are shuffled, cut into pools of ``pool`` batches, each pool sorted by length and cut into batches,
+    and the batches shuffled. Seeded: epoch e of a run draws the same batches wherever it runs."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, pool: int = 64):
+        if batch_size < 1 or not lengths:
+            raise ValueError(f"LengthBuckets needs batch_size >= 1 and sequences (got {batch_size}, {len(lengths)})")
+        self.lengths, self.batch_size, self.seed, self.pool, self.epoch = list(lengths), batch_size, seed, pool, 0
+
+    def __len__(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        self.epoch += 1
+        order = torch.randperm(len(self.lengths), generator=gen).tolist()
+        span, batches = self.batch_size * self.pool, []
+        for s in range(0, len(order), span):
+            pool = sorted(order[s : s + span], key=self.lengths.__getitem__)
+            batches += [pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
+        yield from (batches[i] for i in torch.randperm(len(batches), generator=gen).tolist())
