@@ -3,15 +3,19 @@ measure every snapshot (and optionally a token-level draft) on held-out prompts.
 
     python scripts/bench_eagle3.py train --workdir runs/eagle3 --budget-minutes 90 --curve 5,15,60
     python scripts/bench_eagle3.py eval --workdir runs/eagle3 --token-draft outputs/<run>/distill/draft
-    python scripts/bench_eagle3.py ship --head runs/eagle3/head/head --out sacpolicy/heads/<name> --train-json ...
+    python scripts/bench_eagle3.py eval --heads shipped=shipped new=<run>/head/head --live --live-set mt_bench
+    python scripts/bench_eagle3.py ship --head <run>/head/head --out sacpolicy/heads/<name> --curve-json ...
 
 ``train`` uses the default pipeline's data (``conf/distill``: the target's continuations of the training prompts,
 cached under $SACPOLICY_CACHE/distill) and head settings (``conf/head/eagle3.yaml``); overrides after ``--`` go to
 Hydra (e.g. ``-- head.steps=5 distill.data.synthetic.count=0``). Heads land in ``<workdir>/head/head`` (best on
 validation) and ``<workdir>/snapshots/<minutes>min``.
 
-``eval``, per draft, on held-out MT-Bench and HumanEval first turns (test split; greedy continuations of the target,
-teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted run >= k),
+Heads trained on ShareGPT's fixed answers come from the pipeline (``python scripts/train.py "stages=[head]"
+head_data=sharegpt ...``); ``eval --heads name=dir ...`` measures any heads side by side.
+
+``eval``, per draft, on held-out MT-Bench, ShareGPT and HumanEval first turns (test split; greedy continuations of
+the target, teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted run >= k),
 SpecForge's simulated acceptance length sum_k prod_{i<=k} acc_i for blocks of 3 and of k_max tokens, mean beta at
 temperature 1 (sum_x min(p, q) of the first token), the draft step's cost over a target step (timed side by side),
 and live tokens/s of our decoder at static k against autoregressive decoding on the same prompts.
@@ -92,14 +96,29 @@ def train(args) -> None:
 
 
 # ---------------------------------------------------------------------- evaluation
-def held_out(target, n_new: int):
+SETS = ("mt_bench", "sharegpt", "humaneval")
+
+
+def held_out(target, n_new: int, sharegpt_prompts: int = 32, sharegpt_max_prompt_tokens: int = 384):
+    """Held-out (test split) first turns of each set with the target's greedy continuations, generated once and
+    cached: MT-Bench and HumanEval whole, ShareGPT a fixed sample (the first ``sharegpt_prompts`` test conversations
+    in file order whose prompt fits ``sharegpt_max_prompt_tokens``)."""
     from sacpolicy.data import load_prompt_mix, split_prompts
     from sacpolicy.training.distill_data import cached_dataset, generate_continuations
 
     sets = {}
-    for name in ("mt_bench", "humaneval"):
-        test = split_prompts(load_prompt_mix([name], tokenizer=target.tokenizer))["test"]
-        sets[name] = (test, cached_dataset(f"bench-eagle3-{name}", f"{target.spec.replace(':', '_')}-{n_new}",
+    for name in SETS:
+        test = split_prompts(load_prompt_mix([name], tokenizer=None if name == "sharegpt" else target.tokenizer))
+        test, key = test["test"], f"{target.spec.replace(':', '_')}-{n_new}"
+        if name == "sharegpt":
+            from sacpolicy.data import load_prompts
+
+            keep = set(test["prompt_id"])
+            full = load_prompts("sharegpt", tokenizer=target.tokenizer, max_prompt_tokens=100_000)
+            test = full.filter(lambda r: r["prompt_id"] in keep and len(r["input_ids"]) <= sharegpt_max_prompt_tokens)
+            test = test.select(range(min(sharegpt_prompts, len(test))))
+            key += f"-{len(test)}-{sharegpt_max_prompt_tokens}"
+        sets[name] = (test, cached_dataset(f"bench-eagle3-{name}", key,
                                            lambda t=test: generate_continuations(target, t, max_new_tokens=n_new,
                                                                                  batch_size=16, progress=False)))
     return sets
@@ -175,16 +194,26 @@ def evaluate(args) -> None:
     from sacpolicy.decoding.feature import load_feature_drafter
     from sacpolicy.models import EMBEDDED_TARGET, load_model
 
-    workdir = Path(args.workdir)
+    from sacpolicy.heads import shipped_head
+
     target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
-    sets = held_out(target, args.max_new_tokens)
-    drafts = [(p.name, p) for p in sorted((workdir / "snapshots").glob("*min"), key=lambda p: float(p.name[:-3]))]
-    if (workdir / "head" / "head").is_dir():
-        drafts.append(("final (best on val)", workdir / "head" / "head"))
+    sets = held_out(target, args.max_new_tokens, args.sharegpt_prompts)
+    drafts = []
+    if args.workdir:
+        workdir = Path(args.workdir)
+        drafts += [(p.name, p) for p in sorted((workdir / "snapshots").glob("*min"), key=lambda p: float(p.name[:-3]))]
+        if (workdir / "head" / "head").is_dir():
+            drafts.append(("final (best on val)", workdir / "head" / "head"))
+    for entry in args.heads or ():
+        name, _, path = entry.rpartition("=")
+        drafts.append((name or path, shipped_head(EMBEDDED_TARGET) if path == "shipped" else Path(path)))
     if args.token_draft:
         drafts.append(("token-level draft", Path(args.token_draft)))
+    if not drafts:
+        raise SystemExit("nothing to measure: give --workdir, --heads or --token-draft")
     ks = [int(k) for k in args.ks.split(",")]
-    live_prompts = [r["input_ids"] for name in sets for r in sets[name][0]][:: 2][: args.live_prompts]
+    live_sets = sets if args.live_set == "all" else {args.live_set: sets[args.live_set]}
+    live_prompts = [r["input_ids"] for name in live_sets for r in live_sets[name][0]][:: 2][: args.live_prompts]
     rows = []
     for name, path in drafts:
         is_head = (path / "config.json").is_file() and not (path / "generation_config.json").is_file()
@@ -193,37 +222,59 @@ def evaluate(args) -> None:
         for set_name, (_, seqs) in sets.items():
             row[set_name] = acceptance(target, drafter, seqs, args.k_max)
         row["draft_cost"] = step_cost(target, drafter, torch.tensor(sets["mt_bench"][1][0]["input_ids"]))
-        if args.live and (name.startswith("final") or name == "token-level draft"):
+        if args.live and (name.startswith("final") or name == "token-level draft" or not args.workdir):
             row["live"] = live(target, drafter, live_prompts, ks, args.max_new_tokens)
         rows.append(row)
         print(row, flush=True)
     meta = {"target": EMBEDDED_TARGET, "k_max": args.k_max, "max_new_tokens": args.max_new_tokens,
             "prompts": {n: len(s[0]) for n, s in sets.items()}, "live_prompts": len(live_prompts), "ks": ks,
-            "torch_threads": torch.get_num_threads(), "workdir": str(workdir), "command": " ".join(sys.argv)}
+            "live_set": args.live_set, "torch_threads": torch.get_num_threads(), "workdir": args.workdir,
+            "command": " ".join(sys.argv)}
     write_json(args.out, {"rows": rows, "meta": meta})
     print(markdown(rows, meta))
 
 
 def markdown(rows, meta) -> str:
     k = meta["k_max"]
-    lines = [f"held-out test first turns: MT-Bench {meta['prompts']['mt_bench']} prompts, HumanEval "
-             f"{meta['prompts']['humaneval']} ({meta['max_new_tokens']} greedy tokens each, teacher-forced); live: "
-             f"{meta['live_prompts']} prompts", "",
-             f"| draft | step-1 acc MT-Bench | HumanEval | accept len (3) MT-Bench | HumanEval | accept len ({k}) "
-             "MT-Bench | mean beta T=1 MT-Bench | draft step / target step | live best k vs AR |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    sets = [n for n in SETS if n in meta["prompts"]]
+    names = {"mt_bench": "MT-Bench", "sharegpt": "ShareGPT", "humaneval": "HumanEval"}
+    counts = ", ".join(f"{names[n]} {meta['prompts'][n]}" for n in sets)
+    lines = [f"held-out test first turns: {counts} prompts "
+             f"({meta['max_new_tokens']} greedy tokens each, teacher-forced); live: {meta['live_prompts']} prompts "
+             f"of {meta.get('live_set', 'all')}", "",
+             "| draft | " + " | ".join(f"step-1 acc {names[n]}" for n in sets) + " | "
+             + " | ".join(f"accept len (3) {names[n]}" for n in sets)
+             + f" | accept len ({k}) MT-Bench | mean beta T=1 MT-Bench | draft step / target step | live best k vs AR |",
+             "|---|" + "---|" * (2 * len(sets) + 4)]
     for r in rows:
-        m, h = r["mt_bench"], r["humaneval"]
+        m = r["mt_bench"]
         lv = r.get("live")
-        lines.append(f"| {r['name']} | {m['step1']:.3f} | {h['step1']:.3f} | {m['accept_len_3']:.2f} | "
-                     f"{h['accept_len_3']:.2f} | {m[f'accept_len_{k}']:.2f} | {m['mean_beta_t1']:.3f} | "
-                     f"{r['draft_cost']:.3f} | "
+        lines.append(f"| {r['name']} | " + " | ".join(f"{r[n]['step1']:.3f}" for n in sets) + " | "
+                     + " | ".join(f"{r[n]['accept_len_3']:.2f}" for n in sets) + " | "
+                     f"{m[f'accept_len_{k}']:.2f} | {m['mean_beta_t1']:.3f} | {r['draft_cost']:.3f} | "
                      + (f"{lv['speedup_vs_ar']:.2f}x (k={lv['best_k']}, AR {lv['ar_tokens_per_s']:.1f} tok/s) |"
                         if lv else "- |"))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- shipping a head
+def check_beats_shipped(curve: dict | None, head: Path) -> None:
+    """A head ships only when it beats the shipped one on the held-out sets: ``curve`` (``eval`` with ``--heads
+    shipped=shipped new=<head>``) must hold both, and the new head's mean acceptance length (blocks of 3) over the
+    sets must be higher."""
+    rows = {Path(r["path"]).resolve(): r for r in (curve or {}).get("rows", [])}
+    old = [r for r in (curve or {}).get("rows", []) if r["name"] == "shipped"]
+    new = rows.get(head.resolve())
+    if not old or new is None:
+        raise SystemExit(f"--curve-json must measure the shipped head and {head} side by side (bench_eagle3.py eval "
+                         f"--heads shipped=shipped new={head}); or pass --force")
+    sets = [n for n in SETS if n in new and n in old[0]]
+    score = {name: sum(r[n]["accept_len_3"] for n in sets) / len(sets) for name, r in (("new", new), ("old", old[0]))}
+    if score["new"] <= score["old"]:
+        raise SystemExit(f"{head} does not beat the shipped head on held-out {sets}: mean acceptance length (3) "
+                         f"{score['new']:.3f} vs {score['old']:.3f}; not shipped (--force ships it anyway)")
+
+
 def ship(args) -> None:
     """Write a trained head as a shipped head directory: bfloat16 weights (half the size; ``load_head`` casts them
     to the target's dtype), its config, and a provenance JSON with the training commands, settings, data recipe,
@@ -240,8 +291,11 @@ def ship(args) -> None:
     state = load_file(str(head / WEIGHTS_FILE))
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
     trained = json.loads((head / PROVENANCE_FILE).read_text())
-    legs = [json.loads(Path(p).read_text()) for p in args.train_json]
+    # legs: train.json files of bench_eagle3 `train`, or the legs the pipeline's head stage recorded in the head
+    legs = [json.loads(Path(p).read_text()) for p in args.train_json] if args.train_json else trained.get("legs", [])
     curve = json.loads(Path(args.curve_json).read_text()) if args.curve_json else None
+    if not args.force:
+        check_beats_shipped(curve, head)
 
     def fill(tmp: Path) -> None:
         save_file(state, str(tmp / WEIGHTS_FILE))
@@ -265,7 +319,10 @@ def main(argv=None):
     t.add_argument("--curve", default="5,15,60", help="minutes at which to snapshot the head")
     t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. head.steps=5")
     e = sub.add_parser("eval")
-    e.add_argument("--workdir", required=True)
+    e.add_argument("--workdir", default=None, help="a `train` workdir: its snapshots and its final head")
+    e.add_argument("--heads", nargs="*", help="heads to measure as name=dir ('shipped': the head that ships)")
+    e.add_argument("--sharegpt-prompts", type=int, default=32)
+    e.add_argument("--live-set", default="all", choices=["all", *SETS], help="the prompts decoded live")
     e.add_argument("--token-draft", default=None, help="a distilled token-level draft dir to measure alike")
     e.add_argument("--k-max", type=int, default=8)
     e.add_argument("--max-new-tokens", type=int, default=96)
@@ -276,8 +333,10 @@ def main(argv=None):
     s = sub.add_parser("ship", help="write a head as sacpolicy/heads/<name> with its provenance")
     s.add_argument("--head", required=True, help="the trained head directory (e.g. <workdir>/head/head)")
     s.add_argument("--out", required=True)
-    s.add_argument("--train-json", nargs="+", required=True, help="train.json of every leg, in order")
-    s.add_argument("--curve-json", default=None, help="bench_eagle3.json of `eval` over the snapshots")
+    s.add_argument("--train-json", nargs="+", default=None,
+                   help="train.json of every leg, in order (default: the legs recorded in the head's provenance)")
+    s.add_argument("--curve-json", default=None, help="bench_eagle3.json of `eval` with the shipped head and this one")
+    s.add_argument("--force", action="store_true", help="ship even if it does not beat the shipped head")
     s.add_argument("--data", default="", help="the data recipe, in words")
     s.add_argument("--notes", default="")
     args = ap.parse_args(argv)

@@ -168,3 +168,15 @@ def test_length_buckets_cover_every_sequence_once_with_little_padding():
     shuffled = list(torch.randperm(1000, generator=torch.Generator().manual_seed(1)))
     random_padded = sum(8 * max(lengths[i] for i in shuffled[s:s + 8]) for s in range(0, 1000, 8))
     assert padded < 0.7 * random_padded
+
+
+def test_head_data_is_a_config_group_unset_by_default():
+    from test_config import cfg_for
+
+    from hydra.utils import instantiate
+
+    assert cfg_for().get("head_data") is None  # the head trains on the distill data unless asked
+    cfg = cfg_for("head_data=sharegpt", "head_data.max_tokens=5000")
+    s = instantiate(cfg.head_data, _convert_="all")
+    assert isinstance(s, HeadDataSettings) and s.max_tokens == 5000 and s.source == "sharegpt"
+    assert s.recipe() == HeadDataSettings(max_tokens=1).recipe()  # the budget is not part of the stream's recipe
