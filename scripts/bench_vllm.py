@@ -6,8 +6,8 @@ head, a draft model), side by side on the same held-out prompts.
     python scripts/bench_vllm.py --policy runs/vllm_ngram/policies/hgb            # 16 MT-Bench test prompts
     python scripts/bench_vllm.py --policy ... --source humaneval_edit --prompts 8 --draft runs/x/distill/draft
 
-Every configuration runs in its own engine (float32, greedy, ``enforce_eager``: torch.compile costs ~2 minutes per
-engine here), one after another: a phase ``serial`` (one request at a time) and a phase ``concurrent``
+Every configuration runs in its own engine (float32, greedy, ``enforce_eager``: torch.compile would add minutes to
+every engine's start), one after another: a phase ``serial`` (one request at a time) and a phase ``concurrent``
 (``--concurrency`` prompts, default 8, submitted together, wave after wave; vLLM batches them). Every output is
 checked against the engine without speculation. Ratios are against that engine (``vs none``) and against vLLM's
 n-gram at its documented settings (``vs ngram``: the docs' example, k = 5, ``prompt_lookup_max`` 4), with 95%

@@ -405,7 +405,7 @@ def test_profile_prices_rows_of_a_model_drafter_drafting_together(tiny_target, t
     puts every row back on c cached tokens, and the profile keeps a row's share (``draft_batch``) for it alone."""
     import torch
 
-    from sacpolicy.profiling import _model_cells
+    from sacpolicy.profiling.measure import _model_cells
 
     drafter = ModelDrafter(tiny_draft.model, name="draft")
     forks = [drafter.fork() for _ in range(3)]
@@ -439,7 +439,7 @@ def test_profile_interleaves_cells_so_a_drifting_machine_tilts_no_curve(monkeypa
     """Cells are timed round-robin, each round starting one cell later: on a machine whose every call gets slower
     (a shared CPU under a neighbour's growing load), each cell sees the same drift, where timing one cell's repeats
     after another's would make the cost fall or rise along the order they were timed in."""
-    from sacpolicy import profiling
+    from sacpolicy.profiling import measure as profiling
 
     clock, calls = [0.0], []
     monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])

@@ -20,7 +20,7 @@ from sacpolicy.data import (
     load_prompts,
     split_prompts,
 )
-from sacpolicy.splits import SplitError
+from sacpolicy.data.splits import SplitError
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 GENERATION_PROMPT = "<|im_start|>assistant\n"
@@ -69,7 +69,7 @@ def test_humaneval_has_164_code_prompts():
 
 def test_humaneval_edits_quote_the_solution_and_share_the_tasks_split():
     from sacpolicy.data import assign_split
-    from sacpolicy.sources import EDIT_INSTRUCTIONS
+    from sacpolicy.data.sources import EDIT_INSTRUCTIONS
 
     tasks, edits = load_prompts("humaneval"), load_prompts("humaneval_edit")
     assert edits.num_rows == 164 and set(edits["category"]) == {"code_edit"}

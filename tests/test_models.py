@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-from sacpolicy import gguf as gguf_module
-from sacpolicy import models
+from sacpolicy.models import gguf as gguf_module
+from sacpolicy.models import loading as models
 from sacpolicy.models import (
     EMBEDDED_TARGET,
     TINY_PRESETS,
@@ -143,7 +143,7 @@ def test_gguf_path_converts_once_into_isolated_cache(embedded, tmp_path, monkeyp
             return model
 
     monkeypatch.setattr(gguf_module, "AutoModelForCausalLM", SpyAuto)
-    with caplog.at_level(logging.INFO, logger="sacpolicy.gguf"):
+    with caplog.at_level(logging.INFO, logger="sacpolicy.models.gguf"):
         first = load_model(str(gguf), **CPU32)
     assert "Converting" in caplog.text and len(direct) == 1
     cache_dir = pathlib.Path(first.model.name_or_path)

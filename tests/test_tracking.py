@@ -28,7 +28,7 @@ from sacpolicy.evaluation import add_intervals, add_speedups, flag_artefacts, ro
 from sacpolicy.pipeline.context import RunContext
 from sacpolicy.pipeline.evaluate import track
 from sacpolicy.pipeline.fit import track_calibration
-from sacpolicy.tracking import Tracker, flat_rows, make_tracker
+from sacpolicy.pipeline.tracking import Tracker, flat_rows, make_tracker
 from sacpolicy.training.distill import ACCEPT_STEPS, DistillSettings, train_draft
 from sacpolicy.training.distill_data import DistillDataModule
 from sacpolicy.training.predictor import Examples

@@ -1,5 +1,6 @@
-"""Lossless speculative decoding: sampling/verification math, drafters and the decoder loop. The lowest layer above
-``sacpolicy.models``: it imports nothing from policy, training, traces, evaluation, export or pipeline."""
+"""Lossless speculative decoding: sampling/verification math, drafters and the decoder loop. Of sacpolicy it imports
+only ``sacpolicy.runtime`` (numpy, the lowest layer): nothing from policy, training, traces, evaluation, export or
+pipeline."""
 
 from sacpolicy.decoding import types
 from sacpolicy.decoding.decoder import DecoderConfig, SpeculativeDecoder

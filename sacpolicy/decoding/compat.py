@@ -37,7 +37,7 @@ def _masked_gqa_sdpa(module, query, key, value, attention_mask, dropout: float =
     copies every key/value head ``num_key_value_groups`` times per layer and pass (``repeat_kv``), since CUDA's fast
     kernels take no mask with grouped heads; torch's CPU kernel does (``enable_gqa``), with the same arithmetic. The
     masked multi-token passes are verification and every batched pass (our 4D mask), where the copy is the whole KV
-    cache: at 16 rows of 3 tokens after ~400 cached ones it was a third of the embedded target's pass."""
+    cache, once per layer and pass (its cost: docs/benchmarks.md, "CPU kernels")."""
     groups = getattr(module, "num_key_value_groups", 1)
     if (groups > 1 and attention_mask is not None and query.device.type == "cpu"
             and (query.shape[2] > 1 or not _PACKS_SINGLE_QUERIES)
@@ -72,14 +72,11 @@ def use_masked_gqa(model) -> None:
     model.set_attn_implementation(MASKED_GQA)
 
 
-# torch's CPU ``linear`` runs one row as a GEMV and 2-3 rows as one GEMV each; one GEMM with the weight as the left
-# operand (a single row fed twice) is much faster for what decoding feeds. The embedded target's whole forward after
-# 300 cached tokens (2 cores, MKL, one process, configurations interleaved; ms): 1 / 2 / 3 tokens 72.8 / 112.6 / 140.0
-# -> 38.0 / 56.5 / 64.6. From 5 rows on, oneDNN's linear (``mkldnn::_linear_pointwise``, the kernel inductor emits for
-# CPU linears) matches or beats both MKL paths at every size: MKL picks slow code paths on this AMD EPYC. The embedded
-# target's 210 body matrices, ms per pass at 4 / 8 / 16 / 32 / 128 / 512 rows: MKL weight-on-left 16.2 / 33.6 / 39.2 /
-# 60.2 / 175.2 / -, torch's linear 43.2 / 48.2 / 46.4 / 69.4 / 201.8 / 580.3, oneDNN 21.6 / 25.4 / 34.8 / 37.6 / 111.1
-# / 324.6 (so prompts prefill faster too); the output layer (49152 x 576) at 8 / 64 rows 9.2 / 26.5 -> 5.4 / 12.5.
+# torch's CPU ``linear`` runs one row as a GEMV and 2-3 rows as one GEMV each, reading the weights once per row; one
+# GEMM with the weight as the left operand (a single row fed twice) reads them once, which is what decoding's few-row
+# passes need. From 5 rows on, oneDNN's linear (``mkldnn::_linear_pointwise``, the kernel inductor emits for CPU
+# linears) is the faster path: MKL can pick slow code paths on some CPUs (AMD EPYC among them), and oneDNN also serves
+# long prefills. Timings per row count and kernel: docs/benchmarks.md, "CPU kernels" (``scripts/bench_verify.py``).
 _MKL_MAX_ROWS = 4  # up to here the weight-on-left GEMM; beyond, oneDNN where torch has it
 _GEMM_MAX_ROWS = 256  # without oneDNN: the weight-on-left GEMM up to here, torch's linear beyond
 

@@ -12,8 +12,8 @@ Masks are additive floats (0 or the dtype's minimum), passed as transformers' cu
 attend (a padded slot) stays finite, and masked columns get exactly zero weight.
 
 ``new_cache``: the decoder's caches append in place once they hold several rows (``GrowingLayer``) where transformers'
-``DynamicLayer`` copies the whole cache into a new tensor on every forward; at 8 rows of ~350 cached tokens that copy
-was ~12 of the embedded target's ~82 ms a step.
+``DynamicLayer`` copies the whole cache into a new tensor on every forward, a copy that grows with rows x context
+(measured: docs/benchmarks.md, "CPU kernels").
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class GrowingLayer(DynamicLayer):
     assigns ``keys``/``values`` other tensors (``RaggedCache`` joining, compacting or selecting rows) makes the next
     update copy them into a new buffer. Tensors returned by an earlier update must not be read after a crop and a later
     update (the decoder never does). One row and autograd concatenate, as ``DynamicLayer`` does: at one row the copy
-    is small and attention reads a contiguous cache faster than the buffer's view (embedded target after 300 cached
-    tokens: 25.3 ms a token concatenating, 26.1 ms appending in place; at 8 rows 82 -> 70 ms, at 16 108 -> 90)."""
+    is small and attention reads a contiguous cache faster than the buffer's view, so the in-place append pays only
+    from several rows on (docs/benchmarks.md, "CPU kernels")."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

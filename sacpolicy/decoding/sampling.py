@@ -162,7 +162,7 @@ def acceptance_stats(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> 
 def copy_acceptance_stats(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``acceptance_stats`` of a deterministic proposal (q the one-hot of its tokens): q(x) = 1 and beta =
     sum_x min(p, q) = p(x), read without building q. Same values, a gather instead of three [k, V] passes and a
-    [k, V] one-hot (4.5 ms -> 0.3 ms for 8 tokens of a 49k vocabulary, once per copying row and step)."""
+    [k, V] one-hot: this runs once per copying row and step, and a gather's cost does not grow with the vocabulary."""
     k = tokens.shape[0]
     px = p[:k].gather(-1, tokens.view(k, 1)).squeeze(-1)
     return torch.stack([torch.ones_like(px), px, px], dim=-1)

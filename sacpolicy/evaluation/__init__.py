@@ -10,10 +10,8 @@ from sacpolicy.evaluation.intervals import (
 )
 from sacpolicy.evaluation.metrics import (
     add_speedups,
-    calibration_error,
     flag_artefacts,
     gain_captured,
-    reliability_bins,
     row_from_results,
 )
 from sacpolicy.evaluation.plots import calibration_plot, make_plots, speedup_vs_k_plot
@@ -23,6 +21,7 @@ from sacpolicy.evaluation.report import (
     write_eval,
     write_report,
 )
+from sacpolicy.training.metrics import calibration_error, reliability_bins
 
 __all__ = [
     "add_intervals", "add_speedups", "bootstrap_indices", "calibration_error", "calibration_plot", "category_table",

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sacpolicy.evaluation.metrics import calibration_error, reliability_bins
+from sacpolicy.training.metrics import calibration_error, reliability_bins
 
 KEY_PREFIXES = ("learned", "best-static", "oracle", "heuristic")  # rows whose histograms are worth comparing
 _STATIC_K = re.compile(r"static-k(\d+)")

@@ -1,8 +1,8 @@
 """A cost model measured inside vLLM, so a rule exported to vLLM is tuned on the engine that will run it.
 
-Our decoder's cost model (``sacpolicy.profiling``) times transformers forwards. vLLM's engine costs differently: on
-this CPU a step that verifies 9 tokens costs little more than a 1-token step there, where our decoder pays ~1.5-2x
-(issue 16's measurements). A rule tuned on our costs drafts less than vLLM rewards.
+Our decoder's cost model (``sacpolicy.profiling``) times transformers forwards. vLLM's engine costs differently: its
+step grows less with the tokens it verifies than a transformers forward does (docs/benchmarks.md, "vLLM engine"), so a
+rule tuned on our costs drafts less than vLLM rewards.
 
 ``profile_vllm_verify`` runs one engine per block length k: k = 0 without speculation, k >= 1 with
 ``FixedBlockProposer``, which drafts exactly k tokens at every decode step, so every step verifies k + 1 tokens. A

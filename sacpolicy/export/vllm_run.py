@@ -16,8 +16,8 @@ Greedy decoding (temperature 0), ``ignore_eos=False``; outputs are the generated
 
 Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache),
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. With it and the ``uni`` executor (the default ``engine_args``), the engine core
-and its worker run inside the child instead of two more processes that each import vLLM again: an engine here starts
-in ~13 s instead of ~30 s and ends without vLLM's 5-second shutdown, and its one worker uses both cores.
+and its worker run inside the child instead of two more processes that each import vLLM again, so an engine starts
+faster, ends without vLLM's shutdown wait, and its one worker uses every core (times: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def metric_of(outputs: dict) -> float:
 def run(cfg: DictConfig) -> dict:
     """Run the configured stages (skipping those this run directory already finished). Returns each stage's summary
     and ``metric``, the number a sweep optimizes."""
-    from sacpolicy.tracking import make_tracker
+    from sacpolicy.pipeline.tracking import make_tracker
 
     validate(cfg)
     torch.manual_seed(cfg.seed)

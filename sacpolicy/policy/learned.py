@@ -30,9 +30,8 @@ def _blas():
 
 def one_blas_thread():
     """numpy's BLAS on one thread while the policy runs (a context manager). Its matrices are tiny, and a multi-threaded
-    OpenBLAS keeps its threads spinning after a call, on the cores the target's next forward needs: at 16 rows the
-    learned policy, deciding k = 0 every step (AR's passes exactly), decoded 50-52 tokens/s against AR's 64 with numpy
-    on two threads, 63-67 on one (the threads' spin never shows in the policy's own time)."""
+    OpenBLAS keeps its threads spinning after a call, on the cores the target's next forward needs, which slows the
+    target's passes while the policy's own time looks unchanged (docs/benchmarks.md, "Policy compute")."""
     return _blas().limit(limits=1, user_api="blas")
 
 

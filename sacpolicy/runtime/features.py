@@ -31,11 +31,10 @@ def next_accept_history(prev: tuple[float, float] | None, accepted: int, drafted
     None: its first block): moving sums, weight ``ACCEPT_EMA`` per block, of the tokens accepted and of the tokens at
     risk, the accepted ones plus the one rejected when the block ended on a rejection. Their ratio, the ``accept_ema``
     feature (``accept_rate``), estimates the drafter's per-token acceptance whatever lengths the blocks had: a block of
-    8 that accepts 2 and rejects the third counts 2 of 3, as a block of 3 does. Accepted / drafted counted 2 of 8
-    there, so the feature depended on the block lengths of whichever policy drafted them: trained on the recording
-    policy's long blocks (the head's accepted / drafted: 0.09 on average in the training examples) and read after the
-    learned rule's short ones (0.40 live in a batch of 8), it made the head look like a far better drafter than it
-    was."""
+    8 that accepts 2 and rejects the third counts 2 of 3, as a block of 3 does. Accepted / drafted would count 2 of 8
+    there, so the feature would depend on the block lengths of whichever policy drafted them: a predictor trained on
+    the recording policy's long blocks and read after the learned rule's short ones would see a far better drafter
+    than there is."""
     if drafted < 1 or not 0 <= accepted <= drafted:
         raise ValueError(f"a block's history needs 0 <= accepted <= drafted and drafted >= 1, got accepted={accepted}, "
                          f"drafted={drafted}")

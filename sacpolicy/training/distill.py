@@ -43,7 +43,7 @@ class DistillSettings:
     beta: float = 0.5  # generalized JSD weight (jsd only)
     temperature: float = 1.0
     ce_weight: float = 0.0  # mix in cross-entropy on the target's tokens
-    lr: float = 2e-3  # 5e-4 reaches the same held-out match in twice the time (bench_distill)
+    lr: float = 2e-3  # high: drafts train on a budget of minutes (lower rates: docs/benchmarks.md, "Distillation")
     weight_decay: float = 0.0
     warmup_steps: int = 20
     on_policy_fraction: float = 0.0  # lambda: fraction of batches sampled from the draft, scored by the target

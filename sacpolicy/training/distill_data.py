@@ -286,7 +286,7 @@ class DistillDataModule(L.LightningDataModule):
         self.settings = dict(max_new_tokens=max_new_tokens, samples=samples, temperature=temperature,
                              greedy_too=greedy_too, topk=topk, seed=seed)
         # Magpie requests the target writes itself, answered greedily: what lets a draft generalize to new prompts
-        # (batched generation runs ~200 tokens/s on 2 CPU cores at gen_batch_size 48, ~120 at 16)
+        # (generated in batches of gen_batch_size: larger batches generate more tokens/s on a CPU)
         self.synthetic = {**SYNTHETIC_DEFAULTS, **(synthetic or {})}
         unknown = set(self.synthetic) - {"count", "max_tokens", "temperature"}
         if unknown:

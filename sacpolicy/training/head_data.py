@@ -31,9 +31,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sacpolicy.data.splits import assign_split
 from sacpolicy.io import write_json
 from sacpolicy.progress import duration
-from sacpolicy.splits import assign_split
 from sacpolicy.training.eagle3_data import META_FILE, FeatureCache, sequences_hash, shard_tensors
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 class HeadDataSettings:
     """Where the head's training text comes from and how much of it the target reads."""
 
-    source: str = "sharegpt"  # fixed answers of ShareGPT V3 (sacpolicy.sharegpt); the only source with answers
+    source: str = "sharegpt"  # fixed answers of ShareGPT V3 (sacpolicy.data.sharegpt); the only source with answers
     turns: str = "all"  # "first": first turns only; "all": every turn, the earlier turns as its context
     max_prompt_tokens: int = 384  # a turn whose prompt (template + context + request) is longer is skipped
     max_seq_tokens: int = 512  # prompt + answer; a longer answer is cut here
@@ -89,7 +89,7 @@ def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[
 def chat_sequences(tokenizer, split: str, settings: HeadDataSettings, path=None) -> Iterator[dict]:
     """The sequences of one split, in the recipe's fixed order: ``prompt_id``, ``input_ids`` (prompt + answer, the
     answer closed by the template's end of turn unless cut), ``prompt_len``."""
-    from sacpolicy.sharegpt import conversation_id, conversations
+    from sacpolicy.data.sharegpt import conversation_id, conversations
 
     s = settings
     for conv in conversations(path):

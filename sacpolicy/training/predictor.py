@@ -194,7 +194,7 @@ def predictor_metrics(pred: Predictor, ex: Examples) -> dict:
     """AUC, log-loss and expected calibration error of calibrated predictions (soft labels count as weights)."""
     from sklearn.metrics import log_loss, roc_auc_score
 
-    from sacpolicy.evaluation.metrics import calibration_error
+    from sacpolicy.training.metrics import calibration_error
 
     if not len(ex):
         return {"n": 0}

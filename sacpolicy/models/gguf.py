@@ -19,7 +19,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sacpolicy.models import EMBEDDED_TARGET, ModelSpecError, cache_root
+from sacpolicy.models.cache import EMBEDDED_TARGET, ModelSpecError, cache_root
 
 log = logging.getLogger(__name__)
 

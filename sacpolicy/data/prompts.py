@@ -18,14 +18,9 @@ from collections.abc import Mapping
 
 import datasets
 
-from sacpolicy.sources import (  # the sources' names are part of this module's API
-    NEEDS_ANSWERS,
-    PROMPT_SETS,
-    PromptSetError,
-    Row,
-    _source_rows,
-)
-from sacpolicy.splits import (  # noqa: F401 (the split is part of this module's API)
+from sacpolicy.data.rows import PromptSetError, Row
+from sacpolicy.data.sources import NEEDS_ANSWERS, PROMPT_SETS, _source_rows  # the sources' names are this API's too
+from sacpolicy.data.splits import (  # noqa: F401 (the split is part of this module's API)
     DEFAULT_FRACTIONS,
     DEFAULT_SALT,
     SplitError,

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sacpolicy.assets import AssetError, package_file
+from sacpolicy.data.assets import AssetError, package_file
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def conversations(path: Path | str | None = None) -> Iterator[Conversation]:
 def conversation_id(raw: str) -> str:
     """The prompt id of a conversation: ``sharegpt/<id>``, with the V3 split's part suffix as a path part
     (``QWJhYvA_0`` -> ``sharegpt/QWJhYvA/part0``), so that every part of one original conversation falls in one
-    split (``sacpolicy.splits`` hashes the id without ``/part<n>``)."""
+    split (``sacpolicy.data.splits`` hashes the id without ``/part<n>``)."""
     base, sep, part = raw.rpartition("_")
     return f"sharegpt/{base}/part{part}" if sep and base and part.isdigit() else f"sharegpt/{raw}"
 

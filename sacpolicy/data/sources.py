@@ -1,6 +1,6 @@
 """Prompt sources: the rows of each set sacpolicy reads (MT-Bench, its second turns after the target's own answers,
 HumanEval, HumanEval code edits, local files, Hugging Face datasets), before tokenizing and splitting
-(``sacpolicy.data``)."""
+(``sacpolicy.data.prompts``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from sacpolicy.assets import AssetError, package_file
-
-
-class PromptSetError(ValueError):
-    """A prompt source could not be loaded as asked: unknown set, bad file, missing column, nothing left, ..."""
+from sacpolicy.data.assets import AssetError, package_file
+from sacpolicy.data.rows import PromptSetError, Row, make_row, user_message
 
 
 PROMPT_SETS: tuple[str, ...] = ("mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit", "sharegpt",
@@ -35,9 +32,6 @@ EDIT_INSTRUCTIONS = (
     "Rewrite the docstring of this function in Google style (Args, Returns, Examples), keeping the code as is.",
 )
 HUMANEVAL_EDIT = "{instruction} Respond with the whole edited function only.\n\n```python\n{code}```"
-
-Row = dict  # {"prompt_id": str, "category": str, "messages": list[{"role", "content"}]}
-
 
 # --------------------------------------------------------------------------------------------------- reading files
 
@@ -94,10 +88,10 @@ def _question_rows(path: Path, prefix: str, turns: str) -> list[Row]:
         base = f"{prefix}/{q['question_id']}"
         category = str(q.get("category", prefix))
         if turns == "first":
-            rows.append(_row(base, category, [_user(user_turns[0])]))
+            rows.append(make_row(base, category, [user_message(user_turns[0])]))
         else:
             for j in range(1, len(user_turns) + 1):
-                rows.append(_row(f"{base}/turn{j}", category, [_user(t) for t in user_turns[:j]]))
+                rows.append(make_row(f"{base}/turn{j}", category, [user_message(t) for t in user_turns[:j]]))
     return rows
 
 
@@ -117,8 +111,8 @@ def _second_turn_rows(path: Path, answers: Mapping[str, str] | None) -> list[Row
             missing.append(base)
             continue
         first, second = row["messages"]
-        rows.append(_row(row["prompt_id"], "second_turn",
-                         [first, {"role": "assistant", "content": answers[base]}, second]))
+        rows.append(make_row(row["prompt_id"], "second_turn",
+                             [first, {"role": "assistant", "content": answers[base]}, second]))
     if missing:
         raise PromptSetError(f"mt_bench_turn2: no first answer for {len(missing)} questions (e.g. {missing[:3]}); "
                              "answers must cover every MT-Bench first turn")
@@ -131,7 +125,7 @@ def _humaneval_rows(chat: bool) -> list[Row]:
     for _, task in _read_jsonl(path):
         # A chat model needs an instruction; a base model continues the raw function signature.
         content = HUMANEVAL_INSTRUCTION.format(prompt=task["prompt"]) if chat else task["prompt"]
-        rows.append(_row(f"humaneval/{task['task_id']}", "code", [_user(content)]))
+        rows.append(make_row(f"humaneval/{task['task_id']}", "code", [user_message(content)]))
     return rows
 
 
@@ -144,7 +138,7 @@ def _humaneval_edit_rows() -> list[Row]:
         pick = int(hashlib.sha256(task["task_id"].encode()).hexdigest(), 16) % len(EDIT_INSTRUCTIONS)
         content = HUMANEVAL_EDIT.format(instruction=EDIT_INSTRUCTIONS[pick],
                                         code=task["prompt"] + task["canonical_solution"])
-        rows.append(_row(f"humaneval/{task['task_id']}/edit", "code_edit", [_user(content)]))
+        rows.append(make_row(f"humaneval/{task['task_id']}/edit", "code_edit", [user_message(content)]))
     return rows
 
 
@@ -162,21 +156,13 @@ def _text_rows(path: Path) -> list[Row]:
                     f"for question files with `turns` use jsonl: instead of text:"
                 )
             rid = obj.get("id", lineno)
-            rows.append(_row(f"{stem}/{rid}", str(obj.get("category", stem)), [_user(text)]))
+            rows.append(make_row(f"{stem}/{rid}", str(obj.get("category", stem)), [user_message(text)]))
         return rows
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
-                rows.append(_row(f"{stem}/{lineno}", stem, [_user(line.rstrip("\n"))]))
+                rows.append(make_row(f"{stem}/{lineno}", stem, [user_message(line.rstrip("\n"))]))
     return rows
-
-
-def _user(content: str) -> dict:
-    return {"role": "user", "content": content}
-
-
-def _row(prompt_id: str, category: str, messages: list[dict]) -> Row:
-    return {"prompt_id": prompt_id, "category": category, "messages": messages}
 
 
 def _mt_bench_file() -> Path:
@@ -195,7 +181,7 @@ def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_c
     if source == "humaneval_edit":
         return _humaneval_edit_rows()
     if source == "sharegpt":
-        from sacpolicy.sharegpt import ShareGPTError, sharegpt_rows
+        from sacpolicy.data.sharegpt import ShareGPTError, sharegpt_rows
 
         try:
             return sharegpt_rows(turns)
@@ -208,7 +194,7 @@ def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_c
     if sep and arg and kind == "text":
         return _text_rows(_existing_file(arg, kind))
     if sep and arg and kind == "hf":
-        from sacpolicy.data_hf import hf_rows
+        from sacpolicy.data.hf import hf_rows
 
         return hf_rows(arg, columns, hf_split, hf_config, hf_data_files)
     raise PromptSetError(f"unknown prompt source {source!r}; use one of {', '.join(PROMPT_SETS)}")

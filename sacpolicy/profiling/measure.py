@@ -24,9 +24,9 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from sacpolicy.cost_fit import MIN_REPEATS, N_BOOT, fit_cost_model, monotone_knots, pool_adjacent_violators
 from sacpolicy.decoding.compat import use_cpu_kernels, with_cache
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
+from sacpolicy.profiling.fit import MIN_REPEATS, N_BOOT, fit_cost_model, monotone_knots, pool_adjacent_violators
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear
 
 __all__ = ["COST_FORMAT", "MIN_REPEATS", "N_BOOT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots",
@@ -97,9 +97,9 @@ def _prefill_times(model, context_len: int, device, gen, repeats: int, warmup: i
 
 
 # A batch's rows hold prompts of different lengths, and the cache is as wide as the longest: the rows a profile times
-# spread from 0.4x to 1.6x the context (mean: the context). On near-equal rows a pass of 4 rows of 4 tokens after ~275
-# cached ones cost 1.8x a pass of one token each; on rows of 80 / 180 / 320 / 520 tokens, 2.6x (the masked attention
-# grows with the width and the tokens fed; embedded target, 2 cores).
+# spread from 0.4x to 1.6x the context (mean: the context). Profiled on near-equal rows, a multi-token pass would be
+# priced too low: the masked attention grows with the cache's width and the tokens fed (docs/benchmarks.md, "Cost
+# model fidelity").
 ROW_SPREAD = (0.4, 1.6)
 
 
@@ -147,10 +147,9 @@ def _verify_times(model, batch_sizes: Sequence[int], context_lens: Sequence[int]
                   repeats: int, warmup: int) -> dict:
     """{batch size: [(tokens fed, context, [repeats] seconds)]} of the target's verify pass: every (batch size,
     context, tokens fed) cell that fits, all timed in the same rounds (``_interleaved_times``), so a machine whose
-    speed drifts during the profile moves every batch size alike. Timed one batch size after another, a shared CPU
-    that slowed down midway priced a pass of 2 rows at 1.7x one row (48 against 28 ms; 1.15-1.25x in profiles taken
-    at a steady speed). The price: every cell's cache is held at once, the sum over batch sizes and contexts rather
-    than the largest one."""
+    speed drifts during the profile moves every batch size alike; timed one batch size after another, a slowdown
+    midway would price the later batch sizes too high (docs/benchmarks.md, "Cost model fidelity"). The price: every
+    cell's cache is held at once, the sum over batch sizes and contexts rather than the largest one."""
     cells = {}
     for b in sorted(batch_sizes):
         for c in context_lens:

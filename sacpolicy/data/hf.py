@@ -7,7 +7,7 @@ from pathlib import Path
 
 import datasets
 
-from sacpolicy.sources import PromptSetError, Row, _row, _user
+from sacpolicy.data.rows import PromptSetError, Row, make_row, user_message
 
 
 def hf_rows(name: str, columns: Mapping[str, str] | None, split: str, config: str | None, data_files) -> list[Row]:
@@ -42,7 +42,7 @@ def hf_rows(name: str, columns: Mapping[str, str] | None, split: str, config: st
             )
         rid = ex[columns["id"]] if "id" in columns else i
         category = str(ex[columns["category"]]) if "category" in columns else prefix.rsplit("/", 1)[-1]
-        rows.append(_row(f"{prefix}/{rid}", category, [_user(text)]))
+        rows.append(make_row(f"{prefix}/{rid}", category, [user_message(text)]))
     return rows
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pathlib
 import re
 
@@ -30,11 +29,16 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from sacpolicy.assets import AssetError, package_file
+from sacpolicy.data.assets import AssetError, package_file
+from sacpolicy.models.cache import (  # noqa: F401 (part of this module's API)
+    EMBEDDED_TARGET,
+    ModelSpecError,
+    TokenizerMismatchError,
+    cache_root,
+)
+from sacpolicy.models.gguf import ensure_gguf_converted
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 
 # embedded name -> (pip package that ships the GGUF, file name inside that package, pip requirement)
 EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
@@ -71,14 +75,6 @@ _DTYPES = {
 }
 
 
-class ModelSpecError(ValueError):
-    """A model spec names nothing loadable: unknown kind, missing or corrupt file or directory."""
-
-
-class TokenizerMismatchError(ValueError):
-    """Target and draft tokenizers differ, so draft token ids would mean different text to the target."""
-
-
 @dataclasses.dataclass
 class LoadedModel:
     model: PreTrainedModel
@@ -103,12 +99,6 @@ class LoadedModel:
             if i is not None and int(i) not in ids:
                 ids.append(int(i))
         return ids
-
-
-def cache_root() -> pathlib.Path:
-    """Where converted models live: $SACPOLICY_CACHE if set, else ~/.cache/sacpolicy."""
-    env = os.environ.get("SACPOLICY_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "sacpolicy"
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -251,10 +241,6 @@ def model_dir(spec: str = EMBEDDED_TARGET) -> pathlib.Path:
 
 def _local_model_dir(kind: str, arg: str) -> pathlib.Path:
     """A directory `from_pretrained` can read for an embedded, gguf or dir spec (converting GGUF if needed)."""
-    from sacpolicy.gguf import (
-        ensure_gguf_converted,  # gguf imports this module: a lazy import
-    )
-
     if kind == "embedded":
         return ensure_gguf_converted(_embedded_gguf_path(arg), name=arg)
     if kind == "gguf":
