@@ -4,7 +4,7 @@ runtime decides exactly as it does."""
 
 from __future__ import annotations
 
-import functools
+import sys
 from collections import Counter
 
 import numpy as np
@@ -21,11 +21,17 @@ from sacpolicy.policy.features import token_features
 from sacpolicy.runtime.rule import Block, DecisionRule
 
 
-@functools.cache
+_BLAS: list = [None, -1]  # (the controller, len(sys.modules) when it was made)
+
+
 def _blas():
+    """threadpoolctl's controller of the loaded BLAS libraries, made again whenever modules were imported since (an
+    import can load another BLAS, e.g. OpenCV's own OpenBLAS, which a controller made before it would leave alone)."""
     from threadpoolctl import ThreadpoolController
 
-    return ThreadpoolController()
+    if _BLAS[0] is None or _BLAS[1] != len(sys.modules):
+        _BLAS[:] = [ThreadpoolController(), len(sys.modules)]
+    return _BLAS[0]
 
 
 def one_blas_thread():
