@@ -1,5 +1,6 @@
 """Shared fixtures. Session-scoped models are shared by every test: read them, never mutate them."""
 
+import inspect
 import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -16,9 +17,27 @@ import pytest
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 
 
+SLOW_FIXTURES = {"embedded", "smoke_run"}  # the real 135M model; a whole smoke pipeline in a subprocess
+
+
+def _is_slow(item) -> bool:
+    """Loads the real embedded model, runs a pipeline, or starts a process (a script, DDP, vLLM)."""
+    if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return "subprocess" in source or "Popen" in source
+
+
 def pytest_collection_modifyitems(config, items):
-    """The vLLM engines first: the longest test (~5 minutes, one worker) then overlaps the rest of the suite on the
-    other worker instead of running after it."""
+    """Marks ``slow`` what a developer's quick loop (``pytest -m "not slow"``) leaves out; ``make test`` runs all.
+    The vLLM engines first: the longest test (one worker) then overlaps the rest of the suite on the other worker
+    instead of running after it."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
 
 
