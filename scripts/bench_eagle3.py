@@ -103,6 +103,8 @@ def held_out(target, n_new: int, sharegpt_prompts: int = 32, sharegpt_max_prompt
     """Held-out (test split) first turns of each set with the target's greedy continuations, generated once and
     cached: MT-Bench and HumanEval whole, ShareGPT a fixed sample (the first ``sharegpt_prompts`` test conversations
     in file order whose prompt fits ``sharegpt_max_prompt_tokens``)."""
+    import datasets
+
     from sacpolicy.data import load_prompt_mix, split_prompts
     from sacpolicy.training.distill_data import cached_dataset, generate_continuations
 
@@ -110,13 +112,17 @@ def held_out(target, n_new: int, sharegpt_prompts: int = 32, sharegpt_max_prompt
     for name in SETS:
         test = split_prompts(load_prompt_mix([name], tokenizer=None if name == "sharegpt" else target.tokenizer))
         test, key = test["test"], f"{target.spec.replace(':', '_')}-{n_new}"
-        if name == "sharegpt":
-            from sacpolicy.data import load_prompts
+        if name == "sharegpt":  # file order; tokenized one by one until enough fit
+            from sacpolicy.data import apply_template
 
-            keep = set(test["prompt_id"])
-            full = load_prompts("sharegpt", tokenizer=target.tokenizer, max_prompt_tokens=100_000)
-            test = full.filter(lambda r: r["prompt_id"] in keep and len(r["input_ids"]) <= sharegpt_max_prompt_tokens)
-            test = test.select(range(min(sharegpt_prompts, len(test))))
+            picked = []
+            for row in test:
+                ids = apply_template(row["messages"], target.tokenizer)
+                if len(ids) <= sharegpt_max_prompt_tokens:
+                    picked.append({**row, "input_ids": ids})
+                if len(picked) == sharegpt_prompts:
+                    break
+            test = datasets.Dataset.from_list(picked)
             key += f"-{len(test)}-{sharegpt_max_prompt_tokens}"
         sets[name] = (test, cached_dataset(f"bench-eagle3-{name}", key,
                                            lambda t=test: generate_continuations(target, t, max_new_tokens=n_new,
