@@ -27,7 +27,9 @@ def test_shipped_head_matches_its_provenance():
     assert config["verifier"] == EMBEDDED_TARGET
     settings = prov["settings"]
     assert settings["draft_vocab_size"] in (None, config["draft_vocab_size"]) and settings["seed"] == prov["seed"]
-    assert prov["commands"] and all("bench_eagle3.py train" in c for c in prov["commands"])
+    # every training leg's command: bench_eagle3's own loop, or the pipeline's head stage
+    assert prov["commands"] and all("bench_eagle3.py train" in c or "stages=[head]" in c for c in prov["commands"])
+    assert len(prov["legs"]) == len(prov["commands"])
     assert prov["data"] and prov["curve"]["rows"]  # the data recipe and the measured curve travel with it
     weights = load_file(str(SHIPPED_DIR / "model.safetensors"))
     assert weights["lm_head.weight"].shape == (config["draft_vocab_size"], config["hidden_size"])
