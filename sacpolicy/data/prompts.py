@@ -19,15 +19,7 @@ from collections.abc import Mapping
 import datasets
 
 from sacpolicy.data.rows import PromptSetError, Row
-from sacpolicy.data.sources import NEEDS_ANSWERS, PROMPT_SETS, _source_rows  # the sources' names are this API's too
-from sacpolicy.data.splits import (  # noqa: F401 (the split is part of this module's API)
-    DEFAULT_FRACTIONS,
-    DEFAULT_SALT,
-    SplitError,
-    assign_split,
-    split_fraction,
-    split_prompts,
-)
+from sacpolicy.data.sources import NEEDS_ANSWERS, PROMPT_SETS, _source_rows
 
 logger = logging.getLogger(__name__)
 
