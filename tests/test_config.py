@@ -93,6 +93,7 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
         assert type(logger).__name__ in {"CSVLogger", "WandbLogger"}
 
 
+@pytest.mark.slow  # every data option: generates the first answers its second turns quote
 def test_every_draft_and_data_option_builds_on_the_tiny_target(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SACPOLICY_CACHE", str(tmp_path / "cache"))
     for opt in options("draft"):

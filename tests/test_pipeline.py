@@ -167,6 +167,7 @@ def test_a_stage_without_its_inputs_says_which_stage_makes_them(tmp_path):
         run_in_process(tmp_path, "stages=[fit]")
 
 
+@pytest.mark.slow  # two whole smoke pipelines
 def test_multirun_sweep_runs_two_jobs(tmp_path):
     res = train("-m", "stages=[decode]", "policy=static,heuristic", f"hydra.sweep.dir={tmp_path}")
     assert res.returncode == 0, res.stderr[-3000:]
