@@ -7,17 +7,22 @@ import os
 from pathlib import Path
 
 
-def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to a temporary sibling, then rename it over ``path``."""
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to a temporary sibling, then rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) atomically (``write_bytes``)."""
+    return write_bytes(path, text.encode())
 
 
 def write_json(path: str | Path, payload, **dump_kwargs) -> Path:

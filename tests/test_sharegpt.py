@@ -1,6 +1,7 @@
 """ShareGPT: the streaming reader of a cut-off file, its prompt rows and split, and the head's data engine over it
 (teacher-forced feature shards that resume and grow)."""
 
+import gzip
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from sacpolicy.data import load_prompts, split_fraction
 from sacpolicy.data.sharegpt import ShareGPTError, conversation_id, conversations, sharegpt_rows
 from sacpolicy.training.eagle3_data import LengthBuckets, capture_features
-from sacpolicy.training.head_data import HeadDataSettings, build_stream_cache, chat_sequences
+from sacpolicy.training.head_data import HeadDataSettings, build_stream_cache, chat_sequences, recipe_hash
 
 AUX = [1, 2, 3]
 
@@ -113,8 +114,10 @@ def test_chat_sequences_are_the_prompt_then_the_datasets_answer(tiny_target, tmp
     cut = {r["prompt_id"]: r for sp in ("train", "val", "test") for r in chat_sequences(tok, sp, short, path)}
     assert "sharegpt/aaa/part0/turn2" not in cut
     assert all(len(r["input_ids"]) <= len(prompt) + 4 for r in cut.values())
-    with pytest.raises(ValueError, match="only 'sharegpt' carries fixed answers"):
-        HeadDataSettings(source="mt_bench")
+    with pytest.raises(ValueError, match="use one or more of"):
+        HeadDataSettings(sources=["mt_bench"])
+    with pytest.raises(ValueError, match="is not a directory of scripts/regenerate_answers.py"):
+        HeadDataSettings(sources=["sharegpt", "regenerated"], answers=str(tmp_path / "nowhere"))
 
 
 def toy_stream(tok, n, seed=0):
@@ -178,5 +181,43 @@ def test_head_data_is_a_config_group_unset_by_default():
     assert cfg_for().get("head_data") is None  # the head trains on the distill data unless asked
     cfg = cfg_for("head_data=sharegpt", "head_data.max_tokens=5000")
     s = instantiate(cfg.head_data, _convert_="all")
-    assert isinstance(s, HeadDataSettings) and s.max_tokens == 5000 and s.source == "sharegpt"
+    assert isinstance(s, HeadDataSettings) and s.max_tokens == 5000 and s.sources == ["sharegpt"]
     assert s.recipe() == HeadDataSettings(max_tokens=1).recipe()  # the budget is not part of the stream's recipe
+    # the recipe (so the cache directory) of ShareGPT's fixed answers is the one its first caches were built under
+    assert recipe_hash(s.recipe()) == "2a76acbefdc2"
+
+
+def write_answers(out, tok, rows):
+    """A directory as scripts/regenerate_answers.py writes it."""
+    out.mkdir()
+    (out / "meta.json").write_text(json.dumps({"format": 1, "target": "tiny", "engine": "vllm", "max_tokens": 8,
+                                               "prompt_list_sha": "abc"}))
+    lines = [json.dumps({"prompt_id": pid, "split": split, "prompt_ids": tok(p)["input_ids"],
+                         "answer_ids": tok(a)["input_ids"], "finished": True}) for pid, split, p, a in rows]
+    (out / "part-00000.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    return out
+
+
+def test_regenerated_answers_mix_with_sharegpt_into_one_cache_per_split(tiny_target, tmp_path, monkeypatch):
+    from sacpolicy.training.head_data import build_head_data, regenerated_sequences
+
+    monkeypatch.setenv("SACPOLICY_CACHE", str(tmp_path / "cache"))
+    tok = tiny_target.tokenizer
+    answers = write_answers(tmp_path / "answers", tok, [
+        ("sharegpt/x/turn1", "train", "Say hello to the river", "Hello river, you run long and wide today"),
+        ("sharegpt/y/turn1", "val", "Count to four", "one two three four and then five six seven"),
+        ("humaneval/3", "train", "def add(a, b):", "    return a + b  # adds the two numbers given"),
+        ("humaneval/4", "train", "def f():", "ok")])  # too short an answer: skipped
+    s = HeadDataSettings(sources=["sharegpt", "regenerated"], answers=str(answers), min_answer_tokens=3,
+                         max_tokens=10_000, shard_tokens=64, batch_tokens=128)
+    train = list(regenerated_sequences("train", s))
+    assert [r["prompt_id"] for r in train] == ["sharegpt/x/turn1", "humaneval/3"]
+    assert train[1]["input_ids"][: train[1]["prompt_len"]] == tok("def add(a, b):")["input_ids"]
+    assert s.recipe("regenerated")["answers"]["prompt_list_sha"] == "abc"
+    assert recipe_hash(s.recipe("regenerated")) != recipe_hash(s.recipe("sharegpt"))
+    caches = build_head_data(tiny_target, s, AUX, path=write_cut(tmp_path / "sg.json", CONVS))
+    sharegpt_train = [r for r in chat_sequences(tok, "train", s, tmp_path / "sg.json")]
+    assert len(caches["train"]) == len(sharegpt_train) + 2 and len(caches["train"].caches) == 2
+    assert [x for x in caches["train"].sequences()][-1]["input_ids"] == train[1]["input_ids"]
+    assert caches["train"][len(caches["train"]) - 1]["input_ids"].tolist() in [r["input_ids"] for r in train]
+    assert len(caches["val"]) >= 1 and caches["train"].aux_layer_ids == AUX

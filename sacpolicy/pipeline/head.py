@@ -1,7 +1,8 @@
 """Stage ``head``: an EAGLE-3 feature head trained with the training-time test into ``head/head``, warm-started from
 ``head.init_from`` (the embedded default: the head shipped in ``sacpolicy/heads``, used as it is with a budget of 0);
 later stages add it to the drafters as ``feature``. Its data: ``head_data=sharegpt``, chat text with its fixed
-answers teacher-forced at scale (``sacpolicy.training.head_data``), or by default the distillation data (the
+answers and the target's own regenerated answers teacher-forced at scale (``sacpolicy.training.head_data``), or by
+default the distillation data (the
 target's own continuations, generated once and shared with the ``distill`` stage)."""
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def run(ctx: RunContext) -> dict:
 
         head_data = instantiate(ctx.cfg.head_data, _convert_="all")
         caches = build_head_data(ctx.target, head_data, head_layers(settings, ctx.target))
-        data = {**asdict(head_data), "kind": "fixed answers, teacher-forced"}
+        kinds = {"sharegpt": "ShareGPT's fixed answers", "regenerated": "the target's own greedy answers"}
+        data = {**asdict(head_data), "kind": [f"{kinds[x]}, teacher-forced" for x in head_data.sources],
+                "train_tokens_by_source": {x: sum(c.lengths) for x, c in zip(head_data.sources,
+                                                                             caches["train"].caches)}}
     elif settings.trains:  # budget 0 with a warm start: the warm-start head as it is, no data needed
         dm = distill_data(ctx, instantiate(ctx.cfg.distill))
         dm.setup()

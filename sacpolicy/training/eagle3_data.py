@@ -174,6 +174,39 @@ class FeatureCache(Dataset):
         return item
 
 
+class FeatureCaches(Dataset):
+    """Several feature caches read as one (concatenated in order): the sources of a head's data mix."""
+
+    def __init__(self, caches: list[FeatureCache]):
+        if not caches:
+            raise ValueError("FeatureCaches needs at least one cache")
+        layers = {tuple(c.aux_layer_ids) for c in caches}
+        if len(layers) > 1:
+            raise ValueError(f"the caches {[str(c.dir) for c in caches]} hold different aux layers {sorted(layers)}; "
+                             "build every source for the head's layers")
+        self.caches, self.aux_layer_ids = list(caches), list(caches[0].aux_layer_ids)
+        self._where = [(j, i) for j, c in enumerate(caches) for i in range(len(c))]
+
+    @property
+    def dir(self) -> str:
+        return ", ".join(str(c.dir) for c in self.caches)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [n for c in self.caches for n in c.lengths]
+
+    def sequences(self):
+        for c in self.caches:
+            yield from c.sequences()
+
+    def __getitem__(self, i: int) -> dict:
+        j, k = self._where[i]
+        return self.caches[j][k]
+
+
 def collate_features(items: list[dict]) -> dict:
     """Right-padded batch in the training-time-test layout: TTT row t pairs the target's aux at position t with token
     x_{t+1}; its step-j draft predicts x_{t+2+j}, whose target distribution comes from ``final``/``top`` at row t + j.

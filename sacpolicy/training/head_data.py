@@ -1,16 +1,23 @@
-"""EAGLE-3 training data at scale: the target's features over chat text with its fixed answers, teacher-forced (no
-generation), streamed into shards under a token and a disk budget.
+"""EAGLE-3 training data at scale: the target's features over chat text and its answers, teacher-forced (no
+generation here), streamed into shards under a token and a disk budget.
 
-A sequence is one turn of a ShareGPT conversation: the chat template over the conversation's earlier turns and the
-user's turn (the prompt), then the dataset's own answer to it (the continuation, where the head learns). The target
-reads it once; ``eagle3_data`` stores what the head trains on. The stream of sequences is fixed by the recipe (the
-file order of the split's conversations), never by the budget, so a larger budget only adds shards after the ones
-already built: data legs add up, and an interrupted build resumes at its next shard.
+Sources (``sources``, mixed by concatenation):
+
+- ``sharegpt``: a sequence is one turn of a ShareGPT conversation: the chat template over the conversation's earlier
+  turns and the user's turn (the prompt), then the dataset's own, fixed answer to it;
+- ``regenerated``: the target's own greedy answers to chat and code prompts, generated once by
+  ``scripts/regenerate_answers.py`` into the directory ``answers`` (kept beside the head, so no later leg pays for
+  them again).
+
+The target reads each sequence once; ``eagle3_data`` stores what the head trains on. The stream of sequences is
+fixed by the recipe (file order), never by the budget, so a larger budget only adds shards after the ones already
+built: data legs add up, and an interrupted build resumes at its next shard.
 
     settings = HeadDataSettings(max_tokens=2_000_000)
     caches = build_head_data(target, settings)            # {"train": FeatureCache, "val": FeatureCache}
 
-Cache directory (``cache_dir``, default ``$SACPOLICY_CACHE/head-features/<target>/<recipe hash>/<split>``):
+Cache directory per source (``cache_dir``, default
+``$SACPOLICY_CACHE/head-features/<target>/<recipe hash>/<split>``):
 ``meta.json`` (the recipe, target, aux layers, dtype) and ``shard-NNNNN.safetensors`` in ``eagle3_data``'s layout,
 whose metadata records the shard's prompt ids and a hash of its token ids, so a resumed build checks that the stream
 it rebuilds is the same.
@@ -18,13 +25,14 @@ it rebuilds is the same.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,11 +42,12 @@ from safetensors.torch import save_file
 from sacpolicy.data.splits import assign_split
 from sacpolicy.io import write_json
 from sacpolicy.progress import duration
-from sacpolicy.training.eagle3_data import META_FILE, FeatureCache, sequences_hash, shard_tensors
+from sacpolicy.training.eagle3_data import META_FILE, FeatureCache, FeatureCaches, sequences_hash, shard_tensors
 
 logger = logging.getLogger(__name__)
 
 STREAM_FORMAT = 2
+SOURCES = ("sharegpt", "regenerated")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -46,23 +55,33 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 class HeadDataSettings:
     """Where the head's training text comes from and how much of it the target reads."""
 
-    source: str = "sharegpt"  # fixed answers of ShareGPT V3 (sacpolicy.data.sharegpt); the only source with answers
+    sources: list = field(default_factory=lambda: ["sharegpt"])  # "sharegpt" (fixed answers), "regenerated"
+    answers: str | None = None  # "regenerated": a directory of scripts/regenerate_answers.py (all its rows are read)
     turns: str = "all"  # "first": first turns only; "all": every turn, the earlier turns as its context
     max_prompt_tokens: int = 384  # a turn whose prompt (template + context + request) is longer is skipped
     max_seq_tokens: int = 512  # prompt + answer; a longer answer is cut here
     min_answer_tokens: int = 16  # shorter answers are skipped
-    max_tokens: int = 1_000_000  # training tokens (sequence lengths summed); more shards are added as it grows
-    val_sequences: int = 256  # held-out sequences (the val split's first ones) for checkpoint selection
+    max_tokens: int = 1_000_000  # sharegpt's training tokens (lengths summed); more shards are added as it grows
+    val_sequences: int = 256  # held-out sequences per source (the val split's first ones) for checkpoint selection
     shard_tokens: int = 65_536  # tokens per shard (the unit of resumption)
     batch_tokens: int = 4_096  # padded tokens per teacher-forced pass (length-sorted within a shard)
     max_cache_gb: float = 60.0  # stop adding shards once the cache directory holds this much (a warning says so)
     dtype: str = "float16"
-    cache_dir: str | None = None  # None: $SACPOLICY_CACHE/head-features/<target>/<recipe hash>
+    cache_dir: str | None = None  # None: $SACPOLICY_CACHE/head-features/<target>/<recipe hash>, one per source
 
     def __post_init__(self) -> None:
-        if self.source != "sharegpt":
-            raise ValueError(f"head_data.source={self.source!r}: only 'sharegpt' carries fixed answers; for the "
-                             "target's own continuations of a prompt mix leave head_data unset (the distill data)")
+        self.sources = list(self.sources)
+        bad = [x for x in self.sources if x not in SOURCES]
+        if bad or not self.sources:
+            raise ValueError(f"head_data.sources={self.sources!r}: use one or more of {list(SOURCES)}; for the "
+                             "target's continuations of the pipeline's prompt mix leave head_data unset (the distill "
+                             "data)")
+        if "regenerated" in self.sources and not (self.answers and (Path(self.answers) / "meta.json").is_file()):
+            raise ValueError(f"head_data.sources has 'regenerated' but head_data.answers={self.answers!r} is not a "
+                             "directory of scripts/regenerate_answers.py (with a meta.json); generate the answers "
+                             "with that script and give its --out")
+        if self.cache_dir and len(self.sources) > 1:
+            raise ValueError("head_data.cache_dir names one cache; leave it unset to mix several sources")
         if self.turns not in ("first", "all"):
             raise ValueError(f"head_data.turns={self.turns!r}; use 'first' or 'all'")
         if not 0 < self.max_prompt_tokens < self.max_seq_tokens:
@@ -70,10 +89,16 @@ class HeadDataSettings:
         if self.dtype not in DTYPES:
             raise ValueError(f"head_data.dtype={self.dtype!r}; use one of {sorted(DTYPES)}")
 
-    def recipe(self) -> dict:
-        """What fixes the stream of sequences (not the budgets, which only say how far to read it)."""
-        keep = ("source", "turns", "max_prompt_tokens", "max_seq_tokens", "min_answer_tokens", "dtype")
-        return {k: v for k, v in asdict(self).items() if k in keep}
+    def recipe(self, source: str = "sharegpt") -> dict:
+        """What fixes ``source``'s stream of sequences (not the budgets, which only say how far to read it)."""
+        keep = ("turns", "max_prompt_tokens", "max_seq_tokens", "min_answer_tokens", "dtype")
+        if source == "regenerated":
+            meta = json.loads((Path(self.answers) / "meta.json").read_text())
+            keep, extra = ("max_seq_tokens", "min_answer_tokens", "dtype"), {
+                "answers": {k: meta.get(k) for k in ("target", "engine", "max_tokens", "prompt_list_sha")}}
+        else:
+            extra = {}
+        return {"source": source, **{k: v for k, v in asdict(self).items() if k in keep}, **extra}
 
 
 def recipe_hash(recipe: dict) -> str:
@@ -106,6 +131,25 @@ def chat_sequences(tokenizer, split: str, settings: HeadDataSettings, path=None)
             if len(full) - len(prompt) < s.min_answer_tokens:
                 continue
             yield {"prompt_id": f"{cid}/turn{j}", "input_ids": full[: s.max_seq_tokens], "prompt_len": len(prompt)}
+
+
+def regenerated_sequences(split: str, settings: HeadDataSettings) -> Iterator[dict]:
+    """The rows of ``settings.answers`` (scripts/regenerate_answers.py) in ``split``, in file order, as sequences:
+    the prompt, then the target's own answer (cut at ``max_seq_tokens``)."""
+    s = settings
+    parts = sorted(Path(s.answers).glob("part-*.jsonl.gz"))
+    if not parts:
+        raise FileNotFoundError(f"{s.answers} holds no part-*.jsonl.gz; run scripts/regenerate_answers.py --out "
+                                f"{s.answers} to generate them")
+    for part in parts:
+        with gzip.open(part, "rt") as f:
+            for line in f:
+                row = json.loads(line)
+                if row["split"] != split or len(row["answer_ids"]) < s.min_answer_tokens:
+                    continue
+                ids = row["prompt_ids"] + row["answer_ids"]
+                yield {"prompt_id": row["prompt_id"], "input_ids": ids[: s.max_seq_tokens],
+                       "prompt_len": len(row["prompt_ids"])}
 
 
 def _dir_gb(path: Path) -> float:
@@ -183,19 +227,28 @@ def build_stream_cache(target, sequences: Iterator[dict], cache_dir, aux_layer_i
     return FeatureCache(cache_dir)
 
 
-def build_head_data(target, settings: HeadDataSettings, aux_layer_ids, path=None) -> dict[str, FeatureCache]:
-    """The train and val feature caches of ``settings`` for ``target`` (built or extended as needed)."""
+def build_head_data(target, settings: HeadDataSettings, aux_layer_ids, path=None) -> dict[str, FeatureCaches]:
+    """The train and val feature caches of ``settings`` for ``target`` (built or extended as needed), the sources'
+    caches concatenated. ``path``: the ShareGPT file (default: the installed package's)."""
     s = settings
     from sacpolicy.models import cache_root
 
-    root = Path(s.cache_dir) if s.cache_dir else (cache_root() / "head-features" / target.spec.replace(":", "_")
-                                                  / recipe_hash(s.recipe()))
     common = {"aux_layer_ids": aux_layer_ids, "shard_tokens": s.shard_tokens, "batch_tokens": s.batch_tokens,
-              "max_cache_gb": s.max_cache_gb, "dtype": DTYPES[s.dtype], "recipe": s.recipe()}
-    logger.info("head data: %s, up to %d training tokens, cached under %s", s.source, s.max_tokens, root)
-    return {
-        "val": build_stream_cache(target, chat_sequences(target.tokenizer, "val", s, path), root / "val",
-                                  max_tokens=None, max_sequences=s.val_sequences, desc="head features (val)", **common),
-        "train": build_stream_cache(target, chat_sequences(target.tokenizer, "train", s, path), root / "train",
-                                    max_tokens=s.max_tokens, desc="head features (train)", **common),
-    }
+              "max_cache_gb": s.max_cache_gb, "dtype": DTYPES[s.dtype]}
+    out = {"val": [], "train": []}
+    for source in s.sources:
+        recipe = s.recipe(source)
+        root = Path(s.cache_dir) if s.cache_dir else (cache_root() / "head-features" / target.spec.replace(":", "_")
+                                                      / recipe_hash(recipe))
+        logger.info("head data: %s%s, cached under %s", source,
+                    f", up to {s.max_tokens} training tokens" if source == "sharegpt" else "", root)
+        for split in ("val", "train"):
+            if source == "sharegpt":
+                seqs = chat_sequences(target.tokenizer, split, s, path)
+            else:
+                seqs = regenerated_sequences(split, s)
+            budget = ({"max_tokens": None, "max_sequences": s.val_sequences} if split == "val" else
+                      {"max_tokens": s.max_tokens if source == "sharegpt" else None})
+            out[split].append(build_stream_cache(target, seqs, root / split, recipe=recipe,
+                                                 desc=f"head features ({source}, {split})", **budget, **common))
+    return {split: FeatureCaches(caches) for split, caches in out.items()}
