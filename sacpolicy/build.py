@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +20,8 @@ from sacpolicy.decoding.drafters import (
 from sacpolicy.runtime.spec import DrafterSpec
 
 VOCAB_MAP_FILE = "vocab_map.safetensors"  # beside a draft's save_pretrained files when its vocabulary is trimmed
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HEAD_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin*"]
 
 
 def build_drafter(spec: DrafterSpec, target):
@@ -30,12 +33,29 @@ def build_drafter(spec: DrafterSpec, target):
     if spec.kind == "feature":
         from sacpolicy.decoding.feature import load_feature_drafter
 
-        return load_feature_drafter(target, spec.path, name=spec.name)
+        return load_feature_drafter(target, head_dir(spec.path), name=spec.name)
     return model_drafter(target, spec.path, name=spec.name)
 
 
 def build_drafters(specs, target) -> list:
     return [build_drafter(s, target) for s in specs]
+
+
+def head_dir(path: str) -> Path:
+    """A local EAGLE-3 head directory for ``path``: the path itself, or for a hub id (``yuhuili/EAGLE3-...``) that is no
+    local path, its config and weights in the Hugging Face cache (downloaded once; ``HF_HUB_OFFLINE=1`` reads the
+    cache only)."""
+    local = Path(path).expanduser()
+    if local.exists() or not HUB_ID.match(str(path)):
+        return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=HEAD_FILES))
+    except Exception as e:  # no network, no such repository, a gated one
+        raise FileNotFoundError(f"{path!r} is no local directory, and as a Hugging Face hub id it could not be "
+                                f"fetched ({type(e).__name__}: {e}). Fix: download the head (config.json and its "
+                                "weights) on a machine with access and pass its directory") from e
 
 
 def load_vocab_map(model_dir) -> torch.Tensor | None:

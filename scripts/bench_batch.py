@@ -28,7 +28,6 @@ baseline). Writes a Markdown table, JSON and a PNG of throughput vs B.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import sys
 import time
@@ -38,12 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sacpolicy.data import assign_split, load_prompts
+from sacpolicy import bench
 from sacpolicy.decoding import DecoderConfig, NgramDrafter, RequestInfo, SpeculativeDecoder
 from sacpolicy.evaluation.evaluate import Timed, add_load_ratios
 from sacpolicy.export import build_drafters
-from sacpolicy.io import write_json
-from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.policy import Autoregressive, Heuristic, SeedRule, Static
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime import load_artifact
@@ -113,29 +110,22 @@ def merge_repeats(runs: list[dict]) -> dict:
     return out
 
 
-def _ratio(r: dict, key: str) -> str:
-    runs = r.get(f"{key}_runs") or []
-    spread = f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else ""
-    return f"{r[key]:.2f}x{spread}"
-
-
 def _full(r: dict) -> str:
     tps = r.get("full_batch_tokens_per_s")
     return "-" if tps is None else f"{tps:.1f} ({100 * r['full_batch_share']:.0f}%)"
 
 
 def table(rows: list[dict], key: str) -> str:
-    out = [(f"| {key} | policy | tokens/s | vs AR | vs best static | P50 s | P90 s | P99 s | tokens/call | mean k | "
-            "acceptance | prefill | policy compute (of the steps) | full-B steps: tokens/s (of the wall) | lossless |"),
-           "|" + "---|" * 15]
-    for r in rows:
-        out.append(f"| {r[key]} | {r['policy']} | {r['tokens_per_s']:.1f} | {_ratio(r, 'vs_ar')} | "
-                   f"{_ratio(r, 'vs_best_static')} | {r['p50_s']:.1f} | {r['p90_s']:.1f} | {r['p99_s']:.1f} | "
-                   f"{r['tokens_per_call']:.2f} | {r['mean_k']:.2f} | {r['acceptance']:.2f} | "
-                   f"{100 * r['prefill_share']:.0f}% | {100 * r['policy_share']:.2f}% ({100 * r['policy_step_share']:.2f}%) | "
-                   f"{_full(r)} | "
-                   f"{'yes' if r['identical'] else 'NO'} |")
-    return "\n".join(out)
+    header = [key, "policy", "tokens/s", "vs AR", "vs best static", "P50 s", "P90 s", "P99 s", "tokens/call",
+              "mean k", "acceptance", "prefill", "policy compute (of the steps)",
+              "full-B steps: tokens/s (of the wall)", "lossless"]
+    return bench.table(header, ([
+        r[key], r["policy"], f"{r['tokens_per_s']:.1f}", bench.ratio(r["vs_ar"], runs=r.get("vs_ar_runs")),
+        bench.ratio(r["vs_best_static"], runs=r.get("vs_best_static_runs")), f"{r['p50_s']:.1f}",
+        f"{r['p90_s']:.1f}", f"{r['p99_s']:.1f}", f"{r['tokens_per_call']:.2f}", f"{r['mean_k']:.2f}",
+        f"{r['acceptance']:.2f}", f"{100 * r['prefill_share']:.0f}%",
+        f"{100 * r['policy_share']:.2f}% ({100 * r['policy_step_share']:.2f}%)", _full(r),
+        "yes" if r["identical"] else "NO"] for r in rows))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -158,14 +148,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.parser(__doc__)
     ap.add_argument("--run", help="a pipeline run directory: its test prompts, drafters and learned policy")
     ap.add_argument("--policy", help="a learned policy artifact (default with --run: the run's headline policy; "
                                      "without: one whose drafter is n-gram, e.g. experiment=vllm_ngram)")
     ap.add_argument("--cost", help="a cost model profiled over batch sizes (JSON); profiled and saved when absent")
-    ap.add_argument("--source", default="mt_bench", help="prompt set without --run; its held-out test split is used")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    bench.add_prompt_set(ap, split="test", prompts=16, max_tokens=48,
+                         source_help="prompt set without --run; its held-out test split is used")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--static-ks", default="1,2,4", help="static k rows (with --run, its best static k joins them)")
     ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates at the largest batch size: requests/s, "
@@ -175,11 +164,11 @@ def main(argv=None) -> int:
                                                     "(e.g. ar,static-k*,learned); AR always runs")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every policy at each batch size, in alternating "
                                                            "order; the table shows each ratio's range over them")
-    ap.add_argument("--out", default="bench_batch.json")
+    bench.add_out(ap, "bench_batch.json")
     args = ap.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the runs: the plot is written first
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
-    args.static_ks = [int(k) for k in args.static_ks.split(",") if k]
+    sizes = bench.int_list(args.batch_sizes)
+    args.static_ks = bench.int_list(args.static_ks)
     rates = [r for r in args.rates.split(",") if r]
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
@@ -190,10 +179,9 @@ def main(argv=None) -> int:
         if static["k"] not in args.static_ks:
             args.static_ks = sorted([*args.static_ks, static["k"]])
     else:
-        target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
-        rows_in = [r for r in load_prompts(args.source, tokenizer=target.tokenizer)
-                   if assign_split(r["prompt_id"]) == "test"]
-        (prompts, requests), static = prompts_of(rows_in[: args.prompts]), {"drafter": "ngram"}
+        target = bench.load_target()
+        rows_in = bench.held_out_prompts(args.source, target.tokenizer, n=args.prompts)
+        (prompts, requests), static = prompts_of(rows_in), {"drafter": "ngram"}
         rule, drafters = None, [NgramDrafter()]
         if args.policy:
             art = load_artifact(args.policy)
@@ -231,11 +219,10 @@ def main(argv=None) -> int:
     rows = []
     for B in sizes:
         runs = {name: [] for name in make}
-        for rep in range(args.repeats):  # policies alternate order between repeats (ABC CBA ...): drift cancels
-            for name in (list(make) if rep % 2 == 0 else list(make)[::-1]):
-                stats, outs = run(target, drafters, make[name](), prompts, requests, args, B, max(sizes))
-                runs[name].append({**stats, "identical": outs == reference})
-                print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
+        for _, name in bench.alternating(list(make), args.repeats):  # ABC CBA ...: drift moves every policy alike
+            stats, outs = run(target, drafters, make[name](), prompts, requests, args, B, max(sizes))
+            runs[name].append({**stats, "identical": outs == reference})
+            print(f"  B={B} {name}: {stats['tokens_per_s']:.1f} tok/s", flush=True)
         rows += [{"batch": B, "policy": name, **merge_repeats(r)} for name, r in runs.items()]
     add_load_ratios(rows, "batch")
 
@@ -262,9 +249,9 @@ def main(argv=None) -> int:
     print(md)
     png = Path(args.out).with_suffix(".png")
     plot(rows, png)
-    write_json(args.out, {"args": vars(args), "n_prompts": len(prompts), "threads": torch.get_num_threads(),
-                          "capacity_requests_per_s": capacity, "batch": rows, "poisson": poisson, "mix": mix,
-                          "markdown": md, "png": str(png)})
+    bench.write_results(args.out, {"n_prompts": len(prompts), "threads": torch.get_num_threads(),
+                                   "capacity_requests_per_s": capacity, "batch": rows, "poisson": poisson,
+                                   "mix": mix, "markdown": md, "png": str(png)}, args)
     print(f"wrote {args.out} and {png}")
     return 0 if all(r["identical"] for r in rows + poisson) else 1
 
@@ -321,10 +308,11 @@ def poisson_mix(poisson: list[dict]) -> list[dict]:
 
 
 def mix_table(mix: list[dict]) -> str:
-    out = ["| policy | request speed (tokens/s) | vs AR | vs best single static | total tokens/s | lossless |",
-           "|---|---|---|---|---|---|"]
-    out += [f"| {m['policy']} | {m['request_tokens_per_s']:.2f} | {m['vs_ar']:.2f}x | {m['vs_best_static']:.2f}x | "
-            f"{m['tokens_per_s']:.1f} | {'yes' if m['identical'] else 'NO'} |" for m in mix]
+    out = [bench.table(["policy", "request speed (tokens/s)", "vs AR", "vs best single static", "total tokens/s",
+                        "lossless"],
+                       ([m["policy"], f"{m['request_tokens_per_s']:.2f}", bench.ratio(m["vs_ar"]),
+                         bench.ratio(m["vs_best_static"]), f"{m['tokens_per_s']:.1f}",
+                         "yes" if m["identical"] else "NO"] for m in mix))]
     picks = next((m["picks"] for m in mix if m["policy"] == CEILING), None)
     if picks:
         out.append(f"\n{CEILING}: " + ", ".join(f"{p} at {rate}" for rate, p in picks.items()) + "; a bound on "

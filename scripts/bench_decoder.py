@@ -8,6 +8,12 @@ Greedy decoding of MT-Bench first turns with the embedded target. Rows are measu
 every row runs once (so machine noise hits all rows alike), after warm-up prompts that are not counted. Every row's
 output is checked to be the target's own greedy output. Prints a Markdown table and writes bench_decoder.json.
 
+``--trace-cost``: what the traces the pipeline learns from cost against decoding live. After the rows, the target's
+own greedy decode of each measured prompt (its kept logits give p, so the target never runs a second time) and the
+teacher-forced pass of every one of our drafters over it (``traces.collect.teacher_forced_rows``, the collect
+stage's pass), timed per generated position next to our speculative rows' seconds per position. Simulated against
+measured tokens/s of the same policies is the evaluate stage's (``eval.json``: live and simulated rows).
+
 Drafts: ``layerskip`` = the target's first L layers sharing its weights; ``model`` = a separate draft model, the one
 both we and transformers' assisted generation use: ``--draft DIR`` (e.g. a distilled draft; we draft with its
 trimmed vocabulary when it has one, transformers with its full head) or, without it, a copy of the target's first L
@@ -17,7 +23,6 @@ EAGLE-3 head over the target's hidden states (no transformers counterpart).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import resource
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sacpolicy import bench
 from sacpolicy.build import model_drafter
 from sacpolicy.data import load_prompts
 from sacpolicy.decoding import (
@@ -37,8 +43,7 @@ from sacpolicy.decoding import (
     SpeculativeDecoder,
 )
 from sacpolicy.decoding.drafters import truncated_view
-from sacpolicy.io import write_json
-from sacpolicy.models import EMBEDDED_TARGET, load_model
+from sacpolicy.models import load_model
 from sacpolicy.policy import Autoregressive, Confidence, Heuristic, Static
 
 
@@ -200,14 +205,39 @@ def build_rows(args, lm, eos, warm):
     if "ngram" in args.drafters:
         for k in args.ks:
             rows.append(Row(f"hf-prompt-lookup-k{k}", hf(target, eos, prompt_lookup_num_tokens=k)))
-    return rows, tuned
+    return rows, tuned, [drafters[d]() for d in args.drafters]
+
+
+def speculative_rows(rows: list[Row], drafters: list) -> list[Row]:
+    """Our rows that draft with one of ``drafters`` (named ``<drafter>-...``)."""
+    return [r for r in rows if r.name.startswith(tuple(f"{d.name}-" for d in drafters))]
+
+
+def trace_cost(lm, drafters: list, prompts: list, n_new: int, rows: list[Row]) -> dict:
+    """Seconds per generated position of the target's own greedy decode (logits kept), of the teacher-forced pass of
+    ``drafters`` over it, and of our speculative rows decoding live (every row of a drafter in ``drafters``)."""
+    from sacpolicy.traces.collect import teacher_forced_rows
+
+    ar = SpeculativeDecoder(lm.model, [], Autoregressive(), stop_token_ids=lm.eos_token_ids)
+    gen_s = tf_s = 0.0
+    positions = 0
+    for i, ids in enumerate(prompts):
+        res = ar.generate(ids, n_new, keep_logits=True)
+        gen_s, positions = gen_s + res.total_s, positions + len(res.tokens)
+        prompt = {"prompt_id": str(i), "category": "", "input_ids": ids}
+        t0 = time.perf_counter()
+        teacher_forced_rows(lm, drafters, prompt, res.tokens, k_max=16, target_logits=res.logits)
+        tf_s += time.perf_counter() - t0
+    live = speculative_rows(rows, drafters)
+    live_per_pos = sum(r.seconds for r in live) / sum(r.tokens for r in live)
+    return {"drafters": [d.name for d in drafters], "positions": positions, "live_s_per_position": live_per_pos,
+            "teacher_forced_s_per_position": tf_s / positions, "target_decode_s_per_position": gen_s / positions,
+            "teacher_forced_speedup": live_per_pos / (tf_s / positions)}
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=EMBEDDED_TARGET)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
+    ap = bench.parser(__doc__)
+    bench.add_target(ap, device="cpu", dtype="auto")
     ap.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns to measure (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -219,22 +249,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft", default=None, help="a draft model directory (e.g. a distilled draft) for the model rows")
     ap.add_argument("--head", default=None, help="an EAGLE-3 head directory (e.g. <run>/head/head): feature rows")
     ap.add_argument("--only", default="", help="comma-separated row-name prefixes to keep (ar rows always run)")
-    ap.add_argument("--out", default="bench_decoder.json")
+    ap.add_argument("--trace-cost", action="store_true",
+                    help="also time the teacher-forced trace pass of our drafters against live decoding")
+    bench.add_out(ap, "bench_decoder.json")
     args = ap.parse_args(argv)
-    args.ks = [int(k) for k in args.ks.split(",")]
+    args.ks = bench.int_list(args.ks)
     args.drafters = [d for d in args.drafters.split(",") if d]
 
-    lm = load_model(args.target, device=args.device, dtype=args.dtype)
+    lm = bench.load_target(args.target, device=args.device, dtype=args.dtype)
     target, eos = lm.model, lm.eos_token_ids
     ds = load_prompts("mt_bench", tokenizer=lm.tokenizer)
     ids = [r["input_ids"] for r in ds]
     warm, measured = ids[: args.warmup], ids[args.warmup : args.warmup + args.prompts]
 
-    rows, tuned = build_rows(args, lm, eos, warm)
+    rows, tuned, ours_drafters = build_rows(args, lm, eos, warm)
     counter = CallCounter(target)  # after the drafts exist: views of the target copy its hooks when made
     if args.only:
         keep = tuple(args.only.split(","))
         rows = [r for r in rows if r.name in ("ar", "hf-ar") or r.name.startswith(keep)]
+    if args.trace_cost and not speculative_rows(rows, ours_drafters):
+        raise SystemExit("bench_decoder: --trace-cost compares with our speculative rows, and --only keeps none")
     for r in rows:  # warm-up: lazy initialisation, allocator growth
         for x in warm:
             r.run(x, 16)
@@ -261,12 +295,14 @@ def main(argv=None) -> dict:
     meta = {
         "target": args.target, "device": str(target.device), "dtype": str(next(target.parameters()).dtype),
         "prompts": len(measured), "warmup_prompts": len(warm), "max_new_tokens": args.max_new_tokens,
-        "layers": args.layers, "draft": args.draft or f"first {args.layers} target layers", "tuned_thresholds": tuned, "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "layers": args.layers, "draft": args.draft or f"first {args.layers} target layers", "tuned_thresholds": tuned,
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
     }
     meta["comparisons"] = comparisons(results)
+    if args.trace_cost:
+        meta["trace_cost"] = trace_cost(lm, ours_drafters, measured, args.max_new_tokens, rows)
     report = {"rows": results, "meta": meta}
-    write_json(args.out, report)
+    bench.write_results(args.out, report)
     print(markdown(results, meta))
     return report
 
@@ -284,27 +320,28 @@ def comparisons(rows) -> dict:
     return {f"{a} / {b}": tps[a] / tps[b] for a, b in pairs.items() if a in tps and b in tps and tps[b]}
 
 
-def fmt(v, spec=".2f"):
-    return "-" if v is None else format(v, spec)
-
-
 def markdown(rows, meta) -> str:
+    def share(r):
+        return "-" if r["draft_share"] is None else f"{r['draft_share']:.2f} / {r['verify_share']:.2f}"
+
     lines = [
         f"Greedy, {meta['target']} on {meta['device']} ({meta['dtype']}), {meta['prompts']} MT-Bench prompts x "
-        f"{meta['max_new_tokens']} new tokens",
-        "",
-        "| row | tokens/s | speedup vs our AR | tokens per target call | acceptance | draft / verify share | "
-        "peak RSS MB | lossless |",
-        "|---|---|---|---|---|---|---|---|",
+        f"{meta['max_new_tokens']} new tokens", "",
+        bench.table(["row", "tokens/s", "speedup vs our AR", "tokens per target call", "acceptance",
+                     "draft / verify share", "peak RSS MB", "lossless"],
+                    ([r["name"], f"{r['tokens_per_s']:.1f}", f"{bench.cell(r['speedup_vs_ar'])}x",
+                      bench.cell(r["tokens_per_call"]), bench.cell(r["acceptance_rate"]), share(r),
+                      f"{r['peak_rss_mb']:.0f}", "yes" if r["lossless"] else "NO"] for r in rows)), "",
+        bench.table(["ours / transformers (same draft, same k)", "ratio"],
+                    ([pair, bench.ratio(ratio)] for pair, ratio in meta["comparisons"].items())),
     ]
-    for r in rows:
-        share = "-" if r["draft_share"] is None else f"{r['draft_share']:.2f} / {r['verify_share']:.2f}"
-        lines.append(
-            f"| {r['name']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup_vs_ar'])}x | {fmt(r['tokens_per_call'])} | "
-            f"{fmt(r['acceptance_rate'])} | {share} | {r['peak_rss_mb']:.0f} | {'yes' if r['lossless'] else 'NO'} |"
-        )
-    lines += ["", "| ours / transformers (same draft, same k) | ratio |", "|---|---|"]
-    lines += [f"| {pair} | {ratio:.2f}x |" for pair, ratio in meta["comparisons"].items()]
+    tc = meta.get("trace_cost")
+    if tc:
+        lines += ["", f"Trace cost over {tc['positions']} positions: live decoding (our speculative rows) "
+                  f"{tc['live_s_per_position'] * 1e3:.1f} ms/position; teacher-forced passes of "
+                  f"{len(tc['drafters'])} drafters {tc['teacher_forced_s_per_position'] * 1e3:.2f} ms/position "
+                  f"({tc['teacher_forced_speedup']:.0f}x fewer seconds); the target's own decode, shared by every "
+                  f"drafter and policy: {tc['target_decode_s_per_position'] * 1e3:.1f} ms/position"]
     return "\n".join(lines)
 
 

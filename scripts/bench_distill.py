@@ -15,7 +15,6 @@ Prints a Markdown table and writes bench_distill.json. Training data is generate
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
@@ -27,13 +26,10 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from sacpolicy import bench
 from sacpolicy.build import model_drafter
 from sacpolicy.data import load_prompt_mix, split_prompts
-from sacpolicy.decoding import ModelDrafter, SpeculativeDecoder
-from sacpolicy.io import write_json
-from sacpolicy.models import EMBEDDED_TARGET, load_model
-from sacpolicy.policy import Autoregressive, Static
-from sacpolicy.traces.collect import teacher_forced_rows
+from sacpolicy.decoding import ModelDrafter
 from sacpolicy.training.distill import DistillSettings, train_draft
 from sacpolicy.training.distill_data import (
     DistillDataModule,
@@ -62,51 +58,18 @@ class Snapshots(L.Callback):
 def match_and_beta(target, drafter: ModelDrafter, seqs) -> tuple[float, float]:
     """Teacher-forced over the target's greedy outputs (the trace collector's own pass): greedy match rate and mean
     beta at temperature 1."""
-    rows = []
-    for r in seqs:
-        L = r["prompt_len"]
-        prompt = {"prompt_id": r["prompt_id"], "category": "", "input_ids": r["input_ids"][:L]}
-        rows += teacher_forced_rows(target, [drafter], prompt, r["input_ids"][L:], k_max=1)
+    rows = bench.teacher_forced(target, [drafter], seqs, k_max=1)
     return sum(r["match"] for r in rows) / len(rows), sum(r["beta"] for r in rows) / len(rows)
 
 
 @torch.inference_mode()
 def step_cost(target, drafter: ModelDrafter, context, reps: int = 30) -> float:
     """Median time of one cached draft step over one cached target step, measured alternately."""
-    from transformers import DynamicCache
-
-    def one(model):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=context[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
-        t0 = time.perf_counter()
-        model(input_ids=context[:, -1:], cache=cache, use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - t0
-
     d, t = [], []
     for _ in range(reps):
-        d.append(one(drafter.model))
-        t.append(one(target.model))
+        d.append(bench.cached_step_s(drafter.model, context))
+        t.append(bench.cached_step_s(target.model, context))
     return statistics.median(d) / statistics.median(t)
-
-
-def live(target, drafter, prompts, ks, n_new) -> dict:
-    """tokens/s of AR and of static k for each k, interleaved per prompt."""
-    decs = {"ar": SpeculativeDecoder(target.model, [], Autoregressive(), stop_token_ids=target.eos_token_ids)}
-    for k in ks:
-        decs[f"k{k}"] = SpeculativeDecoder(target.model, [drafter], Static(k), stop_token_ids=target.eos_token_ids)
-    tokens = {name: 0 for name in decs}
-    secs = {name: 0.0 for name in decs}
-    for dec in decs.values():
-        dec.generate(prompts[0], 8)  # warm-up
-    for ids in prompts:
-        for name, dec in decs.items():
-            r = dec.generate(ids, n_new)
-            tokens[name] += len(r.tokens)
-            secs[name] += r.total_s
-    tps = {name: tokens[name] / secs[name] for name in decs}
-    best = max((name for name in tps if name != "ar"), key=tps.get)
-    return {"ar_tokens_per_s": tps["ar"], "best_k": int(best[1:]), "tokens_per_s": tps[best],
-            "speedup_vs_ar": tps[best] / tps["ar"], "per_k": {n: tps[n] / tps["ar"] for n in tps if n != "ar"}}
 
 
 def evaluate(name, target, drafter, test_seqs, test_prompts, args) -> dict:
@@ -114,14 +77,14 @@ def evaluate(name, target, drafter, test_seqs, test_prompts, args) -> dict:
     ctx = torch.tensor([test_seqs[0]["input_ids"]], device=target.device)
     row = {"name": name, "match_rate": match, "mean_beta_t1": beta, "draft_cost": step_cost(target, drafter, ctx)}
     if not args.no_live:
-        row.update(live(target, drafter, test_prompts, args.ks, args.max_new_tokens))
+        row.update(bench.live_static_k(target, drafter, test_prompts, args.ks, args.max_new_tokens))
     print(json.dumps(row), flush=True)
     return row
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=EMBEDDED_TARGET)
+    ap = bench.parser(__doc__)
+    bench.add_target(ap)
     ap.add_argument("--losses", default="fkl,rkl,jsd,tvd")
     ap.add_argument("--budget-minutes", type=float, default=3.0)
     ap.add_argument("--curve", default="", help="minutes at which to snapshot the first loss's draft, e.g. 2,5,10")
@@ -134,12 +97,12 @@ def main(argv=None):
     ap.add_argument("--no-live", action="store_true")
     ap.add_argument("--reuse", action="append", default=[], help="NAME=DIR: evaluate an already distilled draft")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default="bench_distill.json")
+    bench.add_out(ap, "bench_distill.json")
     args = ap.parse_args(argv)
-    args.ks = [int(k) for k in args.ks.split(",")]
+    args.ks = bench.int_list(args.ks)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_distill-"))
 
-    target = load_model(args.target, device="cpu", dtype="float32")
+    target = bench.load_target(args.target)
     settings = DistillSettings(num_layers=args.num_layers, vocab_size=args.vocab_size, lr=args.lr,
                                budget_minutes=args.budget_minutes, patience=1000)
     train = split_prompts(load_prompt_mix(settings.prompts, tokenizer=target.tokenizer))["train"]
@@ -165,7 +128,8 @@ def main(argv=None):
         factory = functools.partial(L.Trainer, accelerator="cpu", devices=1, max_epochs=1000, enable_progress_bar=True,
                                     default_root_dir=str(workdir))
         metrics = train_draft(target, dm, s, factory, workdir / loss, callbacks=[snaps] if snaps else ())
-        row = evaluate(loss, target, model_drafter(target, str(workdir / loss / "draft")), test_seqs, test_prompts, args)
+        row = evaluate(loss, target, model_drafter(target, str(workdir / loss / "draft")), test_seqs, test_prompts,
+                       args)
         row.update({"train_steps": metrics["global_step"], "val_match_rate": metrics["val/match_rate"],
                     "train_tokens": metrics["train_tokens"], "budget_minutes": args.budget_minutes})
         rows.append(row)
@@ -180,7 +144,7 @@ def main(argv=None):
             "live_prompts": len(test_prompts), "max_new_tokens": args.max_new_tokens, "ks": args.ks,
             "torch_threads": torch.get_num_threads(), "workdir": str(workdir)}
     report = {"rows": rows, "meta": meta}
-    write_json(args.out, report)
+    bench.write_results(args.out, report)
     print(markdown(rows, meta))
     return report
 
@@ -191,16 +155,14 @@ def _drafter(draft, vocab) -> ModelDrafter:
 
 
 def markdown(rows, meta) -> str:
-    f = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
-    lines = [f"{meta['num_layers']}-layer drafts, {meta['vocab_size']}-token vocabulary, {meta['budget_minutes']} min "
-             f"per loss; held-out MT-Bench first turns ({meta['test_prompts']} prompts, {meta['test_positions']} "
-             f"positions; live: {meta['live_prompts']} prompts x {meta['max_new_tokens']} tokens)", "",
-             "| draft | greedy match | mean beta (T=1) | draft step / target step | best k | live speedup vs AR |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['name']} | {f(r['match_rate'])} | {f(r['mean_beta_t1'])} | {f(r['draft_cost'])} | "
-                     f"{r.get('best_k', '-')} | {f(r.get('speedup_vs_ar'), '.2f')}x |")
-    return "\n".join(lines)
+    head = (f"{meta['num_layers']}-layer drafts, {meta['vocab_size']}-token vocabulary, {meta['budget_minutes']} min "
+            f"per loss; held-out MT-Bench first turns ({meta['test_prompts']} prompts, {meta['test_positions']} "
+            f"positions; live: {meta['live_prompts']} prompts x {meta['max_new_tokens']} tokens)")
+    return head + "\n\n" + bench.table(
+        ["draft", "greedy match", "mean beta (T=1)", "draft step / target step", "best k", "live speedup vs AR"],
+        ([r["name"], bench.cell(r["match_rate"], ".3f"), bench.cell(r["mean_beta_t1"], ".3f"),
+          bench.cell(r["draft_cost"], ".3f"), r.get("best_k", "-"), f"{bench.cell(r.get('speedup_vs_ar'))}x"]
+         for r in rows))
 
 
 if __name__ == "__main__":

@@ -15,16 +15,15 @@ Heads trained on ShareGPT's fixed answers come from the pipeline (``python scrip
 head_data=sharegpt ...``); ``eval --heads name=dir ...`` measures any heads side by side.
 
 ``eval``, per draft, on held-out MT-Bench, ShareGPT and HumanEval first turns (test split; greedy continuations of
-the target, teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted run >= k),
-SpecForge's simulated acceptance length sum_k prod_{i<=k} acc_i for blocks of 3 and of k_max tokens, mean beta at
-temperature 1 (sum_x min(p, q) of the first token), the draft step's cost over a target step (timed side by side),
-and live tokens/s of our decoder at static k against autoregressive decoding on the same prompts.
+the target, teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted
+run >= k), SpecForge's simulated acceptance length sum_k prod_{i<=k} acc_i for blocks of 3 and of k_max tokens, mean
+beta at temperature 1 (sum_x min(p, q) of the first token), the draft step's cost over a target step (timed side by
+side), and live tokens/s of our decoder at static k against autoregressive decoding on the same prompts.
 Prints a Markdown table and writes bench_eagle3.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from sacpolicy import bench
 from sacpolicy.io import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,13 +132,7 @@ def held_out(target, n_new: int, sharegpt_prompts: int = 32, sharegpt_max_prompt
 
 def acceptance(target, drafter, seqs, k_max: int) -> dict:
     """Teacher-forced over the target's greedy outputs, through the trace collector's own pass."""
-    from sacpolicy.traces.collect import teacher_forced_rows
-
-    rows = []
-    for r in seqs:
-        L_ = r["prompt_len"]
-        prompt = {"prompt_id": r["prompt_id"], "category": "", "input_ids": r["input_ids"][:L_]}
-        rows += teacher_forced_rows(target, [drafter], prompt, r["input_ids"][L_:], k_max=k_max)
+    rows = bench.teacher_forced(target, [drafter], seqs, k_max)
     runs = [r["run_len"] for r in rows]
     ge = [sum(x >= k for x in runs) / len(runs) for k in range(1, k_max + 1)]  # P(run >= k) = prod_{i<=k} acc_i
     return {"positions": len(runs), "step1": ge[0], "p_run_ge": ge, "accept_len_3": sum(ge[:3]),
@@ -149,60 +143,32 @@ def acceptance(target, drafter, seqs, k_max: int) -> dict:
 def step_cost(target, drafter, ids, reps: int = 20) -> float:
     """Median seconds of one drafted token (a 4-token block's average, after the context is fed) over one cached
     target step, measured alternately."""
-    from transformers import DynamicCache
-
-    from sacpolicy.decoding import SamplingConfig
+    from sacpolicy.decoding import DraftRow
     from sacpolicy.decoding.aux import aux_pass
 
     _, cap = aux_pass(target.model, ids, 1, drafter.aux_layers)
     aux = cap.rows(drafter.aux_layers) if drafter.aux_layers else None
     d, t = [], []
     for _ in range(reps):
-        drafter.reset()
+        state = drafter.new_state()
         if aux is not None:
-            drafter.extend_features(aux[:-1])
-        drafter.propose(ids, 1, SamplingConfig())  # feeds the context
-        drafter.accept(1)
+            drafter.extend_features(state, aux[:-1])
+        drafter.propose([DraftRow(state, ids, 1)])  # feeds the context
+        drafter.accept(state, 1)
         t0 = time.perf_counter()
-        drafter.propose(ids, 4, SamplingConfig())
+        drafter.propose([DraftRow(state, ids, 4)])
         d.append((time.perf_counter() - t0) / 4)
-        cache = DynamicCache(config=target.model.config)
-        target.model(input_ids=ids[:-1].view(1, -1), cache=cache, use_cache=True, logits_to_keep=1)
-        t0 = time.perf_counter()
-        target.model(input_ids=ids[-1:].view(1, -1), cache=cache, use_cache=True, logits_to_keep=1)
-        t.append(time.perf_counter() - t0)
+        t.append(bench.cached_step_s(target.model, ids))
     return statistics.median(d) / statistics.median(t)
-
-
-def live(target, drafter, prompts, ks, n_new) -> dict:
-    """tokens/s of AR and of static k, interleaved prompt by prompt."""
-    from sacpolicy.decoding import SpeculativeDecoder
-    from sacpolicy.policy import Static
-
-    decs = {"ar": SpeculativeDecoder(target.model, [], None, stop_token_ids=target.eos_token_ids)}
-    decs |= {f"k{k}": SpeculativeDecoder(target.model, [drafter], Static(k), stop_token_ids=target.eos_token_ids)
-             for k in ks}
-    tokens, secs = dict.fromkeys(decs, 0), dict.fromkeys(decs, 0.0)
-    for dec in decs.values():
-        dec.generate(prompts[0], 8)  # warm-up
-    for ids in prompts:
-        for name, dec in decs.items():
-            r = dec.generate(ids, n_new)
-            tokens[name], secs[name] = tokens[name] + len(r.tokens), secs[name] + r.total_s
-    tps = {n: tokens[n] / secs[n] for n in decs}
-    best = max((n for n in tps if n != "ar"), key=tps.get)
-    return {"ar_tokens_per_s": tps["ar"], "best_k": int(best[1:]), "tokens_per_s": tps[best],
-            "speedup_vs_ar": tps[best] / tps["ar"], "per_k": {n: tps[n] / tps["ar"] for n in tps if n != "ar"}}
 
 
 def evaluate(args) -> None:
     from sacpolicy.build import model_drafter
     from sacpolicy.decoding.feature import load_feature_drafter
-    from sacpolicy.models import EMBEDDED_TARGET, load_model
-
     from sacpolicy.heads import shipped_head
+    from sacpolicy.models import EMBEDDED_TARGET
 
-    target = load_model(EMBEDDED_TARGET, device="cpu", dtype="float32")
+    target = bench.load_target()
     sets = held_out(target, args.max_new_tokens, args.sharegpt_prompts)
     drafts = []
     if args.workdir:
@@ -217,7 +183,7 @@ def evaluate(args) -> None:
         drafts.append(("token-level draft", Path(args.token_draft)))
     if not drafts:
         raise SystemExit("nothing to measure: give --workdir, --heads or --token-draft")
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = bench.int_list(args.ks)
     live_sets = sets if args.live_set == "all" else {args.live_set: sets[args.live_set]}
     live_prompts = [r["input_ids"] for name in live_sets for r in live_sets[name][0]][:: 2][: args.live_prompts]
     rows = []
@@ -229,14 +195,14 @@ def evaluate(args) -> None:
             row[set_name] = acceptance(target, drafter, seqs, args.k_max)
         row["draft_cost"] = step_cost(target, drafter, torch.tensor(sets["mt_bench"][1][0]["input_ids"]))
         if args.live and (name.startswith("final") or name == "token-level draft" or not args.workdir):
-            row["live"] = live(target, drafter, live_prompts, ks, args.max_new_tokens)
+            row["live"] = bench.live_static_k(target, drafter, live_prompts, ks, args.max_new_tokens)
         rows.append(row)
         print(row, flush=True)
     meta = {"target": EMBEDDED_TARGET, "k_max": args.k_max, "max_new_tokens": args.max_new_tokens,
             "prompts": {n: len(s[0]) for n, s in sets.items()}, "live_prompts": len(live_prompts), "ks": ks,
             "live_set": args.live_set, "torch_threads": torch.get_num_threads(), "workdir": args.workdir,
             "command": " ".join(sys.argv)}
-    write_json(args.out, {"rows": rows, "meta": meta})
+    bench.write_results(args.out, {"rows": rows, "meta": meta})
     print(markdown(rows, meta))
 
 
@@ -245,22 +211,18 @@ def markdown(rows, meta) -> str:
     sets = [n for n in SETS if n in meta["prompts"]]
     names = {"mt_bench": "MT-Bench", "sharegpt": "ShareGPT", "humaneval": "HumanEval"}
     counts = ", ".join(f"{names[n]} {meta['prompts'][n]}" for n in sets)
-    lines = [f"held-out test first turns: {counts} prompts "
-             f"({meta['max_new_tokens']} greedy tokens each, teacher-forced); live: {meta['live_prompts']} prompts "
-             f"of {meta.get('live_set', 'all')}", "",
-             "| draft | " + " | ".join(f"step-1 acc {names[n]}" for n in sets) + " | "
-             + " | ".join(f"accept len (3) {names[n]}" for n in sets)
-             + f" | accept len ({k}) MT-Bench | mean beta T=1 MT-Bench | draft step / target step | live best k vs AR |",
-             "|---|" + "---|" * (2 * len(sets) + 4)]
-    for r in rows:
-        m = r["mt_bench"]
-        lv = r.get("live")
-        lines.append(f"| {r['name']} | " + " | ".join(f"{r[n]['step1']:.3f}" for n in sets) + " | "
-                     + " | ".join(f"{r[n]['accept_len_3']:.2f}" for n in sets) + " | "
-                     f"{m[f'accept_len_{k}']:.2f} | {m['mean_beta_t1']:.3f} | {r['draft_cost']:.3f} | "
-                     + (f"{lv['speedup_vs_ar']:.2f}x (k={lv['best_k']}, AR {lv['ar_tokens_per_s']:.1f} tok/s) |"
-                        if lv else "- |"))
-    return "\n".join(lines)
+    head = (f"held-out test first turns: {counts} prompts ({meta['max_new_tokens']} greedy tokens each, "
+            f"teacher-forced); live: {meta['live_prompts']} prompts of {meta.get('live_set', 'all')}")
+    header = ["draft", *(f"step-1 acc {names[n]}" for n in sets), *(f"accept len (3) {names[n]}" for n in sets),
+              f"accept len ({k}) MT-Bench", "mean beta T=1 MT-Bench", "draft step / target step", "live best k vs AR"]
+
+    def line(r):
+        m, lv = r["mt_bench"], r.get("live")
+        return [r["name"], *(f"{r[n]['step1']:.3f}" for n in sets), *(f"{r[n]['accept_len_3']:.2f}" for n in sets),
+                f"{m[f'accept_len_{k}']:.2f}", f"{m['mean_beta_t1']:.3f}", f"{r['draft_cost']:.3f}",
+                f"{lv['speedup_vs_ar']:.2f}x (k={lv['best_k']}, AR {lv['ar_tokens_per_s']:.1f} tok/s)" if lv else "-"]
+
+    return head + "\n\n" + bench.table(header, map(line, rows))
 
 
 # ---------------------------------------------------------------------- shipping a head
@@ -325,7 +287,7 @@ def ship(args) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train")
     t.add_argument("--workdir", required=True)
@@ -343,7 +305,7 @@ def main(argv=None):
     e.add_argument("--live", action="store_true", help="also decode live (final head and token-level draft)")
     e.add_argument("--live-prompts", type=int, default=8)
     e.add_argument("--ks", default="2,3,4")
-    e.add_argument("--out", default="bench_eagle3.json")
+    bench.add_out(e, "bench_eagle3.json")
     s = sub.add_parser("ship", help="write a head as sacpolicy/heads/<name> with its provenance")
     s.add_argument("--head", required=True, help="the trained head directory (e.g. <workdir>/head/head)")
     s.add_argument("--out", required=True)

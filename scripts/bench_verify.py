@@ -1,5 +1,5 @@
 """What one target pass costs as a function of the tokens it reads: the verify cost curve behind every speculative
-speedup, on torch's own CPU kernels and on the ones the decoder switches a CPU target to (``use_cpu_kernels``). torch's
+speedup, on torch's own CPU kernels and on the ones the decoder runs a CPU target on (``cpu_kernels``). torch's
 CPU ``linear`` runs one row as a matrix-vector product and 2 or 3 rows as one each (reading the weights once per row);
 ``CpuLinear`` computes up to 4 rows as one matrix product with the weight on the left and more through oneDNN
 (``sacpolicy-mkl``: the same without oneDNN, MKL's weight-on-left product up to 256 rows, as before oneDNN).
@@ -19,16 +19,14 @@ bench_verify.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from sacpolicy import bench
 from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
 from sacpolicy.decoding.ragged import new_cache
-from sacpolicy.io import write_json
-from sacpolicy.models import EMBEDDED_TARGET, load_model
 from sacpolicy.profiling import prefilled_batch
 
 
@@ -87,40 +85,38 @@ def cache_step_ms(model, rows: int, context: int, steps: int, repeats: int) -> d
     g = torch.Generator().manual_seed(1)
     lengths = [max(1, context - 7 * i) for i in range(rows)]
     dtype = next(model.parameters()).dtype
-    for r in range(repeats):
-        for name in list(makers)[:: 1 if r % 2 == 0 else -1]:
-            batch = prefilled_batch(model, lengths, torch.device("cpu"), g, makers[name])
-            for _ in range(steps):
-                x = torch.randint(100, 5000, (rows, 1), generator=g)
-                t0 = time.perf_counter()
-                model(input_ids=x, **with_cache(model, batch.cache), use_cache=True, logits_to_keep=1,
-                      **batch.inputs(1, dtype))
-                batch.commit([1] * rows, 1)
-                times[name].append(time.perf_counter() - t0)
+    for _, name in bench.alternating(list(makers), repeats):
+        batch = prefilled_batch(model, lengths, torch.device("cpu"), g, makers[name])
+        for _ in range(steps):
+            x = torch.randint(100, 5000, (rows, 1), generator=g)
+            t0 = time.perf_counter()
+            model(input_ids=x, **with_cache(model, batch.cache), use_cache=True, logits_to_keep=1,
+                  **batch.inputs(1, dtype))
+            batch.commit([1] * rows, 1)
+            times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(t) * 1e3 for k, t in times.items()}
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=EMBEDDED_TARGET)
-    ap.add_argument("--dtype", default="float32")
+    ap = bench.parser(__doc__)
+    bench.add_target(ap, dtype="float32")
     ap.add_argument("--tokens", default="1,2,3,4,5,6,8,16,32,64")
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--rows", default="1,8,16", help="rows of the batched AR step timed on both caches (empty: none)")
     ap.add_argument("--steps", type=int, default=16, help="AR steps per row count, cache and repeat")
-    ap.add_argument("--out", default="bench_verify.json")
+    bench.add_out(ap, "bench_verify.json")
     args = ap.parse_args(argv)
-    tokens = [int(n) for n in args.tokens.split(",")]
-    lm = load_model(args.target, device="cpu", dtype=args.dtype)
+    tokens = bench.int_list(args.tokens)
+    lm = bench.load_target(args.target, dtype=args.dtype)
     model = lm.model.eval()
     use_masked_gqa(model)  # the decoder's attention for both kernels: the table isolates the linears
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     ids = torch.randint(100, 5000, (1, args.context + max(tokens)), generator=torch.Generator().manual_seed(0))
     layer = model.model.layers[0].mlp.up_proj
     rows = []
-    for threads in (int(t) for t in args.threads.split(",")):
+    for threads in bench.int_list(args.threads):
         torch.set_num_threads(threads)
         fwd = {n: forward_s(model, linears, ids, args.context, n, args.repeats) for n in tokens}
         lin = {n: linear_us(layer, n) for n in tokens}
@@ -133,31 +129,37 @@ def main(argv=None) -> dict:
             row["onednn_speedup"] = fwd[n]["sacpolicy-mkl"] / fwd[n]["sacpolicy"]
             rows.append(row)
     use(linears, "sacpolicy")
-    torch.set_num_threads(int(args.threads.split(",")[0]))
+    torch.set_num_threads(bench.int_list(args.threads)[0])
     caches = []
-    for n in (int(r) for r in args.rows.split(",") if r):
+    for n in bench.int_list(args.rows):
         ms = cache_step_ms(model, n, args.context, args.steps, max(2, args.repeats // 3))
         caches.append({"rows": n, "dynamic_ms": ms["dynamic"], "in_place_ms": ms["in_place"],
                        "speedup": ms["dynamic"] / ms["in_place"]})
     meta = {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
             "linear": f"mlp.up_proj {tuple(layer.weight.shape)}", "torch": torch.__version__}
-    write_json(args.out, {"rows": rows, "caches": caches, "meta": meta})
-    lines = [f"{args.target}, {args.dtype}, after {args.context} tokens of context; median of {args.repeats}", "",
-             ("| threads | tokens per pass | torch: forward ms (vs 1 token) | sacpolicy without oneDNN | "
-              "sacpolicy: forward ms (vs 1 token) | speedup over torch | oneDNN's gain | "
-              "linear us: torch / without oneDNN / sacpolicy |"), "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['threads']} | {r['tokens']} | {r['torch_forward_ms']:.1f} ({r['torch_forward_vs_1']:.2f}x) | "
-              f"{r['sacpolicy-mkl_forward_ms']:.1f} ({r['sacpolicy-mkl_forward_vs_1']:.2f}x) | "
-              f"{r['sacpolicy_forward_ms']:.1f} ({r['sacpolicy_forward_vs_1']:.2f}x) | {r['speedup']:.2f}x | "
-              f"{r['onednn_speedup']:.2f}x | {r['torch_linear_us']:.0f} / {r['sacpolicy-mkl_linear_us']:.0f} / "
-              f"{r['sacpolicy_linear_us']:.0f} |" for r in rows]
-    if caches:
-        lines += ["", f"AR step of R rows after ~{args.context} cached tokens (sacpolicy's linears), median ms",
-                  "", "| rows | DynamicCache | new_cache (in place) | speedup |", "|---|---|---|---|"]
-        lines += [f"| {c['rows']} | {c['dynamic_ms']:.1f} | {c['in_place_ms']:.1f} | {c['speedup']:.2f}x |"
-                  for c in caches]
-    print("\n".join(lines))
+    bench.write_results(args.out, {"rows": rows, "caches": caches, "meta": meta})
+    print(markdown(rows, caches, args))
     return {"rows": rows, "caches": caches, "meta": meta}
+
+
+def markdown(rows: list[dict], caches: list[dict], args) -> str:
+    def forward(r, kernel):
+        return f"{r[f'{kernel}_forward_ms']:.1f} ({r[f'{kernel}_forward_vs_1']:.2f}x)"
+
+    md = (f"{args.target}, {args.dtype}, after {args.context} tokens of context; median of {args.repeats}\n\n"
+          + bench.table(["threads", "tokens per pass", "torch: forward ms (vs 1 token)", "sacpolicy without oneDNN",
+                         "sacpolicy: forward ms (vs 1 token)", "speedup over torch", "oneDNN's gain",
+                         "linear us: torch / without oneDNN / sacpolicy"],
+                        ([r["threads"], r["tokens"], forward(r, "torch"), forward(r, "sacpolicy-mkl"),
+                          forward(r, "sacpolicy"), bench.ratio(r["speedup"]), bench.ratio(r["onednn_speedup"]),
+                          f"{r['torch_linear_us']:.0f} / {r['sacpolicy-mkl_linear_us']:.0f} / "
+                          f"{r['sacpolicy_linear_us']:.0f}"] for r in rows)))
+    if caches:
+        md += (f"\n\nAR step of R rows after ~{args.context} cached tokens (sacpolicy's linears), median ms\n\n"
+               + bench.table(["rows", "DynamicCache", "new_cache (in place)", "speedup"],
+                             ([c["rows"], f"{c['dynamic_ms']:.1f}", f"{c['in_place_ms']:.1f}",
+                               bench.ratio(c["speedup"])] for c in caches)))
+    return md
 
 
 if __name__ == "__main__":

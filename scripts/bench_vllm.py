@@ -18,7 +18,6 @@ it, to tell that cost apart. Prints a Markdown table and writes bench_vllm.json 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -26,12 +25,11 @@ import time
 import numpy as np
 import torch
 
-from sacpolicy.data import assign_split, load_prompts
+from sacpolicy import bench
 from sacpolicy.evaluation.intervals import bootstrap_indices, paired_ratio_interval
 from sacpolicy.export import static_k
 from sacpolicy.export.vllm import learned_config, speculative_config
 from sacpolicy.export.vllm_run import run_engine, vllm_status
-from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
 from sacpolicy.runtime import load_artifact
 
@@ -94,45 +92,38 @@ def summarize(name: str, res: dict, base: dict, ngram: dict | None, idx: np.ndar
 
 
 def table(rows: list[dict]) -> str:
-    def ci(v):
-        return f" [{v[0]:.2f}, {v[1]:.2f}]" if v else ""
-
-    out = ["| vLLM config | same output | serial tok/s | vs none | vs vLLM ngram | concurrent tok/s | vs none "
-           "| tokens/step | accept per position |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        acc = " ".join(f"{a:.2f}" for a in r.get("accept_per_pos", [])) or "-"
-        out.append(
-            f"| {r['name']} | {'yes' if r['identical'] else '**NO**'} | {r['serial_tokens_per_s']:.1f} "
-            f"| {r['serial_vs_none']:.2f}x{ci(r.get('serial_vs_none_ci'))} "
-            f"| {r.get('serial_vs_ngram', float('nan')):.2f}x{ci(r.get('serial_vs_ngram_ci'))} "
-            f"| {r.get('concurrent_tokens_per_s', float('nan')):.1f} | {r.get('concurrent_vs_none', float('nan')):.2f}x "
-            f"| {r.get('accept_len', 1.0):.2f} | {acc} |")
-    return "\n".join(out)
+    nan = float("nan")
+    return bench.table(
+        ["vLLM config", "same output", "serial tok/s", "vs none", "vs vLLM ngram", "concurrent tok/s", "vs none",
+         "tokens/step", "accept per position"],
+        ([r["name"], "yes" if r["identical"] else "**NO**", f"{r['serial_tokens_per_s']:.1f}",
+          bench.ratio(r["serial_vs_none"], r.get("serial_vs_none_ci")),
+          bench.ratio(r.get("serial_vs_ngram", nan), r.get("serial_vs_ngram_ci")),
+          f"{r.get('concurrent_tokens_per_s', nan):.1f}", bench.ratio(r.get("concurrent_vs_none", nan)),
+          f"{r.get('accept_len', 1.0):.2f}", " ".join(f"{a:.2f}" for a in r.get("accept_per_pos", [])) or "-"]
+         for r in rows))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.parser(__doc__)
     ap.add_argument("--policy", help="a learned policy artifact with an n-gram drafter (experiment=vllm_ngram)")
     ap.add_argument("--head", default="shipped", help="EAGLE-3 head directory, 'shipped' (default) or 'none'")
     ap.add_argument("--head-k", type=int, default=3)
     ap.add_argument("--draft", help="a draft model directory (e.g. <run>/distill/draft) for method draft_model")
     ap.add_argument("--draft-k", type=int, default=3)
-    ap.add_argument("--source", default="mt_bench", help="prompt set; its held-out test split is used")
-    ap.add_argument("--prompts", type=int, default=16, help="held-out test prompts")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    bench.add_prompt_set(ap, split="test", prompts=16, max_tokens=64, prompts_help="held-out test prompts")
     ap.add_argument("--concurrency", type=int, default=8, help="requests submitted together in the concurrent phase")
     ap.add_argument("--sync-rows", action="store_true",
                     help="add none and vLLM-ngram rows without async scheduling, which vLLM turns off for custom "
                          "proposers (ours)")
-    ap.add_argument("--out", default="bench_vllm.json")
+    bench.add_out(ap, "bench_vllm.json")
     args = ap.parse_args(argv)
 
     ok, why = vllm_status()
     if not ok:
         raise SystemExit(f"bench_vllm: {why}")
     tok = load_tokenizer(EMBEDDED_TARGET)
-    rows_in = [r for r in load_prompts(args.source, tokenizer=tok) if assign_split(r["prompt_id"]) == "test"]
-    prompts = [r["input_ids"] for r in rows_in[: args.prompts]]
+    prompts = [r["input_ids"] for r in bench.held_out_prompts(args.source, tok, n=args.prompts)]
     target_dir = model_dir()
     print(f"vLLM {why}; {len(prompts)} {args.source} test prompts, {args.max_tokens} new tokens, greedy, float32")
     results = {}
@@ -147,8 +138,8 @@ def main(argv=None) -> int:
     rows = [summarize(n, r, results["none"], results.get("vllm-ngram"), idx) for n, r in results.items()]
     md = table(rows)
     print(md)
-    write_json(args.out, {"args": vars(args), "vllm": results["none"]["vllm"], "n_prompts": len(prompts),
-                          "rows": rows, "markdown": md})
+    bench.write_results(args.out, {"vllm": results["none"]["vllm"], "n_prompts": len(prompts), "rows": rows,
+                                   "markdown": md}, args)
     print(f"wrote {args.out}")
     return 0 if all(r["identical"] for r in rows) else 1
 

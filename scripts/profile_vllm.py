@@ -14,26 +14,22 @@ step seconds per k next to what the run's own cost model predicts at the same co
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
-from sacpolicy.data import assign_split, load_prompts
+from sacpolicy import bench
 from sacpolicy.export.vllm_cost import profile_vllm_verify, vllm_cost_model
 from sacpolicy.export.vllm_run import vllm_status
-from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
 from sacpolicy.runtime.cost import CostModel
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.parser(__doc__)
     ap.add_argument("--run", required=True, help="a run directory with cost.json (e.g. experiment=vllm_ngram's)")
-    ap.add_argument("--out", required=True, help="the new run directory (its cost.json: vLLM's verify costs)")
-    ap.add_argument("--source", default="mt_bench", help="prompt set; its validation split is used")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    bench.add_out(ap, None, required=True, help="the new run directory (its cost.json: vLLM's verify costs)")
+    bench.add_prompt_set(ap, split="val", prompts=6, max_tokens=48)
     ap.add_argument("--ks", default="0,1,2,4,8")
     ap.add_argument("--repeats", type=int, default=2, help="engines per k, interleaved over k")
     args = ap.parse_args(argv)
@@ -47,9 +43,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"profile_vllm: {why}")
     base = CostModel.from_json(base_path)
     tok = load_tokenizer(EMBEDDED_TARGET)
-    rows = [r for r in load_prompts(args.source, tokenizer=tok) if assign_split(r["prompt_id"]) == "val"]
-    prompts = [r["input_ids"] for r in rows[: args.prompts]]
-    ks = [int(k) for k in args.ks.split(",")]
+    prompts = [r["input_ids"] for r in bench.held_out_prompts(args.source, tok, split="val", n=args.prompts)]
+    ks = bench.int_list(args.ks)
     print(f"vLLM {why}; {len(prompts)} {args.source} validation prompts, {args.max_tokens} tokens, k in {ks}, "
           f"{args.repeats} engine(s) per k", flush=True)
     steps = profile_vllm_verify(model_dir(), prompts, ks, max_tokens=args.max_tokens, repeats=args.repeats)
@@ -58,21 +53,28 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cost.to_json(out / "cost.json")
-    one, ours1 = statistics.median(steps[0]), base.verify_time(0, mean_context)
-    lines = ["| k | tokens fed | vLLM step ms (median; each engine) | vs k = 0 | our decoder's model, ms | vs k = 0 |",
-             "|---|---|---|---|---|---|"]
-    for k in ks:
-        ours = base.verify_time(k, mean_context)
-        each = ", ".join(f"{1e3 * s:.1f}" for s in steps[k])
-        lines.append(f"| {k} | {k + 1} | {1e3 * statistics.median(steps[k]):.1f} ({each}) | "
-                     f"{statistics.median(steps[k]) / one:.2f}x | {1e3 * ours:.1f} | {ours / ours1:.2f}x |")
-    md = "\n".join(lines)
+    md = markdown(steps, ks, base, mean_context)
     print(md)
-    write_json(out / "vllm_profile.json", {"args": vars(args), "mean_context": mean_context,
-                                           "step_s": {str(k): v for k, v in steps.items()}, "markdown": md})
+    bench.write_results(out / "vllm_profile.json", {"mean_context": mean_context,
+                                                    "step_s": {str(k): v for k, v in steps.items()}, "markdown": md},
+                        args)
     print(f"wrote {out / 'cost.json'}; next: python scripts/train.py experiment=vllm_ngram \"stages=[fit,export]\" "
           f"from_run={args.run} hydra.run.dir={out}")
     return 0
+
+
+def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float) -> str:
+    """vLLM's step seconds per k (median and each engine's) beside what ``base`` predicts at the same context."""
+    one, ours1 = statistics.median(steps[0]), base.verify_time(0, mean_context)
+
+    def line(k):
+        ours = base.verify_time(k, mean_context)
+        each = ", ".join(f"{1e3 * s:.1f}" for s in steps[k])
+        return [k, k + 1, f"{1e3 * statistics.median(steps[k]):.1f} ({each})",
+                bench.ratio(statistics.median(steps[k]) / one), f"{1e3 * ours:.1f}", bench.ratio(ours / ours1)]
+
+    return bench.table(["k", "tokens fed", "vLLM step ms (median; each engine)", "vs k = 0", "our decoder's model, ms",
+                        "vs k = 0"], map(line, ks))
 
 
 if __name__ == "__main__":

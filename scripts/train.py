@@ -1,6 +1,6 @@
 """Run the sacpolicy pipeline under Hydra: distill a draft, collect traces, fit policies, evaluate, export.
 
-    python scripts/train.py                       # embedded SmolLM2-135M target on CPU (the default experiment)
+    python scripts/train.py                       # embedded SmolLM2-135M on CPU (conf/train.yaml: the default run)
     python scripts/train.py experiment=smoke      # tiny random models, under a minute
     python scripts/train.py stages=[decode] policy=heuristic run.max_new_tokens=128
     python scripts/train.py stages=[fit,evaluate] from_run=outputs/<date>/<time>   # reuse traces of an earlier run

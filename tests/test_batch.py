@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from toys import Markov
+from toys import Markov, decide_one, policy_rows, propose_one
 
 from sacpolicy.decoding import (
     DecoderConfig,
+    DraftRow,
     LayerSkipDrafter,
     ModelDrafter,
     NgramDrafter,
@@ -93,7 +94,7 @@ def test_feature_drafter_rows_get_their_own_hidden_states(tiny_target, prompts, 
     hook.remove()
     assert [r.tokens for r in results] == reference
     assert sum(s.drafted for r in results for s in r.steps) > 0 and not any(r.dropped_drafters for r in results)
-    assert max(widths) > 1  # the rows' draft logits came from one projection (FeatureDrafter.propose_batch)
+    assert max(widths) > 1  # the rows' draft logits came from one projection (FeatureDrafter.propose)
 
 
 def test_arrivals_queue_requests_and_results_keep_input_order(tiny_target, prompts, reference):
@@ -109,10 +110,10 @@ def test_a_failing_drafter_costs_only_its_row(tiny_target, prompts, reference, c
     class Flaky(NgramDrafter):
         """Fails on the repetitive prompt's row only (its context starts 5, 6, 7, 8)."""
 
-        def propose(self, context, *args, **kwargs):
-            if context[:4].tolist() == [5, 6, 7, 8]:
+        def propose(self, rows):
+            if any(row.context[:4].tolist() == [5, 6, 7, 8] for row in rows):
                 raise RuntimeError("draft server went away")
-            return super().propose(context, *args, **kwargs)
+            return super().propose(rows)
 
     dec = SpeculativeDecoder(tiny_target.model, [Flaky(name="flaky")], Static(3), stop_token_ids=[],
                              config=DecoderConfig(max_batch=6))
@@ -332,16 +333,14 @@ def test_learned_rule_plans_for_the_live_batch(tiny_target, prompts, reference):
     from sacpolicy.decoding import DecodeState
 
     alone = DecodeState(request, context_len=100, remaining=20, drafters=("ngram",))
-    assert policy.decide(alone).k > 0
+    assert decide_one(policy, alone).k > 0
     states = [DecodeState(request, context_len=100, remaining=20, drafters=("ngram",), batch_size=8)
               for _ in range(8)]
-    forks = [policy.fork() for _ in states]
-    assert [d.k for d in policy.decide_batch(forks, states)] == [0] * 8
-    assert [d.k for d in policy.decide_batch([policy], [alone])] == [policy.decide(alone).k]
+    assert [d.k for d in policy.decide(policy_rows(policy, states))] == [0] * 8
     # rows the decoder keeps autoregressive (cooling down) are not asked, but they are in the pass: one row asking in
     # a batch of 8 is planned as one row of 8, not as a row alone
     one_of_eight = DecodeState(request, context_len=100, remaining=20, drafters=("ngram",), batch_size=8)
-    assert [d.k for d in policy.decide_batch([policy.fork()], [one_of_eight])] == [0]
+    assert decide_one(policy, one_of_eight).k == 0
     plans, _ = rule.plan_batch([{"ngram": np.zeros((8, len(FEATURE_NAMES)))}], [100], [8], batch=8)
     ks, _ = rule.cost.best_batch_k([("ngram", 100, [0.4] * 8)] + [(None, 100, [])] * 7, 8)
     assert plans == [("ngram", ks[0]) if ks[0] else (None, 0)]
@@ -366,12 +365,12 @@ def test_stop_rule_rows_of_a_batch_draft_at_most_the_batch_plan(tiny_target, pro
     rule = DecisionRule(pred, batch_cost(), ("ngram",), 8, ("ngram", 2), mode="stop")
     policy = LearnedPolicy(rule)
     request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=("ngram",))
-    assert policy.decide(DecodeState(request, context_len=100, remaining=20, drafters=("ngram",))).k == 8
+    assert decide_one(policy, DecodeState(request, context_len=100, remaining=20, drafters=("ngram",))).k == 8
     states = [DecodeState(request, context_len=100, remaining=20, drafters=("ngram",), batch_size=4)
               for _ in range(4)]
     ks, _ = rule.cost.best_batch_k([("ngram", 100, pred.predict(np.zeros((8, n))).tolist())] * 4, 8)
     assert 0 < ks[0] < 8  # the plan drafts, less than the cap
-    assert [d.k for d in policy.decide_batch([policy.fork() for _ in states], states)] == ks
+    assert [d.k for d in policy.decide(policy_rows(policy, states))] == ks
     dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter()], LearnedPolicy(rule), stop_token_ids=[],
                              config=DecoderConfig(max_batch=4))
     assert [r.tokens for r in dec.generate_batch(prompts, 20)] == reference
@@ -470,9 +469,9 @@ def test_the_batch_plan_prices_a_drafter_at_the_rows_drafting_with_it():
     states = [DecodeState(request, context_len=100, remaining=20, drafters=("draft", "ngram"), batch_size=8)
               for _ in range(8)]
     policy = LearnedPolicy(rule)
-    forks = [policy.fork() for _ in states]
-    assert [d.drafter for d in policy.decide_batch(forks, states)] == ["draft"] * 8
-    assert [f.block.rows for f in forks] == [8] * 8
+    rows = policy_rows(policy, states)
+    assert [d.drafter for d in policy.decide(rows)] == ["draft"] * 8
+    assert [r.memory.block.rows for r in rows] == [8] * 8
 
 
 def test_k_by_batch_map_is_vllms_schedule():
@@ -580,13 +579,12 @@ def test_batched_replay_is_exact_and_prices_the_batch():
     replay = ReplayDrafter("draft", {i: grouped[p]["drafters"]["draft"] for i, p in enumerate(pids)},
                            {i: grouped[p]["prompt_len"] for i, p in enumerate(pids)}, 1000, clock, cost)
     contexts = [torch.tensor([i] + [0] * (grouped[p]["prompt_len"] + 2)) for i, p in enumerate(pids)]
-    rows = [replay.fork() for _ in pids]
-    blocks = replay.propose_batch(rows, contexts, [3, 3, 3], [None] * 3, [None] * 3, [None] * 3)
+    blocks = replay.propose([DraftRow(None, c, 3) for c in contexts])
     assert [b.k for b in blocks] == [3, 3, 3]
     assert clock.t == pytest.approx(sum(cost.draft_time("draft", 3, c.shape[0], 3) for c in contexts))
     assert cost.draft_time("draft", 3, 100, 3) == pytest.approx(0.6 * cost.draft_time("draft", 3, 100))
     t = clock.t
-    assert replay.propose(contexts[0], 3, None).k == 3
+    assert propose_one(replay, contexts[0], 3).k == 3
     assert clock.t - t == pytest.approx(cost.draft_time("draft", 3, contexts[0].shape[0]))
 
 
@@ -656,8 +654,8 @@ def test_masked_grouped_query_attention_is_transformers_sdpa_bit_for_bit():
 def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monkeypatch):
     """``CpuLinear`` (few rows as one GEMM with the weight on the left, more through oneDNN) gives torch's ``linear``
     results up to float rounding at every row count and input layout, keeps torch's own path (bit for bit) under
-    autograd and, without oneDNN, for long feeds, and the decoder switches the target's and a model drafter's linears to
-    it without touching their parameters."""
+    autograd and, without oneDNN, for long feeds, and the decoder runs the target's and a model drafter's linears on
+    it while it decodes, without touching their parameters, and gives the models back as they were."""
     from sacpolicy.decoding.compat import _GEMM_MAX_ROWS, CpuLinear, use_cpu_kernels
     from sacpolicy.models import load_model
 
@@ -688,10 +686,23 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monke
     target = load_model("tiny:llama-4l", device="cpu", dtype="float32", seed=3).model
     draft = load_model("tiny:llama-1l", device="cpu", dtype="float32", seed=3).model
     keys = (list(target.state_dict()), list(draft.state_dict()))
-    SpeculativeDecoder(target, [ModelDrafter(draft, name="draft")])
-    for model in (target, draft):
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(type(m) is CpuLinear for m in linears)
+    attn = target.config._attn_implementation
+
+    def kernels():
+        return {type(m) for model in (target, draft) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+    seen = []
+    hook = target.register_forward_pre_hook(lambda m, a: seen.append((kernels(), m.config._attn_implementation)))
+    dec = SpeculativeDecoder(target, [ModelDrafter(draft, name="draft")], Static(2))
+    assert kernels() == {torch.nn.Linear}  # building a decoder changes nothing
+    plain_out = SpeculativeDecoder(target, [ModelDrafter(draft, name="draft")], Static(2),
+                                   config=DecoderConfig(cpu_kernels=False)).generate([5, 6, 7], 8).tokens
+    assert seen and all(k == {torch.nn.Linear} and a == attn for k, a in seen)  # cpu_kernels=False: torch's own
+    seen.clear()
+    assert dec.generate([5, 6, 7], 8).tokens == plain_out
+    assert seen and all(k == {CpuLinear} for k, _ in seen)  # while decoding: every linear on CpuLinear
+    assert kernels() == {torch.nn.Linear} and target.config._attn_implementation == attn  # given back as it was
+    hook.remove()
     assert (list(target.state_dict()), list(draft.state_dict())) == keys
 
 

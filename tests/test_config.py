@@ -1,18 +1,21 @@
 """The Hydra configuration: every group option composes and builds its object; presets validate; bad names fail."""
 
+import inspect
 from pathlib import Path
 
 import pytest
 from conftest import tiny_head_dir
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException
-from hydra.utils import instantiate
-from omegaconf import open_dict
+from hydra.errors import ConfigCompositionException, InstantiationException
+from hydra.utils import get_object, instantiate
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from sacpolicy import pipeline
-from sacpolicy.decoding import Decision, DecoderConfig, DecodeState, RequestInfo
-from sacpolicy.pipeline.context import RunContext
+from sacpolicy.pipeline import config
+from sacpolicy.decoding import Decision, DecoderConfig, DecodeState, PolicyRow, RequestInfo
+from sacpolicy.pipeline.context import RunContext, eval_settings
 from sacpolicy.training.predictor import fit_mlp, fit_sklearn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +35,100 @@ def cfg_for(*overrides, tmp_path=None):
     return cfg
 
 
-def test_default_is_the_embedded_cpu_experiment():
+def test_default_run_is_conf_train_yaml_and_embedded_cpu_names_it():
     cfg = cfg_for()
     assert cfg.target.spec == "embedded:smollm2-135m-instruct"
     assert set(cfg.draft) == {"ngram"}  # and the shipped EAGLE-3 head (stage head); no distillation in a first run
     assert "distill" not in cfg.stages and cfg.stages[0] == "head" and cfg.head.init_from == "shipped"
     assert list(cfg.data.sources) == ["mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit"]
+    # the default run is train.yaml's own: no experiment hides in its defaults list, and experiment=embedded_cpu
+    # (the default by name) changes nothing
+    assert {"experiment": None} in OmegaConf.to_container(OmegaConf.load(CONF / "train.yaml"))["defaults"]
+    assert OmegaConf.to_container(cfg_for("experiment=embedded_cpu")) == OmegaConf.to_container(cfg)
+
+
+def yaml_nodes():
+    """(file, base path, the file's node over that base) for every ``/base/<path>@<package>`` a config extends."""
+    for path in [CONF / "train.yaml", *sorted(CONF.glob("*/*.yaml"))]:
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+        for entry in raw.get("defaults", []):
+            if isinstance(entry, str) and entry.startswith("/base/"):
+                base, package = entry[len("/base/"):].split("@")
+                yield path.relative_to(CONF), base, raw if package == "_here_" else raw.get(package, {})
+
+
+def sacpolicy_targets(node):
+    if isinstance(node, dict):
+        if str(node.get("_target_", "")).startswith("sacpolicy."):
+            yield node["_target_"]
+        for v in node.values():
+            yield from sacpolicy_targets(v)
+
+
+@pytest.mark.parametrize("where", ["train.yaml", *sorted(p.name for p in CONF.iterdir() if p.is_dir()
+                                                      and p.name != "experiment")])
+def test_every_option_writes_only_what_differs_from_the_code_it_builds(where):
+    """One home per default: an option or section that builds our code extends that code's node (its defaults) and
+    writes only values that differ; a key that is none of the code's parameters fails here (unless it takes
+    **kwargs)."""
+    for path in [CONF / where] if where.endswith(".yaml") else (CONF / where).glob("*.yaml"):
+        named = set(sacpolicy_targets(OmegaConf.to_container(OmegaConf.load(path))))
+        # DrafterSpec's fields depend on the drafter's kind: a draft option writes its kind's, DrafterSpec holds the
+        # rest (max_ngram, min_ngram)
+        assert named <= {"sacpolicy.runtime.spec.DrafterSpec"}, f"{path}: extend /base/<path>@_here_, not _target_"
+    for file, base, node in yaml_nodes():
+        if file.parts[0] != where:
+            continue
+        run_time = config.BASES.get(base, ())
+        defaults = config.defaults_of(base, run_time)
+        obj = get_object(base)
+        kwargs = not isinstance(obj, type) and any(p.kind is p.VAR_KEYWORD
+                                                   for p in inspect.signature(obj).parameters.values())
+        for key, value in node.items():
+            if key in ("defaults", "_target_", "_partial_", "_convert_"):
+                continue
+            assert key in defaults or kwargs, f"{file}: {key} is no setting of {base}"
+            assert key not in defaults or value != defaults[key], \
+                f"{file}: {key}: {value!r} repeats {base}'s default; drop it from the YAML"
+
+
+def test_every_base_node_is_extended_and_every_typed_section_is_a_dataclass():
+    text = "\n".join(p.read_text() for p in CONF.rglob("*.yaml"))
+    for name, cls in config.SECTIONS.items():
+        assert f"/base/{cls.__module__}.{cls.__qualname__}@{name}" in text
+    for base in config.BASES:
+        assert f"/base/{base}@" in text, f"{base} is registered but no config extends it"
+
+
+@pytest.mark.parametrize("section", sorted(config.SECTIONS))
+def test_every_typed_section_rejects_an_unknown_key_or_a_wrong_type(section):
+    cfg = cfg_for()
+    with pytest.raises(ConfigCompositionException, match=f"Could not override '{section}.nope'"):
+        cfg_for(f"{section}.nope=1")  # a typo on the command line
+    with pytest.raises(ConfigKeyError, match="nope"):
+        OmegaConf.merge(cfg[section], {"nope": 1})  # a typo in an experiment's YAML: merged the same way
+    with pytest.raises(ValidationError):
+        OmegaConf.merge(cfg[section], {"max_new_tokens" if section != "fit" else "k": "many"})
+    assert OmegaConf.to_object(cfg[section]) == config.SECTIONS[section]()  # the dataclass holds the defaults
+
+
+def test_options_that_build_objects_reject_an_unknown_key():
+    with pytest.raises(ConfigCompositionException, match="Could not override 'policy.thresold'"):
+        cfg_for("policy=confidence", "policy.thresold=0.3")
+    cfg = cfg_for("policy=confidence", "policy.threshold=0.3", "+decoder.k_mx=8")  # overrides need no `+`
+    assert instantiate(cfg.policy).threshold == 0.3
+    with pytest.raises(InstantiationException, match="k_mx"):
+        instantiate(cfg.decoder)
+
+
+def test_one_k_max_for_the_policies_under_two_distinct_limits():
+    cfg = cfg_for()
+    assert "k_max" not in cfg.eval and eval_settings(cfg).k_max == cfg.fit.k_max == 8  # evaluation uses fit.k_max
+    assert cfg.fit.k_max <= cfg.collect.k_max and cfg.fit.k_max <= cfg.decoder.k_max
+    with pytest.raises(pipeline.PipelineError, match="fit.k_max=32 exceeds collect.k_max=16.*raise collect.k_max"):
+        pipeline.validate(cfg_for("fit.k_max=32", "decoder.k_max=32"))
+    with pytest.raises(pipeline.PipelineError, match="fit.k_max=20 exceeds decoder.k_max=16.*raise decoder.k_max"):
+        pipeline.validate(cfg_for("fit.k_max=20", "collect.k_max=32"))
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
@@ -65,12 +156,14 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
     for opt in options("policy"):
         policy = instantiate(cfg_for(f"policy={opt}").policy)
         policy.validate(state.drafters, 16)
-        policy.reset(state.request)
-        d = policy.decide(state)
+        d = policy.decide([PolicyRow(state, policy.start(state.request))])[0]
         assert isinstance(d, Decision) and 0 <= d.k <= 16 and d.drafter in (None, *state.drafters)
         if opt in ("ar", "static", "heuristic", "seed_rule", "confidence"):  # the bandit explores, k = 0 included
             assert (d.k == 0) == (opt == "ar"), opt
     assert instantiate(cfg.decoder) == DecoderConfig()  # the dataclass is the one home of the decoder's defaults
+    for opt in options("head"):
+        assert instantiate(cfg_for(f"head={opt}").head).init_from == (None if opt == "eagle3" else opt)
+    assert instantiate(cfg_for("head_data=sharegpt").head_data).sources
     assert instantiate(cfg_for().sampling).greedy and instantiate(cfg.sampling).greedy  # traces that replay exactly
     assert set(cfg.predictor) == set(options("predictor"))  # the default fits every predictor
     for opt in options("predictor"):
@@ -78,8 +171,6 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
         assert list(spec) == [opt] and spec[opt].func in (fit_sklearn, fit_mlp)
         if spec[opt].func is fit_sklearn:
             assert hasattr(spec[opt].keywords["estimator"], "predict_proba")
-    import inspect
-
     from sacpolicy.training.distill_data import DistillDataModule
 
     data_keys = set(inspect.signature(DistillDataModule).parameters)

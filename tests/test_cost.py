@@ -408,23 +408,25 @@ def test_profile_prices_rows_of_a_model_drafter_drafting_together(tiny_target, t
     from sacpolicy.profiling.measure import _model_cells
 
     drafter = ModelDrafter(tiny_draft.model, name="draft")
-    forks = [drafter.fork() for _ in range(3)]
-    cells = _model_cells(tiny_target.model, drafter, forks, 12, [1, 3], (1, 2), "cpu", torch.Generator().manual_seed(0))
+    states = {}
+    cells = _model_cells(tiny_target.model, drafter, 12, [1, 3], (1, 2), "cpu", torch.Generator().manual_seed(0),
+                         states)
     widths = []
     hook = tiny_draft.model.register_forward_hook(lambda m, args, kwargs, out: widths.append(kwargs["input_ids"].shape),
                                                   with_kwargs=True)
     try:
         run, undo = cells[(3, 2)]
         run()
-        first = [f._cache.get_seq_length() for f in forks]
+        first = [st.cache.get_seq_length() for st in states[3]]
         undo()
-        assert [f._valid for f in forks] == [12] * 3 and [f._cache.get_seq_length() for f in forks] == [12] * 3
+        assert [st.valid for st in states[3]] == [12] * 3
+        assert [st.cache.get_seq_length() for st in states[3]] == [12] * 3
         run()
     finally:
         hook.remove()
     # two drafted tokens, every row in each forward; between the runs each row's c tokens are cached again
     assert widths == [(3, 1), (3, 1), *[(1, 12)] * 3, (3, 1), (3, 1)]
-    assert first == [f._cache.get_seq_length() for f in forks] == [14] * 3  # c + the token handed over + 1 draft
+    assert first == [st.cache.get_seq_length() for st in states[3]] == [14] * 3  # c + the token + 1 draft
 
     cost = profile(tiny_target.model, [drafter, NgramDrafter()], ks=(0, 2), context_lens=(16, 32), repeats=3,
                    warmup=1, batch_sizes=(1, 2, 4))

@@ -108,10 +108,10 @@ def test_several_drafters_and_records(tiny_target, tiny_draft, tiny_prompts):
     drafters = tiny_drafters(tiny_target, tiny_draft)
 
     class RoundRobin(Static):
-        def decide(self, state):
+        def decide(self, rows):
             from sacpolicy.policy import Decision
 
-            return Decision(state.drafters[state.step % len(state.drafters)], 3)
+            return [Decision(r.state.drafters[r.state.step % len(r.state.drafters)], 3) for r in rows]
 
     prompt = tiny_prompts[-1]
     res = SpeculativeDecoder(target, drafters, RoundRobin(3), stop_token_ids=[]).generate(prompt, 30)
@@ -128,11 +128,11 @@ def test_drafter_that_raises_is_dropped_and_output_stays_exact(tiny_target, tiny
     class Broken(NgramDrafter):
         calls = 0
 
-        def propose(self, *args, **kwargs):
+        def propose(self, rows):
             Broken.calls += 1
             if Broken.calls == 3:
                 raise RuntimeError("draft server went away")
-            return super().propose(*args, **kwargs)
+            return super().propose(rows)
 
     prompt = tiny_prompts[-1]
     with caplog.at_level(logging.WARNING):
@@ -148,8 +148,8 @@ def test_low_acceptance_falls_back_to_autoregressive(tiny_target, tiny_draft, ti
     cfg = DecoderConfig(cooldown_floor=0.5, cooldown_steps=4, cooldown_min_steps=2)
 
     class Zeros(NgramDrafter):  # proposes token 0, which the target never emits here: acceptance 0
-        def propose(self, context, k, *args, **kwargs):
-            return DraftBlock(torch.zeros(k, dtype=torch.long), None)
+        def propose(self, rows):
+            return [DraftBlock(torch.zeros(row.k, dtype=torch.long), None) for row in rows]
 
     prompt = tiny_prompts[0]
     ref = hf_greedy(target, prompt, 30)

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from toys import propose_one
 
 from sacpolicy.decoding.eagle3 import Eagle3Config, Eagle3Head, KVCache, load_head, ttt_mask, vocab_hash
 from sacpolicy.decoding.feature import FeatureDrafter, load_feature_drafter
 from sacpolicy.decoding.sampling import SamplingConfig
-from sacpolicy.decoding.types import Drafter
+from sacpolicy.decoding.types import Drafter, DraftRow
 from sacpolicy.export.speculators import export_sglang, export_speculators
 from sacpolicy.training.eagle3 import Eagle3Settings, save_head, train_eagle3
 from sacpolicy.training.eagle3_data import build_feature_cache, capture_features
@@ -186,15 +187,15 @@ def test_profile_prices_a_feature_drafters_feed_once_per_proposal(tiny_target):
         assert curve.xs == [16.0, 48.0] and all(lo <= hi for lo, hi in zip(curve.lo, curve.hi))
     once = max(0.0, cost.draft_fixed[drafter.name](32))
     assert cost.draft_time(drafter.name, 3, 32) == pytest.approx(once + 3 * cost.draft[drafter.name](33))
-    drafter.reset()
     ids = torch.randint(3, 512, (10,))
-    drafter.extend_features(features(tiny_target, ids)[:9])
-    assert drafter.propose(ids, 3, SamplingConfig()).k == 3
+    state = drafter.new_state()
+    drafter.extend_features(state, features(tiny_target, ids)[:9])
+    assert propose_one(drafter, ids, 3, state=state).k == 3
 
 
 def test_profile_prices_rows_of_a_feature_drafter_drafting_together(tiny_target):
     """With batch sizes, the profiler times the head's proposals for that many rows drafting together
-    (``propose_batch``) and keeps each row's share of one row's time (``draft_batch``: 1 at one row, a knot with its
+    (one ``propose`` call) and keeps each row's share of one row's time (``draft_batch``: 1 at one row, a knot with its
     interval per profiled size), which the cost model applies to the head's draft time; the n-gram drafter gets none."""
     from sacpolicy.decoding import NgramDrafter
     from sacpolicy.profiling import profile
@@ -209,9 +210,9 @@ def test_profile_prices_rows_of_a_feature_drafter_drafting_together(tiny_target)
     one = cost.draft_time(drafter.name, 2, 24)
     assert cost.draft_time(drafter.name, 2, 24, rows=4) == pytest.approx(share.ys[2] * one)
     ids = torch.randint(3, 512, (10,))
-    drafter.reset()
-    drafter.extend_features(features(tiny_target, ids)[:9])
-    assert drafter.propose(ids, 2, SamplingConfig()).k == 2
+    state = drafter.new_state()
+    drafter.extend_features(state, features(tiny_target, ids)[:9])
+    assert propose_one(drafter, ids, 2, state=state).k == 2
 
 
 def test_teacher_force_equals_proposals(tiny_target, sequences):
@@ -224,9 +225,9 @@ def test_teacher_force_equals_proposals(tiny_target, sequences):
     assert fast.chained and fast.tokens.shape == (ids.numel() - 6, 5)
     assert torch.equal(fast.tokens, slow.tokens)
     for g in (0, 7, ids.numel() - 7):
-        drafter.reset()
-        drafter.extend_features(aux[: 6 + g - 1])
-        block = drafter.propose(ids[: 6 + g], 5, SamplingConfig())
+        state = drafter.new_state()
+        drafter.extend_features(state, aux[: 6 + g - 1])
+        block = propose_one(drafter, ids[: 6 + g], 5, state=state)
         torch.testing.assert_close(fast.logits[g], block.logits[0], atol=2e-5, rtol=1e-5)
         assert torch.isinf(block.logits[0][~drafter.head.t2d]).all()  # q = 0 outside the draft vocabulary
     with pytest.raises(ValueError, match="needs aux"):
@@ -237,32 +238,32 @@ def test_drafter_state_across_steps(tiny_target, sequences):
     """After propose / accept / extend_features, a proposal equals a fresh drafter's at the same context."""
     ids = torch.tensor(sequences[3]["input_ids"])
     aux = features(tiny_target, ids)
-    head = random_head(tiny_target, seed=2)
-    drafter, fresh = FeatureDrafter(head), FeatureDrafter(head)
+    drafter = FeatureDrafter(random_head(tiny_target, seed=2))
+    state = drafter.new_state()
     n = 6
-    drafter.extend_features(aux[: n - 1])
+    drafter.extend_features(state, aux[: n - 1])
     sampling = SamplingConfig(temperature=1.0)
     for accepted in (2, 0, 3, 1):
-        drafter.propose(ids[:n], 4, sampling, torch.Generator().manual_seed(n))
-        drafter.accept(accepted)
-        drafter.extend_features(aux[n - 1 : n + accepted])  # the verify pass: last token + accepted drafts
+        propose_one(drafter, ids[:n], 4, sampling, torch.Generator().manual_seed(n), state=state)
+        drafter.accept(state, accepted)
+        drafter.extend_features(state, aux[n - 1 : n + accepted])  # the verify pass: last token + accepted drafts
         n += accepted + 1
-        fresh.reset()
-        fresh.extend_features(aux[: n - 1])
-        a = drafter.propose(ids[:n], 3, SamplingConfig())
-        b = fresh.propose(ids[:n], 3, SamplingConfig())
+        fresh = drafter.new_state()
+        drafter.extend_features(fresh, aux[: n - 1])
+        a = propose_one(drafter, ids[:n], 3, state=state)
+        b = propose_one(drafter, ids[:n], 3, state=fresh)
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=1e-5)
     stops = []
-    block = drafter.propose(ids[:n], 4, SamplingConfig(), stop=lambda i, s: stops.append(s) or i == 1)
+    block = propose_one(drafter, ids[:n], 4, stop=lambda i, s: stops.append(s) or i == 1, state=state)
     assert block.k == 2 and len(stops) == 2 and stops[0].shape == (3,)
     with pytest.raises(ValueError, match="extend_features"):
-        drafter.propose(ids[: n + 1], 2, SamplingConfig())
+        propose_one(drafter, ids[: n + 1], 2, state=state)
 
 
 def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, sequences):
-    """``propose_batch``: rows with their own contexts, k and stops (one at k = 0, one stopped after its first token)
-    draft what ``propose`` drafts for each, the draft logits from one projection over the rows still drafting (and
+    """``propose`` of several rows: rows with their own contexts, k and stops (one at k = 0, one stopped after its first
+    token) draft what each drafts alone, the draft logits from one projection over the rows still drafting (and
     over the rows whose features were fed, all rows' entries through the layer at once); and each row's state
     afterwards is its own (its next proposal equals a fresh drafter's)."""
     head = random_head(tiny_target, seed=3)
@@ -272,17 +273,18 @@ def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, seq
     ns, ks = [7, 12, 9, 15], [4, 3, 5, 0]
     stops = [None, None, lambda i, s: i == 0, None]
 
-    def rows():
-        out = [proto.fork() for _ in ids]
-        for d, a, n in zip(out, aux, ns):
-            d.extend_features(a[: n - 1])
+    def states():
+        out = [proto.new_state() for _ in ids]
+        for st, a, n in zip(out, aux, ns):
+            proto.extend_features(st, a[: n - 1])
         return out
-    alone = [d.propose(x[:n], k, SamplingConfig(), None, st) for d, x, n, k, st in zip(rows(), ids, ns, ks, stops)]
+    alone = [propose_one(proto, x[:n], k, stop=stop, state=st)
+             for st, x, n, k, stop in zip(states(), ids, ns, ks, stops)]
     widths = []
     hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].numel() // a[0].shape[-1]))
-    together_rows = rows()
-    together = proto.propose_batch(together_rows, [x[:n] for x, n in zip(ids, ns)], ks, [SamplingConfig()] * 4,
-                                   [None] * 4, stops)
+    together_states = states()
+    together = proto.propose([DraftRow(st, x[:n], k, stop=stop)
+                              for st, x, n, k, stop in zip(together_states, ids, ns, ks, stops)])
     hook.remove()
     assert [b.k for b in together] == [b.k for b in alone] == [4, 3, 1, 0]
     for a, b in zip(alone, together):
@@ -291,15 +293,15 @@ def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, seq
             torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=1e-5)
     assert widths[0] == 3  # the three proposing rows' features fed, their last outputs through one projection
     assert 2 in widths  # rows 0 and 1 drafted their later tokens through one projection
-    for d, x, a, n in zip(together_rows, ids, aux, ns):  # accept 1, feed the verify pass, propose again
-        d.accept(1)
-        d.extend_features(a[n - 1 : n + 1])
-        fresh = FeatureDrafter(head)
-        fresh.extend_features(a[: n + 1])
-        assert torch.equal(d.propose(x[: n + 2], 3, SamplingConfig()).tokens,
-                           fresh.propose(x[: n + 2], 3, SamplingConfig()).tokens)
+    for st, x, a, n in zip(together_states, ids, aux, ns):  # accept 1, feed the verify pass, propose again
+        proto.accept(st, 1)
+        proto.extend_features(st, a[n - 1 : n + 1])
+        fresh = proto.new_state()
+        proto.extend_features(fresh, a[: n + 1])
+        assert torch.equal(propose_one(proto, x[: n + 2], 3, state=st).tokens,
+                           propose_one(proto, x[: n + 2], 3, state=fresh).tokens)
     with pytest.raises(ValueError, match="row 1 holds hidden states"):
-        proto.propose_batch(rows(), [ids[0][:7], ids[1][:13]], [2, 2], [SamplingConfig()] * 2, [None] * 2, [None] * 2)
+        proto.propose([DraftRow(st, x, 2) for st, x in zip(states(), [ids[0][:7], ids[1][:13]])])
 
 
 def test_a_drafted_tokens_confidence_is_its_distribution_over_the_target_vocabulary(tiny_target, sequences):
@@ -313,19 +315,19 @@ def test_a_drafted_tokens_confidence_is_its_distribution_over_the_target_vocabul
     proto = FeatureDrafter(head)
     ids = [torch.tensor(sequences[i]["input_ids"])[:n] for i, n in ((8, 9), (9, 14))]
     seen = [[], []]
-    rows = [proto.fork() for _ in ids]
-    for d, x in zip(rows, ids):
-        d.extend_features(features(tiny_target, x)[: x.numel() - 1])
+    states = [proto.new_state() for _ in ids]
+    for st, x in zip(states, ids):
+        proto.extend_features(st, features(tiny_target, x)[: x.numel() - 1])
     stops = [lambda i, s, r=r: seen[r].append(s.clone()) is not None for r in range(2)]  # never stops
-    blocks = proto.propose_batch(rows, ids, [3, 4], [SamplingConfig()] * 2, [None] * 2, stops)
+    blocks = proto.propose([DraftRow(st, x, k, stop=stop) for st, x, k, stop in zip(states, ids, [3, 4], stops)])
     for b, stats in zip(blocks, seen):
         assert b.logits.shape == (b.k, head.config.target_vocab_size)
         assert torch.equal(b.tokens, b.logits.argmax(-1))
         # asked after every token but the last (the block ends there anyway)
         torch.testing.assert_close(torch.stack(stats), draft_stats(b.logits[:-1]), atol=1e-6, rtol=1e-5)
-    d = proto.fork()
-    d.extend_features(features(tiny_target, ids[1])[: ids[1].numel() - 1])
-    sampled = d.propose(ids[1], 4, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    st = proto.new_state()
+    proto.extend_features(st, features(tiny_target, ids[1])[: ids[1].numel() - 1])
+    sampled = propose_one(proto, ids[1], 4, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0), state=st)
     assert sampled.k == 4 and bool(head.t2d[sampled.tokens].all())
 
 
@@ -404,7 +406,8 @@ def test_bad_inputs_fail_clearly(tiny_target, sequences, tmp_path):
     with pytest.raises(ValueError, match="belongs to another target(.|\n)*verifier(.|\n)*decoder layers"):
         load_feature_drafter(tiny_target, tmp_path / "other")
     with pytest.raises(ValueError, match=r"feature rows must be \[m, 192\]"):
-        FeatureDrafter(random_head(tiny_target)).extend_features(torch.zeros(2, 64))
+        FeatureDrafter(random_head(tiny_target)).extend_features(FeatureDrafter(random_head(tiny_target)).new_state(),
+                                                                 torch.zeros(2, 64))
     with pytest.raises(FileNotFoundError, match="not an EAGLE-3 head directory"):
         load_feature_drafter(tiny_target, tmp_path)
     # a feature cache built for other layers, or other sequences
@@ -513,11 +516,12 @@ def test_decoder_with_a_feature_drafter_is_greedy_exact(tiny_target, sequences):
             assert sum(s.drafted for s in res.steps) > 0 and not res.dropped_drafters
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows):
+@pytest.mark.parametrize("rows, fmt", [(1, "sacpolicy"), (5, "sacpolicy"), (1, "speculators"), (2, "sglang")])
+def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows, fmt, tmp_path):
     """Sampled speculative decoding with a feature head reproduces the target's joint distribution of two tokens
     drawn after verification blocks (chi-square against the exact joint, enumerated from the target), one request at
-    a time and in batches of 5 rows (each its own seed), whose draft logits come from one projection over the rows."""
+    a time and in batches of rows (each its own seed), whose draft logits come from one projection over the rows;
+    also with the head written in vLLM's speculators format and in SGLang's layout, then loaded back."""
     from scipy.stats import chisquare
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -528,12 +532,16 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows):
     v = 6
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
     with torch.no_grad():
         model.model.norm.weight.mul_(4)  # peaked enough that drafts get accepted, spread enough to test sampling
     target = LoadedModel(model, load_tokenizer("tiny:llama-4l"), spec="test:v6")
-    head = random_head(target, vocab=4, seed=4, aux=(0, 1, 2))  # ids 1..4: q = 0 outside the draft vocabulary
+    head = random_head(target, vocab=4, seed=4, aux=(1, 2, 3))  # ids 1..4: q = 0 outside the draft vocabulary
+    if fmt != "sacpolicy":
+        from test_byo_heads import write_format
+
+        head = load_feature_drafter(target, write_format(fmt, head, target, tmp_path)).head
     dec = SpeculativeDecoder(model, [FeatureDrafter(head)], Static(2), sampling=SamplingConfig(temperature=1.0),
                              config=DecoderConfig(timing=False, max_batch=rows), stop_token_ids=[])
     widths = []

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 from test_traces import cost_model
-from toys import PREDICTORS, synthetic_traces
+from toys import PREDICTORS, propose_one, synthetic_traces
 
 from sacpolicy.data import assign_split
-from sacpolicy.decoding import DecodeState, ModelDrafter, NgramDrafter, RequestInfo
-from sacpolicy.decoding.decoder import stop_callback
-from sacpolicy.decoding.sampling import SamplingConfig
+from sacpolicy.decoding import DecodeState, ModelDrafter, NgramDrafter, PolicyRow, RequestInfo
+from sacpolicy.decoding.rows import stop_callback
 from sacpolicy.export import (
     build_drafters,
     confidence_threshold,
@@ -401,7 +400,7 @@ def test_ngram_proposal_matches_the_ngram_drafter():
     drafter = NgramDrafter(max_ngram=3, min_ngram=1)
     for _ in range(200):
         ctx = rng.integers(0, 6, int(rng.integers(1, 40)))
-        block = drafter.propose(torch.as_tensor(ctx), 5, SamplingConfig())
+        block = propose_one(drafter, torch.as_tensor(ctx), 5)
         assert ngram_proposal(ctx, 5, 3, 1) == block.tokens.tolist()
 
 
@@ -431,12 +430,12 @@ def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch, mode):
         ngram, policy = NgramDrafter(), LearnedPolicy(rule)
         request = RequestInfo(prompt_len=int(n), max_new_tokens=64 - int(n), drafters=rule.drafters)
         state = DecodeState(request, context_len=int(n), remaining=min(6, 64 - int(n) - 1) + 1,
-                            drafters=("ngram",), peeks={"ngram": ngram.peek(context)})
-        policy.reset(request)
-        d = policy.decide(state)
+                            drafters=("ngram",), peeks={"ngram": ngram.peek(None, context)})
+        row = PolicyRow(state, policy.start(request))
+        d = policy.decide([row])[0]
         state.drafter = d.drafter
-        expected = ngram.propose(context, min(d.k, 6), SamplingConfig(),
-                                 stop=stop_callback(policy, state)).tokens.tolist() if d.drafter else []
+        expected = propose_one(ngram, context, min(d.k, 6),
+                               stop=stop_callback(policy, row)).tokens.tolist() if d.drafter else []
         assert drafts[i] == expected, i
     assert len(drafts[2]) == 0  # no room left before max_model_len
     assert len({len(d) for d in drafts}) > 1

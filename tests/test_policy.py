@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 from test_traces import cost_model
-from toys import PREDICTORS, synthetic_traces
+from toys import PREDICTORS, decide_one, synthetic_traces
 
 from sacpolicy.data import assign_split
 from sacpolicy.decoding import Decision, DecodeState, ModelDrafter, NgramDrafter, RequestInfo, SpeculativeDecoder
@@ -190,9 +190,9 @@ def test_seed_rule_speculates_less_for_long_prompts_and_under_load():
     assert [rule.k_for(10, load) for load in (0.0, 0.5, 1.0)] == [6, 3, 0]  # load scales k down to autoregressive
     rule.validate(("ngram",), 8)
     state = DecodeState(RequestInfo(prompt_len=10, drafters=("ngram",), load=0.5), drafters=("ngram",))
-    assert rule.decide(state) == Decision("ngram", 3)  # the request's load signal
+    assert decide_one(rule, state) == Decision("ngram", 3)  # the request's load signal
     state.load = 1.0  # the live load a batched decoder measures (rows / max_batch) takes its place
-    assert rule.decide(state) == Decision.autoregressive()
+    assert decide_one(rule, state) == Decision.autoregressive()
     with pytest.raises(ValueError, match="load must be in"):
         rule.k_for(10, 1.5)
 
@@ -234,11 +234,12 @@ def test_the_decoder_keeps_each_drafters_acceptance_history(tiny_target, tiny_dr
             super().__init__(3, None)
             self.seen, self.records = [], []
 
-        def decide(self, state):
-            self.seen.append(dict(state.accept_history))
-            return Decision(("ngram", "draft")[len(self.seen) % 2], 3)
+        def decide(self, rows):
+            (row,) = rows
+            self.seen.append(dict(row.state.accept_history))
+            return [Decision(("ngram", "draft")[len(self.seen) % 2], 3)]
 
-        def observe(self, record):
+        def observe(self, row, record):
             self.records.append(record)
 
     policy = Watch()
@@ -274,9 +275,9 @@ def test_learned_policy_per_request_keeps_its_first_choice():
         policy = LearnedPolicy(rule, select=select)
         request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=names)
         policy.validate(names, 8)
-        policy.reset(request)
+        memory = policy.start(request)
         chosen = []
         for step, pred.early in ((0, True), (1, False)):
-            d = policy.decide(DecodeState(request, step=step, context_len=10 + step, remaining=20, drafters=names))
-            chosen.append(d.drafter)
+            state = DecodeState(request, step=step, context_len=10 + step, remaining=20, drafters=names)
+            chosen.append(decide_one(policy, state, memory).drafter)
         assert chosen == expected, select

@@ -31,7 +31,7 @@ from sacpolicy.profiling import CostModel, PiecewiseLinear
 from sacpolicy.runtime.features import FEATURE_NAMES as RUNTIME_FEATURES
 from sacpolicy.runtime.features import feature_spec
 from sacpolicy.runtime.predictors import Predictor
-from sacpolicy.traces.collect import collect_live, collect_teacher_forced, resolve_shard
+from sacpolicy.traces.collect import collect_teacher_forced, resolve_shard
 from sacpolicy.traces.schema import (
     SCHEMA_VERSION,
     TraceError,
@@ -115,15 +115,15 @@ def test_features_live_equal_features_from_traces(tiny_target, setup):
     grouped = group_traces(traces)
 
     class Recording(Confidence):
-        def reset(self, request):
+        def start(self, request):
             self.prev = None
 
-        def should_stop(self, state, token):
-            self.log.append((state.generated, token.position, token_features(state, token, self.prev)))
+        def should_stop(self, row, token):
+            self.log.append((row.state.generated, token.position, token_features(row.state, token, self.prev)))
             self.prev = token.top1
-            return super().should_stop(state, token)
+            return super().should_stop(row, token)
 
-        def observe(self, record):
+        def observe(self, row, record):
             self.prev = None
 
     seen = {}
@@ -179,17 +179,16 @@ def test_oracle_and_best_static(setup):
     assert set(per_cat) == {r["category"] for r in prompts}
 
 
-def test_live_collection_and_loading(tiny_target, tmp_path):
-    prompts = list(load_prompts("mt_bench", tokenizer=tiny_target.tokenizer, limit=3))
-    dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter()], Static(3), stop_token_ids=[])
-    collect_live(dec, prompts, tmp_path, max_new_tokens=12, meta={"target": tiny_target.spec}, progress=False)
-    ds = load_traces(tmp_path)
-    assert set(ds["prompt_id"]) == {r["prompt_id"] for r in prompts}
-    assert sum(r["emitted"] for r in ds) + len(prompts) == 12 * len(prompts)
+def test_a_trace_directory_loads_alone_and_as_plain_parquet(setup):
+    """``load_traces`` reads the kind from the directory's meta when not told it, and the shards are plain Parquet
+    that any reader (here ``datasets``) loads without sacpolicy."""
+    prompts, _, out, traces = setup
+    ds = load_traces(out)
+    assert set(ds["prompt_id"]) == {r["prompt_id"] for r in prompts} and len(ds) == len(traces)
     import datasets
 
-    again = datasets.load_dataset("parquet", data_files=str(tmp_path / "*.parquet"), split="train")
-    assert len(again) == len(ds)
+    again = datasets.load_dataset("parquet", data_files=str(out / "*.parquet"), split="train")
+    assert len(again) == len(ds) and set(again["prompt_id"]) == set(ds["prompt_id"])
 
 
 def test_bad_trace_directories(tiny_target, setup, tmp_path):

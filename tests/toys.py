@@ -7,7 +7,26 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.linear_model import LogisticRegression
 from transformers import LlamaConfig
 
+from sacpolicy.decoding import DraftRow, PolicyRow, SamplingConfig
 from sacpolicy.training.predictor import fit_mlp, fit_sklearn
+
+
+def policy_rows(policy, states, memories=None) -> list:
+    """Rows of new requests for ``Policy.decide`` (each state's request started), or with the given memories."""
+    memories = memories or [policy.start(s.request) for s in states]
+    return [PolicyRow(s, m) for s, m in zip(states, memories)]
+
+
+def decide_one(policy, state, memory=None):
+    """The policy's decision for one row (a new request's, unless ``memory``)."""
+    return policy.decide(policy_rows(policy, [state], None if memory is None else [memory]))[0]
+
+
+def propose_one(drafter, context, k, sampling=None, generator=None, stop=None, state=None):
+    """One row's block from ``drafter`` (a fresh state unless ``state``)."""
+    row = DraftRow(drafter.new_state() if state is None else state, context, k, sampling or SamplingConfig(),
+                   generator, stop)
+    return drafter.propose([row])[0]
 
 
 class Markov(torch.nn.Module):

@@ -5,6 +5,8 @@ kernels)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from transformers.integrations import sdpa_attention
@@ -57,19 +59,21 @@ def _on_cpu(module) -> bool:
     return param is not None and param.device.type == "cpu"
 
 
-def use_masked_gqa(model) -> None:
+def use_masked_gqa(model) -> bool:
     """Switch a model on the CPU from transformers' ``sdpa`` attention to ``_masked_gqa_sdpa`` (the same results,
     without the key/value copies of grouped-query attention under a mask); other models and implementations are left
-    as they are. Idempotent; the decoder and the profiler call it, so decoding and its cost model time the same pass."""
+    as they are. Idempotent. -> whether it switched (``model.set_attn_implementation("sdpa")`` switches back)."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa" or not _on_cpu(model):
-        return
+        return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    # a name of our own in transformers' registries: models that do not ask for it never run it
     AttentionInterface.register(MASKED_GQA, _masked_gqa_sdpa)
     AttentionMaskInterface.register(MASKED_GQA, sdpa_mask)
     model.set_attn_implementation(MASKED_GQA)
+    return True
 
 
 # torch's CPU ``linear`` runs one row as a GEMV and 2-3 rows as one GEMV each, reading the weights once per row; one
@@ -118,17 +122,41 @@ class CpuLinear(torch.nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def use_cpu_kernels(target, drafters=()) -> None:
+def use_cpu_kernels(target, drafters=()) -> Callable[[], None]:
     """Run the target and each drafter's model (``.model``, or a feature drafter's ``.head``) on the CPU with the
     faster kernels for what decoding feeds them: masked grouped-query attention without key/value copies
     (``use_masked_gqa``) and linears on the fastest kernel for the rows fed (``CpuLinear``). The same arithmetic up to
-    float rounding; modules elsewhere are left as they are. Idempotent; the decoder and the profiler call it, so
-    decoding and its cost model time the same kernels."""
+    float rounding; modules elsewhere are left as they are. Idempotent. -> a function that undoes what this call
+    switched (``cpu_kernels`` is the same for one block of code)."""
     modules = [target, *(getattr(d, attr, None) for d in drafters for attr in ("model", "head"))]
+    attention, linears = [], []
     for module in modules:
         if not _on_cpu(module):
             continue
-        use_masked_gqa(module)
+        if use_masked_gqa(module):
+            attention.append(module)
         for sub in module.modules():
             if type(sub) is torch.nn.Linear:
                 sub.__class__ = CpuLinear
+                linears.append(sub)
+
+    def undo() -> None:
+        for sub in linears:
+            sub.__class__ = torch.nn.Linear
+        for module in attention:
+            module.set_attn_implementation("sdpa")
+
+    return undo
+
+
+@contextmanager
+def cpu_kernels(target, drafters=(), enabled: bool = True):
+    """``use_cpu_kernels`` for the block, undone after it: the models are as they were before. The decoder decodes
+    inside it (``DecoderConfig.cpu_kernels``) and the profiler times inside it, so decoding and its cost model time
+    the same kernels while the caller's model is left as it gave it. Nested blocks switch nothing more."""
+    undo = use_cpu_kernels(target, drafters) if enabled else None
+    try:
+        yield
+    finally:
+        if undo is not None:
+            undo()

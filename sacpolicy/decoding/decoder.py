@@ -4,37 +4,62 @@ One loop serves every setting: k = 0 (no drafter) is plain autoregressive decodi
 come from the same code, and one request (``generate``) is a batch of one row (``generate_batch``: continuous batching
 over B rows, each with its own draft block and accepted prefix, verified together in one target pass; the ragged KV
 cache is ``sacpolicy.decoding.ragged``). The decoder never knows which policy it runs; the policy never sees a cache.
-Each step is four small methods: decide, draft, verify-and-commit, record (``sacpolicy.decoding.step``).
+
+The decoder owns every request's state (``sacpolicy.decoding.rows.Row``: its tokens, the policy's memory of it, each
+drafter's state); the policy and the drafters are shared by all rows and called once per step with all of them
+(``Policy.decide(rows)``, ``Drafter.propose(rows)``). A step, in this module's second half: decide, draft, verify
+and commit, record, each a method with a typed result (``Drafted``, ``Verified``).
+
+This module is over the project's 400-line cap on purpose: the batching loop and the step it runs are one concept,
+read together (``tests/test_layers.py`` names the exception).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from sacpolicy.decoding.aux import AuxCapture
-from sacpolicy.decoding.compat import use_cpu_kernels, with_cache
+from sacpolicy.decoding.compat import cpu_kernels, with_cache
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
-from sacpolicy.decoding.sampling import SamplingConfig, select_token
-from sacpolicy.decoding.step import BatchStep, Clock, Row, WallClock, stop_callback
+from sacpolicy.decoding.rows import Clock, Row, WallClock, stop_callback
+from sacpolicy.decoding.sampling import (
+    SamplingConfig,
+    acceptance_stats,
+    copy_acceptance_stats,
+    draft_stats,
+    probs_from_logits,
+    probs_stats,
+    select_token,
+    verify,
+    verify_greedy,
+)
 from sacpolicy.decoding.types import (
     Autoregressive,
+    Decision,
     DecodeState,
+    DraftBlock,
     Drafter,
+    DraftRow,
     GenerationResult,
     Policy,
+    PolicyRow,
     RequestInfo,
+    StepRecord,
 )
+from sacpolicy.runtime.features import next_accept_history
 
-__all__ = ["BATCH_K", "DecoderConfig", "SpeculativeDecoder", "WallClock", "stop_callback"]
+__all__ = ["BATCH_K", "DecoderConfig", "Drafted", "SpeculativeDecoder", "Verified", "WallClock", "stop_callback"]
 
 logger = logging.getLogger(__name__)
 
 BATCH_K = ("row", "shared")
+_T1 = SamplingConfig(temperature=1.0)  # distributions behind the records when decoding greedily
 
 
 @dataclass
@@ -50,6 +75,11 @@ class DecoderConfig:
     max_batch: int = 1  # rows generate_batch decodes together by default; the live load is rows / max_batch
     batch_k: str = "row"  # "row": each row's own k (blocks padded to the longest); "shared": one k for the batch (vLLM)
     compact_slack: float = 0.25  # compact the batch's KV cache when rejected columns exceed this share of its width
+    # the CPU's faster kernels (``compat.cpu_kernels``) for the target and the drafters' models while the decoder
+    # decodes, switched back after each call: the same results up to float rounding, and the caller's models are
+    # left as they were. On by default because decoding's few-row passes are what they speed up; False keeps
+    # transformers' own kernels throughout
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -64,7 +94,26 @@ class DecoderConfig:
             raise ValueError(f"cooldown_ema must be in (0, 1], got {self.cooldown_ema}")
 
 
-class SpeculativeDecoder(BatchStep):
+@dataclass
+class Drafted:
+    """A row's draft for a step: the drafter used (None: no draft), its block and the row's seconds drafting it."""
+
+    drafter: str | None
+    block: DraftBlock
+    seconds: float = 0.0
+
+
+@dataclass
+class Verified:
+    """A row's verification: drafted tokens accepted, the new tokens committed (accepted + the target's own, fewer
+    at a stop token or the length limit), and the block's [k, 6] statistics for the record (None without a block)."""
+
+    accepted: int
+    new: list
+    stats: torch.Tensor | None
+
+
+class SpeculativeDecoder:
     def __init__(
         self,
         target: nn.Module,
@@ -81,8 +130,6 @@ class SpeculativeDecoder(BatchStep):
             if d.name in self.drafters:
                 raise ValueError(f"two drafters are named {d.name!r}; give each drafter a unique name")
             self.drafters[d.name] = d
-        # the same results up to float rounding, on the CPU's faster kernels for decoding's passes
-        use_cpu_kernels(target, self.drafters.values())
         self.policy = policy if policy is not None else Autoregressive()
         self.sampling = sampling or SamplingConfig()
         self.config = config or DecoderConfig()
@@ -184,8 +231,15 @@ class SpeculativeDecoder(BatchStep):
         if any(a < 0 for a in arrivals):
             raise ValueError("arrival times are seconds after the call: they must be >= 0")
         stops = self.stop_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids)
-        runs = [self._new_run(i, p, m, r, a, stops, keep_logits, B)
+        runs = [self._new_run(i, p, m, r, a, stops, keep_logits)
                 for i, (p, m, r, a) in enumerate(zip(prompts, budgets, requests, arrivals))]
+        kernels = cpu_kernels(self.target, self.drafters.values()) if self.config.cpu_kernels else nullcontext()
+        with kernels:
+            self._run(runs, B)
+        return [r.result for r in runs]
+
+    def _run(self, runs: list[Row], B: int) -> None:
+        """Continuous batching: admit arrived requests while rows are free, step the batch, retire finished rows."""
         waiting = sorted(runs, key=lambda r: r.arrival)[::-1]  # pop() takes the earliest
         batch: list[Row] = []
         cache: RaggedCache | None = None
@@ -209,7 +263,7 @@ class SpeculativeDecoder(BatchStep):
                 continue
             for rec, run in zip(self._step(batch, cache), batch):
                 self._track_acceptance(run, rec)
-                run.policy.observe(rec)
+                self.policy.observe(run.policy, rec)
             live = [i for i, r in enumerate(batch) if r.active]
             for r in batch:
                 if not r.active:
@@ -220,9 +274,8 @@ class SpeculativeDecoder(BatchStep):
                     cache.select(live)
                 else:
                     cache = None
-        return [r.result for r in runs]
 
-    def _new_run(self, index, input_ids, max_new_tokens, request, arrival, stops, keep_logits, B) -> Row:
+    def _new_run(self, index, input_ids, max_new_tokens, request, arrival, stops, keep_logits) -> Row:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens} (request {index})")
         prompt = self._prompt(input_ids, index)
@@ -233,16 +286,13 @@ class SpeculativeDecoder(BatchStep):
             raise ValueError(f"request {index}: sampling must be a SamplingConfig (or None for the decoder's), got "
                              f"{type(request.sampling).__name__}")
         limit = max_new_tokens if self.max_context is None else min(max_new_tokens, self.max_context - L)
-        if B == 1:  # one row at a time: the decoder's own policy, drafters and generator, as they always were
-            policy, drafters, generator = self.policy, self.drafters, self.generator
-        else:  # per-row state: forks share weights and models, never caches
-            policy, drafters = self.policy.fork(), {n: d.fork() for n, d in self.drafters.items()}
-            generator = self.generator if request.seed is None else torch.Generator(device=self.device)
+        # a seeded request samples from its own generator; the others continue the decoder's
+        generator = self.generator if request.seed is None else torch.Generator(device=self.device)
         run = Row(
             buf=torch.empty(L + limit + self.config.k_max + 1, dtype=torch.long, device=self.device),
             stops=stops, limit=limit, max_new_tokens=max_new_tokens,
-            state=DecodeState(request, drafters=tuple(self.drafters)),
-            logits=[] if keep_logits else None, policy=policy, drafters=drafters, generator=generator,
+            policy=PolicyRow(DecodeState(request, drafters=tuple(self.drafters))), drafts={},
+            logits=[] if keep_logits else None, generator=generator,
             arrival=arrival, index=index, sampling=request.sampling or self.sampling,
         )
         run.buf[:L] = prompt
@@ -254,9 +304,8 @@ class SpeculativeDecoder(BatchStep):
         request, L = run.state.request, run.n
         if request.seed is not None:
             run.generator.manual_seed(request.seed)
-        for d in run.drafters.values():
-            d.reset()
-        run.policy.reset(request)
+        run.drafts = {name: d.new_state() for name, d in self.drafters.items()}
+        run.policy.memory = self.policy.start(request)
         run.t_start = self._now()
         cache = new_cache(self.target.config)
         with self.features:
@@ -279,3 +328,219 @@ class SpeculativeDecoder(BatchStep):
         logits = torch.cat(run.logits)[: len(run.out)] if run.logits is not None else None
         run.result = GenerationResult(run.out, run.records, run.state.request.prompt_len, run.prefill_s,
                                       self._now() - run.t_start, run.finish, run.dropped, logits, run.queued_s)
+
+    # ------------------------------------------------------------------ one step of the batch
+    def _check_decision(self, d: Decision) -> None:
+        if not isinstance(d.k, int) or d.k < 0 or d.k > self.config.k_max:
+            raise ValueError(f"policy {self.policy!r} chose k={d.k!r}; k must be an integer in "
+                             f"[0, {self.config.k_max}]")
+        if d.drafter is not None and d.drafter not in self.drafters:
+            raise ValueError(f"policy {self.policy!r} chose unknown drafter {d.drafter!r}; known: "
+                             f"{list(self.drafters)}")
+
+    def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
+        if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
+            return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
+        return probs_from_logits(block.logits, cfg)
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, batch: list[Row], cache: RaggedCache) -> list[StepRecord]:
+        """Decide, draft, verify every row in one target pass and commit each row's accepted tokens, record."""
+        decisions = self._decide(batch)
+        drafts = self._draft(batch, [d for d, _ in decisions])
+        t1 = self._now()
+        verified = self._verify_and_commit(batch, cache, drafts)
+        verify_s = self._now() - t1
+        return [self._record(run, decision, cooldown, drafted, v, verify_s, len(batch))
+                for run, (decision, cooldown), drafted, v in zip(batch, decisions, drafts, verified)]
+
+    def _decide(self, batch: list[Row]) -> list[tuple[Decision, bool]]:
+        """Each row's decision for this step and whether the row is cooling down (then autoregressive); the policy
+        decides for the rows that are not cooling down in one call, with the live batch size and load."""
+        out: list[tuple[Decision, bool] | None] = [None] * len(batch)
+        asking = []
+        for i, run in enumerate(batch):
+            state = run.state
+            state.context_len, state.generated, state.remaining, state.drafter = run.n, len(run.out), run.left, None
+            state.batch_size = len(batch)
+            if self.config.max_batch > 1:  # the live load: rows over the configured maximum batch
+                state.load = min(1.0, len(batch) / self.config.max_batch)
+            if run.cooldown > 0:
+                run.cooldown -= 1
+                out[i] = (Decision.autoregressive(), True)
+                continue
+            if self.policy.uses_peeks:
+                state.peeks = {name: self.drafters[name].peek(run.drafts[name], run.context)
+                               for name in state.drafters if self.drafters[name].peekable}
+            asking.append(i)
+        if asking:
+            for i, decision in zip(asking, self.policy.decide([batch[i].policy for i in asking])):
+                self._check_decision(decision)
+                out[i] = (decision, False)
+        if self.config.batch_k == "shared" and len(batch) > 1:  # one k for the batch, as vLLM drafts
+            k = max(d.k for d, _ in out)
+            out = [(Decision(d.drafter, k) if d.drafter is not None else d, c) for d, c in out]
+        return out
+
+    def _draft(self, batch: list[Row], decisions: list[Decision]) -> list[Drafted]:
+        """Each row's draft. Rows drafting with the same drafter draft together (one ``propose`` call; a model
+        drafter runs one forward per drafted token for all of them) and share its time. A drafter that raises is
+        dropped for the request of the row that made it raise (found by proposing its rows one by one); that row
+        decodes on autoregressively and its output stays exact."""
+        drafts = []
+        groups: dict[str, list[tuple[int, DraftRow]]] = {}
+        for i, (run, decision) in enumerate(zip(batch, decisions)):
+            name = decision.drafter if decision.drafter in run.state.drafters else None
+            k = min(decision.k, run.left - 1) if name is not None else 0
+            drafts.append(Drafted(name, DraftBlock.empty(self.device)))  # the record names the drafter chosen
+            if k > 0:
+                run.state.drafter = name
+                groups.setdefault(name, []).append((i, DraftRow(
+                    run.drafts[name], run.context, k, run.sampling, run.generator,
+                    stop_callback(self.policy, run.policy))))
+        for name, rows in groups.items():
+            t0 = self._now()
+            blocks = self._propose(name, [r for _, r in rows], [batch[i] for i, _ in rows])
+            seconds = (self._now() - t0) / len(rows)
+            for (i, _), block in zip(rows, blocks):
+                drafts[i] = Drafted(name, block, seconds) if block is not None else Drafted(None, drafts[i].block,
+                                                                                            seconds)
+        return drafts
+
+    def _propose(self, name: str, rows: list[DraftRow], runs: list[Row]) -> list[DraftBlock | None]:
+        """``rows``' blocks from drafter ``name``, None for a row whose request dropped it."""
+        drafter = self.drafters[name]
+        try:
+            return drafter.propose(rows)
+        except Exception as exc:
+            if len(rows) == 1:
+                self._drop(runs[0], name, exc)
+                return [None]
+            logger.warning("drafter %r raised %r drafting %d rows together; they propose one by one",
+                           name, exc, len(rows))
+        return [self._propose(name, [row], [run])[0] for row, run in zip(rows, runs)]
+
+    def _verify_and_commit(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted]) -> list[Verified]:
+        """One target pass over every row's [last committed token, block] (padded to the longest); each row commits
+        its accepted + 1 tokens, the caches keep what was committed."""
+        T = max(d.block.k for d in drafts) + 1
+        ids = torch.stack([torch.cat([run.buf[run.n - 1 : run.n], d.block.tokens,
+                                      run.buf[run.n - 1 : run.n].expand(T - 1 - d.block.k)])
+                           for run, d in zip(batch, drafts)])
+        with self.features:
+            logits = self.target(input_ids=ids, **with_cache(self.target, cache.cache), use_cache=True,
+                                 logits_to_keep=T, **cache.inputs(T, self.dtype)).logits
+        out = []
+        for i, (run, d) in enumerate(zip(batch, drafts)):
+            v = self._verify(run, d.block, logits[i, : d.block.k + 1])
+            self._extend_features(run, i, v.accepted + 1)
+            if d.drafter is not None:
+                self._settle(run, d.drafter, v.accepted)
+            self._commit(run, v, logits[i])
+            out.append(v)
+        cache.commit([v.accepted + 1 for v in out], T)
+        return out
+
+    def _verify(self, run: Row, block: DraftBlock, logits: torch.Tensor) -> Verified:
+        """Accept the longest prefix of ``block`` the target agrees with (greedy) or that rejection sampling keeps,
+        then the target's own next token. ``logits`` [k + 1, V]: the target's at the block's positions."""
+        n, kb = run.n, block.k
+        if run.sampling.greedy:
+            n_acc, nxt, pq = *verify_greedy(logits, block.tokens), None
+        else:
+            p, q = probs_from_logits(logits, run.sampling), self._draft_probs(block, run.sampling)
+            n_acc, nxt, pq = *verify(p, q, block.tokens, run.generator), (p, q)
+        run.buf[n : n + kb] = block.tokens
+        run.buf[n + n_acc] = nxt  # device-side index: no sync before the write
+        stats = self._block_stats(block, logits, pq) if kb else None
+        head = torch.cat([n_acc.view(1), nxt.view(1), block.tokens]).tolist()  # the row's one host sync
+        acc = head[0]
+        return Verified(acc, head[2 : 2 + acc] + [head[1]], stats)
+
+    def _commit(self, run: Row, v: Verified, logits: torch.Tensor) -> None:
+        """Append the row's new tokens, up to a stop token and the length limit (``v.new`` is cut to them)."""
+        new = v.new
+        for j, tok in enumerate(new):
+            if tok in run.stops:
+                new, run.finish = new[: j + 1], "eos"
+                break
+        v.new = new[: run.left]
+        if run.logits is not None:  # row j of the verify pass is the distribution of the step's j-th new token
+            run.logits.append(logits[: len(v.new)])
+        run.out.extend(v.new)
+        run.n += len(v.new)
+
+    def _settle(self, run: Row, name: str, accepted: int) -> None:
+        """Tell the drafter how many of the row's drafted tokens were accepted."""
+        try:
+            self.drafters[name].accept(run.drafts[name], accepted)
+        except Exception as exc:
+            self._drop(run, name, exc)
+
+    def _record(self, run: Row, decision: Decision, cooldown: bool, drafted: Drafted, v: Verified, verify_s: float,
+                batch_size: int) -> StepRecord:
+        rec = StepRecord(step=run.state.step, drafter=drafted.drafter, k=decision.k, drafted=drafted.block.k,
+                         accepted=v.accepted, emitted=len(v.new), context_len=run.state.context_len,
+                         draft_s=drafted.seconds, verify_s=verify_s, cooldown=cooldown, batch_size=batch_size)
+        if v.stats is not None:
+            rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = v.stats.t().tolist()
+        run.records.append(rec)
+        run.state.step += 1
+        run.state.last = rec
+        return rec
+
+    def _block_stats(self, block: DraftBlock, logits: torch.Tensor, pq) -> torch.Tensor:
+        """[k, 6] = draft (top1, entropy, margin) + (q(x), p(x), beta), on device. ``pq``: the processed (p, q)
+        verification used when sampling; None when greedy, where the records use temperature-1 distributions."""
+        k = block.k
+        if pq is None:  # greedy: temperature-1 softmax of the target and, for a model draft, of the draft, made once
+            p = probs_from_logits(logits[:k], _T1)
+            if block.logits is None:  # a copy: q is one-hot, nothing [k, V] to build
+                return torch.cat([self._copy_confidence(block), copy_acceptance_stats(p, block.tokens)], dim=-1)
+            q = probs_from_logits(block.logits, _T1)
+            return torch.cat([probs_stats(q), acceptance_stats(p, q, block.tokens)], dim=-1)
+        p, q = pq
+        conf = draft_stats(block.logits) if block.logits is not None else self._copy_confidence(block)
+        return torch.cat([conf, acceptance_stats(p, q, block.tokens)], dim=-1)
+
+    def _copy_confidence(self, block: DraftBlock) -> torch.Tensor:
+        """[k, 3] confidence of a deterministic proposal: the drafter's own, else certain."""
+        if block.confidence is not None:
+            return block.confidence.to(self.device, torch.float32)
+        return torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(block.k, 3)
+
+    def _extend_features(self, run: Row, row: int, m: int) -> None:
+        """Hand the row's feature drafters the target's hidden states of the first m positions of its row in the
+        last pass: the ones that are now committed (the prompt after prefill; the last token and the accepted drafts
+        after a verify)."""
+        if not self.features.layers:
+            return
+        for name in run.state.drafters:
+            d = self.drafters[name]
+            if d.aux_layers:
+                try:
+                    d.extend_features(run.drafts[name], self.features.rows(d.aux_layers, m, row))
+                except Exception as exc:
+                    self._drop(run, name, exc)
+
+    def _drop(self, run: Row, name: str, exc: Exception) -> None:
+        logger.warning("drafter %r raised %r; dropped for this request, decoding continues", name, exc)
+        run.dropped.append(name)
+        run.state.drafters = tuple(d for d in run.state.drafters if d != name)
+
+    def _track_acceptance(self, run: Row, rec: StepRecord) -> None:
+        """Per-drafter acceptance history for policies (the ``accept_ema`` feature, weight fixed by the feature spec);
+        the overall EMA of accepted / drafted drives the cooldown (autoregressive steps)."""
+        if not rec.drafted or rec.drafter is None:
+            return
+        rate = rec.accepted / rec.drafted
+        history = run.state.accept_history
+        history[rec.drafter] = next_accept_history(history.get(rec.drafter), rec.accepted, rec.drafted)
+        a = self.config.cooldown_ema
+        run.ema = rate if run.ema is None else a * rate + (1 - a) * run.ema
+        run.spec_steps += 1
+        floor = self.config.cooldown_floor
+        if floor is not None and run.spec_steps >= self.config.cooldown_min_steps and run.ema < floor:
+            logger.info("moving acceptance %.3f < floor %.3f: autoregressive for %d steps",
+                        run.ema, floor, self.config.cooldown_steps)
+            run.cooldown, run.ema, run.spec_steps = self.config.cooldown_steps, None, 0

@@ -6,24 +6,39 @@ them from configs lives in ``sacpolicy.build``.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from sacpolicy.decoding.compat import with_cache
 from sacpolicy.decoding.sampling import draft_stats, select_token
-from sacpolicy.decoding.types import DraftBlock, Drafter, TeacherForced
+from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, TeacherForced
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
 
 _MAX_BATCHED_FEED = 8  # committed tokens a row may feed its draft in a batched proposal (more: it proposes alone)
 
 
-class ModelDrafter(Drafter):
-    """Any causal LM sharing the target's tokenizer, drafting autoregressively with its own KV cache.
+@dataclass
+class ModelDraftState:
+    """A model drafter's row: its KV cache and how much of the row's context it holds."""
 
-    Cache invariant: after ``accept`` the cache holds exactly the first ``_valid`` committed tokens. A proposal feeds
-    the committed tokens not yet cached (usually the one token the target emitted last), then each drafted token but
-    the last, so after a step the cache holds context + drafts[:-1] and rolling back is one crop.
+    cache: object = None  # the draft's own KV cache (None until the row's first proposal)
+    valid: int = 0  # committed tokens whose KV is cached
+    pending: int = 0  # drafted tokens fed into the cache during the last proposal
+
+
+class ModelDrafter(Drafter):
+    """Any causal LM sharing the target's tokenizer, drafting autoregressively with a KV cache per row.
+
+    Cache invariant: after ``accept`` a row's cache holds exactly its first ``valid`` committed tokens. A proposal
+    feeds the committed tokens not yet cached (usually the one token the target emitted last), then each drafted token
+    but the last, so after a step the cache holds context + drafts[:-1] and rolling back is one crop.
+
+    Rows whose caches are warm draft together, one forward of the draft per drafted token over all of them (their
+    caches stacked into one ragged cache, ``RaggedCache``; a row leaves it, back to its own cache, when its block
+    ends). A row whose cache is empty or far behind its context (the request's first proposal), or a row drafting
+    alone, runs through the draft by itself.
 
     Trimmed vocabulary (EAGLE-3's d2t, FR-Spec): when the model's LM head scores only a subset of the target's
     tokens, ``d2t[i]`` is the target id of draft logit i. Draft logits are scattered into the target's vocabulary with
@@ -47,12 +62,9 @@ class ModelDrafter(Drafter):
                 raise ValueError(f"vocab map must hold distinct target ids in [0, {vocab_size})")
             self.d2t = d2t.to(next(model.parameters()).device)
             self.vocab_size = vocab_size
-        self.reset()
 
-    def reset(self) -> None:
-        self._cache = None
-        self._valid = 0  # committed tokens whose KV is cached
-        self._pending = 0  # drafted tokens fed into the cache during the last proposal
+    def new_state(self) -> ModelDraftState:
+        return ModelDraftState()
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -60,58 +72,58 @@ class ModelDrafter(Drafter):
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
-        if k <= 0:
-            return DraftBlock.empty(context.device)
-        if self._cache is None:
-            self._cache = self._new_cache()
-        if self._pending:  # the previous proposal was never settled: drop its drafts
-            self.accept(0)
-        feed = context[self._valid :]
+    def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:
+        out: list[DraftBlock | None] = [None] * len(rows)
+        together = []
+        for i, row in enumerate(rows):
+            st = row.state
+            if st.pending:  # the previous proposal was never settled: drop its drafts
+                self.accept(st, 0)
+            if row.k <= 0:
+                out[i] = DraftBlock.empty(row.context.device)
+            elif st.cache is None or st.valid == 0 or row.context.shape[0] - st.valid > _MAX_BATCHED_FEED:
+                out[i] = self._propose_alone(row)
+            else:
+                together.append(i)
+        if len(together) == 1:
+            out[together[0]] = self._propose_alone(rows[together[0]])
+        elif together:
+            for i, block in zip(together, self._propose_together([rows[i] for i in together])):
+                out[i] = block
+        return out
+
+    def _propose_alone(self, row: DraftRow) -> DraftBlock:
+        """One row through the draft, with the row's own cache (filled from its context when empty)."""
+        st, context = row.state, row.context
+        if st.cache is None:
+            st.cache = self._new_cache()
+        feed = context[st.valid :]
         tokens, logits = [], []
-        for i in range(k):
-            out = self.model(input_ids=feed.view(1, -1), **with_cache(self.model, self._cache), use_cache=True,
+        for i in range(row.k):
+            out = self.model(input_ids=feed.view(1, -1), **with_cache(self.model, st.cache), use_cache=True,
                              logits_to_keep=1)
             step_logits = self.full_logits(out.logits[0, -1])
-            tok = select_token(step_logits, sampling, generator)
+            tok = select_token(step_logits, row.sampling, row.generator)
             tokens.append(tok)
             logits.append(step_logits)
-            if i + 1 == k or (stop is not None and stop(i, draft_stats(step_logits))):
+            if i + 1 == row.k or (row.stop is not None and row.stop(i, draft_stats(step_logits))):
                 break
             feed = tok.view(1)
-        self._valid = context.shape[0]
-        self._pending = max(len(tokens) - 1, 0)
-        if not tokens:
-            return DraftBlock.empty(context.device)
+        st.valid = context.shape[0]
+        st.pending = max(len(tokens) - 1, 0)
         return DraftBlock(torch.stack(tokens), torch.stack(logits))
 
-    @torch.inference_mode()
-    def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
-        """All rows' blocks with one forward of the draft per drafted token: the rows' caches are stacked into one
-        ragged cache (``RaggedCache``), each row leaves it (back to its own cache) when its block ends. A row whose
-        cache is empty or far behind its context (the request's first proposal) proposes alone first."""
+    def _propose_together(self, rows: list[DraftRow]) -> list[DraftBlock]:
+        """Rows with warm caches, one forward of the draft per drafted token over all of them."""
         from sacpolicy.decoding.ragged import RaggedCache
 
-        out: list[DraftBlock | None] = [None] * len(rows)
-        batched = []
-        for i, (d, c, k) in enumerate(zip(rows, contexts, ks)):
-            if d._pending:  # the previous proposal was never settled: drop its drafts
-                d.accept(0)
-            if k <= 0:
-                out[i] = DraftBlock.empty(c.device)
-            elif d._cache is None or d._valid == 0 or c.shape[0] - d._valid > _MAX_BATCHED_FEED or len(rows) == 1:
-                out[i] = d.propose(c, k, samplings[i], generators[i], stops[i])
-            else:
-                batched.append(i)
-        if not batched:
-            return out
-        device, dtype = contexts[batched[0]].device, next(self.model.parameters()).dtype
-        feeds = [contexts[i][rows[i]._valid :] for i in batched]
-        cache = RaggedCache.stack([rows[i]._cache for i in batched], [rows[i]._valid for i in batched], device,
+        device, dtype = rows[0].context.device, next(self.model.parameters()).dtype
+        feeds = [row.context[row.state.valid :] for row in rows]
+        cache = RaggedCache.stack([row.state.cache for row in rows], [row.state.valid for row in rows], device,
                                   self.model.config)
-        live = list(batched)  # rows still drafting, in cache order
-        tokens: dict[int, list] = {i: [] for i in batched}
-        logits: dict[int, list] = {i: [] for i in batched}
+        live = list(range(len(rows)))  # rows still drafting, in cache order
+        tokens: list[list] = [[] for _ in rows]
+        logits: list[list] = [[] for _ in rows]
         T = max(f.shape[0] for f in feeds)
         ids = torch.stack([torch.cat([f, f[-1:].expand(T - f.shape[0])]) for f in feeds])
         last = [f.shape[0] - 1 for f in feeds]
@@ -121,27 +133,26 @@ class ModelDrafter(Drafter):
             cache.commit([j + 1 for j in last], T)  # row r fed last[r] + 1 tokens
             done, nxt = [], []
             for r, i in enumerate(live):
+                row = rows[i]
                 step_logits = self.full_logits(step[r, last[r]])
-                tok = select_token(step_logits, samplings[i], generators[i])
+                tok = select_token(step_logits, row.sampling, row.generator)
                 tokens[i].append(tok)
                 logits[i].append(step_logits)
                 n = len(tokens[i])
-                if n == ks[i] or (stops[i] is not None and stops[i](n - 1, draft_stats(step_logits))):
+                if n == row.k or (row.stop is not None and row.stop(n - 1, draft_stats(step_logits))):
                     done.append(r)
                 else:
                     nxt.append(tok)
             for r in done:  # the row's cache now holds its context and its drafts but the last
-                d = rows[live[r]]
-                d._cache, d._valid = cache.row_cache(r, self.model.config), contexts[live[r]].shape[0]
-                d._pending = len(tokens[live[r]]) - 1
+                st = rows[live[r]].state
+                st.cache, st.valid = cache.row_cache(r, self.model.config), rows[live[r]].context.shape[0]
+                st.pending = len(tokens[live[r]]) - 1
             keep = [r for r in range(len(live)) if r not in done]
             live = [live[r] for r in keep]
             if live:
                 cache.select(keep)
                 ids, T, last = torch.stack(nxt).view(-1, 1), 1, [0] * len(live)
-        for i in batched:
-            out[i] = DraftBlock(torch.stack(tokens[i]), torch.stack(logits[i]))
-        return out
+        return [DraftBlock(torch.stack(t), torch.stack(lg)) for t, lg in zip(tokens, logits)]
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., head] -> [..., vocab_size] over the target's ids (-inf where a trimmed draft has no
@@ -158,12 +169,12 @@ class ModelDrafter(Drafter):
         logits = self.full_logits(self.model(input_ids=ids.view(1, -1), logits_to_keep=G + 1).logits[0, :-1].float())
         return TeacherForced(logits.argmax(-1, keepdim=True), chained=False, logits=logits)
 
-    def accept(self, n_accepted: int) -> None:
-        keep = min(n_accepted, self._pending)
-        if self._cache is not None and self._pending > keep:
-            self._cache.crop(-(self._pending - keep))
-        self._valid += keep
-        self._pending = 0
+    def accept(self, state: ModelDraftState, n_accepted: int) -> None:
+        keep = min(n_accepted, state.pending)
+        if state.cache is not None and state.pending > keep:
+            state.cache.crop(-(state.pending - keep))
+        state.valid += keep
+        state.pending = 0
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -212,6 +223,13 @@ class LayerSkipDrafter(ModelDrafter):
         self.num_layers = num_layers
 
 
+@dataclass
+class NgramState:
+    """An n-gram drafter's row: the match of its last ``peek``, reused by the proposal that follows."""
+
+    peeked: tuple | None = None  # (context length, match or None)
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup decoding: find the most recent earlier occurrence of the context's last n tokens (longest n
     first, ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
@@ -227,38 +245,41 @@ class NgramDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
-        self._peeked = None  # (context length, match) of the last peek, reused by the proposal that follows
 
-    def reset(self) -> None:
-        self._peeked = None
+    def new_state(self) -> NgramState:
+        return NgramState()
 
     def _match(self, context) -> tuple[int, int] | None:
         return ngram_match(context.cpu().numpy(), self.max_ngram, self.min_ngram)
 
-    def peek(self, context) -> tuple[float, float, float] | None:
+    def peek(self, state: NgramState | None, context) -> tuple[float, float, float] | None:
         """The confidence of the proposal ``propose`` would make now, None when it would propose nothing: a lookup
         as cheap as the proposal, so a policy may choose between drafting and not before it drafts."""
         m = self._match(context)
-        self._peeked = (context.shape[0], m)
+        if state is not None:
+            state.peeked = (context.shape[0], m)
         return None if m is None else ngram_confidence(m[1], self.max_ngram)
 
     @torch.inference_mode()
-    def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
-        peeked, self._peeked = self._peeked, None
+    def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:
+        return [self._propose(row) for row in rows]
+
+    def _propose(self, row: DraftRow) -> DraftBlock:
+        context, st = row.context, row.state
+        peeked = st.peeked if st is not None else None
+        if st is not None:
+            st.peeked = None
         m = peeked[1] if peeked is not None and peeked[0] == context.shape[0] else self._match(context)
-        if m is None:
+        if m is None or row.k <= 0:
             return DraftBlock.empty(context.device)
         start, n = m
-        tokens = context[start : start + k].clone()
+        tokens = context[start : start + row.k].clone()
         stats = torch.tensor(ngram_confidence(n, self.max_ngram))
         for i in range(tokens.shape[0] - 1):
-            if stop is not None and stop(i, stats):
+            if row.stop is not None and row.stop(i, stats):
                 tokens = tokens[: i + 1]
                 break
         return DraftBlock(tokens, None, stats.to(context.device).expand(tokens.shape[0], 3))
-
-    def accept(self, n_accepted: int) -> None:
-        pass
 
 
 def trim_lm_head(model: nn.Module, d2t: torch.Tensor) -> nn.Module:

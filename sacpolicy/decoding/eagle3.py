@@ -4,28 +4,31 @@ The head reads the target's own hidden states. Symbols: H hidden size, A = len(a
 vocabulary (a trimmed subset of the target's V tokens), t a position of the committed sequence x_0 .. x_{n-1}.
 
 - ``fc`` [A -> H] projects the target's aux hidden states at position t (the inputs of decoder layers
-  ``aux_layer_ids``, HF ``output_hidden_states[i]``, as vLLM collects them) to one feature h_t.
+  ``aux_layer_ids``, HF ``output_hidden_states[i]``, as vLLM collects them, concatenated in that order) to one
+  feature h_t; with ``norm_before_fc`` one RMSNorm (``input_norm``) over all A first, with ``fc_norm`` one per aux
+  state (``fc_norm.{i}``).
 - One Llama decoder layer (``layers.0``) reads the pair (h_t, x_{t+1}): q/k/v take
-  [input_layernorm(embed(x_{t+1})) ; hidden_norm(h_t)] (2H), the residual is h_t itself (pre-norm), MLP as Llama.
+  [input_layernorm(embed(x_{t+1})) ; hidden_norm(h_t)] (2H), the residual is h_t itself (pre-norm; with
+  ``norm_before_residual`` hidden_norm(h_t)), MLP as Llama; ``qk_norm``: per-head RMSNorms on q and k (Qwen3's layer).
 - ``norm`` + ``lm_head`` [H -> Vd] give the logits of x_{t+2}; ``d2t`` maps a draft id to a target id as an OFFSET
   (target = draft + d2t[draft], the speculators / SpecForge / SGLang convention), ``t2d`` [V] bool marks the draft
   vocabulary among the target's ids.
-- Chain drafting: step j > 0 reads (the layer's own pre-norm output of step j - 1, the token drafted at step j - 1).
+- Chain drafting: step j > 0 reads (the layer's own pre-norm output of step j - 1, or with ``norm_output`` its normed
+  output, the token drafted at step j - 1).
   Positions follow vLLM: the pair (h_t, x_{t+1}) sits at position t, chain step j at t + j (RoPE only sees position
   differences, so speculators' training offset of +1 changes nothing).
-- Token embeddings are the target's, frozen and shared (never saved with the head).
+- Token embeddings are the target's, frozen and shared (never saved with the head; a published head that carries its
+  own is loaded with it, as vLLM does).
 
 Parameter names are those of a speculators ``Eagle3DraftModel`` checkpoint (``fc.weight``, ``layers.0.*``,
 ``norm.weight``, ``lm_head.weight``, buffers ``d2t``, ``t2d``). Our checkpoint directory: ``model.safetensors`` (those
-tensors), ``config.json`` (``Eagle3Config``), ``provenance.json`` (how it was trained).
+tensors), ``config.json`` (``Eagle3Config``), ``provenance.json`` (how it was trained). ``load_head`` also reads
+speculators', SpecForge / SGLang's and the EAGLE authors' checkpoints (``sacpolicy.decoding.eagle3_formats``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,14 +41,13 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE = "config.json", "model.safetensors", "provenance.json"
+# WEIGHTS_FILE and vocab_hash: re-exported, part of this module's API
+from sacpolicy.decoding.eagle3_formats import CONFIG_FILE, check_target, read_head_dir
+from sacpolicy.decoding.eagle3_formats import WEIGHTS_FILE as WEIGHTS_FILE
+from sacpolicy.decoding.eagle3_formats import vocab_hash as vocab_hash
+
+PROVENANCE_FILE = "provenance.json"
 HEAD_FORMAT = 1
-
-
-def vocab_hash(tokenizer) -> str:
-    """A short fingerprint of a tokenizer's id -> token table: a head only drafts for targets that agree on it."""
-    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -68,6 +70,11 @@ class Eagle3Config:
     vocab_hash: str = ""  # vocab_hash(target tokenizer)
     rope_scaling: dict | None = None  # the target's rope_parameters minus rope_theta, when not "default"
     hidden_act: str = "silu"
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(h), not h (speculators' training default)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc (``input_norm``)
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (``fc_norm.{i}``)
+    norm_output: bool = False  # the chain feeds back norm(h), and lm_head reads it as it is (speculators' Eagle 3.1)
+    qk_norm: bool = False  # per-head RMSNorms on q and k before RoPE (a Qwen3 decoder layer)
     format: int = HEAD_FORMAT
 
     @classmethod
@@ -154,6 +161,9 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
         self.v_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.heads * D, H, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = LlamaRMSNorm(D, eps=cfg.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(D, eps=cfg.rms_norm_eps)
 
 
 class Eagle3Layer(nn.Module):
@@ -167,14 +177,17 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm_before_residual, self.qk_norm = cfg.norm_before_residual, cfg.qk_norm
 
     def qkv(self, emb, hidden, cos, sin):
         """emb, hidden [B, Q, H]; cos, sin [B, Q, D] -> q [B, Hq, Q, D], k and v [B, Hkv, Q, D] (RoPE applied)."""
         a = self.self_attn
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         B, Q, _ = x.shape
-        q = a.q_proj(x).view(B, Q, a.heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
+        q, k = a.q_proj(x).view(B, Q, a.heads, a.head_dim), a.k_proj(x).view(B, Q, a.kv_heads, a.head_dim)
+        if self.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = a.v_proj(x).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
@@ -187,8 +200,9 @@ class Eagle3Layer(nn.Module):
 
     def after_attention(self, out, hidden):
         """Attention outputs [B, Hq, Q, D] -> the layer's outputs [B, Q, H]: output projection, the residual (the
-        un-normed hidden part) and the MLP, all per entry."""
-        h = hidden + self.self_attn.o_proj(out.transpose(1, 2).flatten(2))
+        un-normed hidden part, or the normed one with ``norm_before_residual``) and the MLP, all per entry."""
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = residual + self.self_attn.o_proj(out.transpose(1, 2).flatten(2))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -210,7 +224,13 @@ class Eagle3Head(nn.Module):
     def __init__(self, config: Eagle3Config, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = cfg = config
-        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        A = len(cfg.aux_layer_ids) * cfg.hidden_size
+        self.fc = nn.Linear(A, cfg.hidden_size, bias=False)
+        if cfg.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(A, eps=cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+                                         for _ in cfg.aux_layer_ids)
         self.layers = nn.ModuleList([Eagle3Layer(cfg)])
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -245,20 +265,34 @@ class Eagle3Head(nn.Module):
         with torch.no_grad():  # frozen: no gradient reaches the target's embedding
             return self._embed[0](ids).to(self.fc.weight.dtype)
 
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [..., A] -> features h [..., H] (fc, after the input norms the head has)."""
+        x = aux.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            x = self.input_norm(x)
+        if self.config.fc_norm:
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(x)
+
+    def chain(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's outputs -> what the next chain step reads (and ``logits`` takes): norm(out) with
+        ``norm_output``, else out itself."""
+        return self.norm(out) if self.config.norm_output else out
+
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., Vd] -> [..., V] over the target's ids, -inf outside the draft vocabulary (q(x) = 0)."""
         full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_ids, logits)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache, logits_to_keep: int = 0):
-        """Inference over one row's m new entries after its cached ones: hidden [1, m, H] (fc'd target features or the
-        head's own outputs), input_ids [1, m] -> (pre-norm outputs [1, m, H], draft logits [1, m', Vd]) of the last
-        m' = ``logits_to_keep`` entries (0: all m)."""
+        """Inference over one row's m new entries after its cached ones: hidden [1, m, H] (projected target features or
+        the head's own outputs), input_ids [1, m] -> (outputs [1, m, H] as ``chain`` feeds them back, draft logits
+        [1, m', Vd]) of the last m' = ``logits_to_keep`` entries (0: all m)."""
         out = self.layer_step(hidden, input_ids, cache)
         return out, self.logits(out[:, -logits_to_keep:])
 
     def layer_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """``forward`` without the draft logits, for one row: the pre-norm outputs [1, m, H], the entries cached."""
+        """``forward`` without the draft logits, for one row: the outputs [1, m, H], the entries cached."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"layer_step steps one row, got {input_ids.shape[0]}; rows with caches of their own step "
                              "together through layer_step_rows")
@@ -269,8 +303,8 @@ class Eagle3Head(nn.Module):
         """The layer's cached step for rows with caches of their own: row r's ``counts[r]`` new entries follow its
         cache, and the rows' entries lie one after another in hidden [1, M, H] and input_ids [1, M] (M = sum of
         counts). The projections and the MLP run once over all M entries (one read of the layer's weights for every
-        row, which is most of a one-token step); the attention runs per row over its own cache. -> pre-norm outputs
-        [1, M, H]."""
+        row, which is most of a one-token step); the attention runs per row over its own cache. -> outputs
+        [1, M, H] (``chain``: pre-norm, or normed with ``norm_output``)."""
         layer = self.layers[0]
         pos = torch.cat([torch.arange(c.length, c.length + m, device=input_ids.device) for c, m in zip(caches, counts)])
         cos, sin = self.rotary_emb(hidden, pos.view(1, -1))
@@ -285,11 +319,11 @@ class Eagle3Head(nn.Module):
             outs.append(F.scaled_dot_product_attention(q[:, :, s : s + m], keys, values, attn_mask=mask,
                                                        enable_gqa=True))
             s += m
-        return layer.after_attention(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), hidden)
+        return self.chain(layer.after_attention(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), hidden))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Pre-norm outputs [..., H] -> draft logits [..., Vd]."""
-        return self.lm_head(self.norm(out))
+        """Outputs [..., H] (as ``chain`` gives them) -> draft logits [..., Vd]."""
+        return self.lm_head(out if self.config.norm_output else self.norm(out))
 
     def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int,
                     attention_mask: torch.Tensor | None = None, greedy: bool = False) -> list[torch.Tensor]:
@@ -304,15 +338,15 @@ class Eagle3Head(nn.Module):
         B, T = input_ids.shape
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         pos = (valid.long().cumsum(-1) - 1).clamp_min(0)  # [B, T]
-        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        hidden = self.project(aux)
         ids, keys, values, out_logits = input_ids, [], [], []
         for j in range(steps):
             cos, sin = self.rotary_emb(hidden, pos + j)
             q, k, v = layer.qkv(self.embed(ids), hidden, cos, sin)
             keys.append(k)
             values.append(v)
-            hidden = layer.finish(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(valid, j), hidden)
-            logits = self.lm_head(self.norm(hidden))
+            hidden = self.chain(layer.finish(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(valid, j), hidden))
+            logits = self.logits(hidden)
             out_logits.append(logits)
             if greedy:
                 ids = self.draft_ids[logits.argmax(-1)]
@@ -322,40 +356,32 @@ class Eagle3Head(nn.Module):
 
 
 # ---------------------------------------------------------------------- checkpoint
-def load_head(path, embed_tokens: nn.Embedding, device=None, dtype=None) -> Eagle3Head:
-    """Our checkpoint directory -> an ``Eagle3Head`` (in eval mode) sharing the given target embedding."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not an EAGLE-3 head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
-                                "train one with sacpolicy.training.eagle3.train_eagle3")
-    config = Eagle3Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+def load_head(path, embed_tokens: nn.Embedding | None = None, device=None, dtype=None, target=None) -> Eagle3Head:
+    """A head directory in any format ``read_head_dir`` reads (ours, speculators', SpecForge / SGLang's, the EAGLE
+    authors') -> an ``Eagle3Head`` in eval mode. With ``target`` (a ``LoadedModel``) a head for another target is
+    refused before any tensor is loaded (``check_target``), a format without aux layer ids gets the target's default,
+    and ``embed_tokens`` defaults to the target's. A file's own token embedding is used unless it equals that."""
+    ckpt = read_head_dir(path, None if target is None else target.model.config)
+    try:
+        config = Eagle3Config.from_dict(ckpt.config)
+    except TypeError as e:  # a required field missing from our own config.json
+        raise ValueError(f"{ckpt.path / CONFIG_FILE} is no complete EAGLE-3 head config ({e}); retrain the head or "
+                         "load it with the sacpolicy that wrote it") from None
+    if target is not None:
+        check_target(config, target, where=ckpt.where())
+        embed_tokens = target.model.get_input_embeddings() if embed_tokens is None else embed_tokens
+    if embed_tokens is None and ckpt.embed is None:
+        raise ValueError(f"{ckpt.where()} carries no token embedding: pass the target's (embed_tokens= or target=)")
+    weight = ckpt.embed if embed_tokens is None else embed_tokens.weight
+    device, dtype = device or weight.device, dtype or weight.dtype
+    if ckpt.embed is not None and not (embed_tokens is not None and ckpt.embed.shape == weight.shape
+                                       and torch.equal(ckpt.embed.to(weight), weight)):
+        embed_tokens = nn.Embedding.from_pretrained(ckpt.embed.to(device=device, dtype=dtype), freeze=True)
     head = Eagle3Head(config, embed_tokens)
-    state = load_file(str(path / WEIGHTS_FILE))
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(ckpt.tensors, strict=False)
+    except RuntimeError as e:  # a tensor of another shape than the config gives
+        raise ValueError(f"{ckpt.weights_file} does not match its config {ckpt.path / CONFIG_FILE}: {e}") from None
     if missing or unexpected:
-        raise ValueError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected "
-                         f"{unexpected}")
-    weight = embed_tokens.weight
-    return head.to(device=device or weight.device, dtype=dtype or weight.dtype).eval()
-
-
-def check_target(config: Eagle3Config, target, where: str = "this head") -> None:
-    """Raise ValueError naming every mismatch between a head's config and ``target`` (a ``LoadedModel``)."""
-    tcfg = target.model.config
-    problems = []
-    if config.verifier and config.verifier != target.spec:
-        problems.append(f"verifier: trained for {config.verifier!r}, the target is {target.spec!r}")
-    if config.hidden_size != tcfg.hidden_size:
-        problems.append(f"hidden size: head {config.hidden_size}, target {tcfg.hidden_size}")
-    if config.target_num_layers != tcfg.num_hidden_layers:
-        problems.append(f"decoder layers: head trained on {config.target_num_layers}, target has "
-                        f"{tcfg.num_hidden_layers}")
-    if config.target_vocab_size != tcfg.vocab_size:
-        problems.append(f"vocabulary size: head {config.target_vocab_size}, target {tcfg.vocab_size}")
-    if config.vocab_hash and config.vocab_hash != vocab_hash(target.tokenizer):
-        problems.append(f"vocabulary hash: head {config.vocab_hash}, target {vocab_hash(target.tokenizer)}")
-    if problems:
-        raise ValueError(f"{where} belongs to another target:\n  - " + "\n  - ".join(problems)
-                         + "\nFix: load the target it was trained for, or train a head for this target.")
+        raise ValueError(ckpt.tensor_problem(missing, unexpected))
+    return head.to(device=device, dtype=dtype).eval()

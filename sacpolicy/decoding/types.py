@@ -1,9 +1,12 @@
 """The decoder's vocabulary: plain data and the two protocols (``Drafter``, ``Policy``). A leaf module: it imports
-nothing from sacpolicy but the sampling math, and every other layer (policies, traces, training, export) imports it, never the reverse.
+nothing from sacpolicy but the sampling math, and every other layer (policies, traces, training, export) imports
+it, never the reverse.
 
 A policy sees three things, all plain data:
-- ``RequestInfo`` once per request (prompt length, category, load signal, drafters on offer);
-- ``DecodeState`` before each step, to return a ``Decision`` (drafter name or None, and k);
+- ``RequestInfo`` once per request (prompt length, category, load signal, drafters on offer), to start its memory
+  of the request;
+- ``DecodeState`` of every row before each step (``PolicyRow``: the state and that memory), to return a
+  ``Decision`` per row (drafter name or None, and k);
 - the drafted tokens' confidence (``DraftToken``) as they are drafted, if it wants to stop early
   (``needs_token_feedback``; costs one host sync per drafted token on GPUs), and the finished ``StepRecord``.
 New inputs go into these dataclasses, never into new method parameters.
@@ -11,7 +14,6 @@ New inputs go into these dataclasses, never into new method parameters.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -19,8 +21,8 @@ import torch
 
 from sacpolicy.decoding.sampling import SamplingConfig
 
-__all__ = ["Autoregressive", "DecodeState", "Decision", "DraftBlock", "DraftToken", "Drafter", "GenerationResult", "Policy", "RequestInfo",
-           "StepRecord", "StopFn", "TeacherForced"]
+__all__ = ["Autoregressive", "DecodeState", "Decision", "DraftBlock", "DraftRow", "DraftToken", "Drafter",
+           "GenerationResult", "Policy", "PolicyRow", "RequestInfo", "StepRecord", "StopFn", "TeacherForced"]
 
 
 # ---------------------------------------------------------------------- requests, state, decisions
@@ -209,75 +211,74 @@ class TeacherForced:
     confidence: torch.Tensor | None = None
 
 
+@dataclass
+class DraftRow:
+    """One row of a ``Drafter.propose`` call: what to draft after which context, with the row's own state."""
+
+    state: object  # the drafter's state for this row's request (``Drafter.new_state``), owned by the decoder
+    context: torch.Tensor  # [n] committed tokens (prompt + output so far)
+    k: int  # at most this many tokens
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generator: torch.Generator | None = None
+    stop: StopFn | None = None  # called after each drafted token; True ends the block there
+
+
 class Drafter:
-    """The drafter protocol, with the defaults of the optional parts. A drafter proposes up to k tokens after a
-    committed context, owns whatever state it keeps between steps (a KV cache, nothing at all) and is told, after
-    verification, how many of its tokens the target accepted, so it can roll that state back exactly.
+    """The drafter protocol, with the defaults of the optional parts. A drafter holds what its rows share (weights, a
+    model); what one request needs between steps (a KV cache, nothing at all) lives in a state object it makes with
+    ``new_state`` and the decoder keeps for the row, handing it back in every call. After verification the drafter is
+    told how many of the row's tokens the target accepted (``accept``), so it can roll that state back exactly.
+
+    ``propose`` takes the rows of a batch together, one row being a list of one: model drafters run their rows
+    through one forward per drafted token; others may propose row after row.
 
     Feature drafters (EAGLE-3 heads) read the target's hidden states: they list the target layers they need in
     ``aux_layers`` (HF ``output_hidden_states`` indices: the input of decoder layer i), and after every target pass
-    the decoder hands them those states for the newly committed positions (``extend_features``). Token-level
-    drafters keep ``aux_layers = ()`` and never see a hidden state.
+    the decoder hands each row's state those states for the newly committed positions (``extend_features``).
+    Token-level drafters keep ``aux_layers = ()`` and never see a hidden state.
     """
 
     name: str
     vocab_size: int | None = None  # logits width; None for drafters without a distribution (n-gram)
     aux_layers: tuple[int, ...] = ()
+    peekable: bool = False  # ``peek`` tells what ``propose`` would make, as cheaply as proposing it
 
-    def reset(self) -> None:
-        """Forget all per-request state; called before each request."""
-
-    def fork(self) -> Drafter:
-        """A drafter for another row of a batch: shares weights and models, has its own per-request state. The
-        default (a shallow copy, then ``reset``) is right for drafters whose ``reset`` re-creates all of that state."""
-        clone = copy.copy(self)
-        clone.reset()
-        return clone
-
-    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None = None,
-                stop: StopFn | None = None) -> DraftBlock:
-        """context [n]: committed tokens (prompt + output so far). Return at most k tokens."""
-        raise NotImplementedError
-
-    def propose_batch(self, rows: list[Drafter], contexts: list[torch.Tensor], ks: list[int],
-                      samplings: list[SamplingConfig], generators: list, stops: list) -> list[DraftBlock]:
-        """Blocks for several rows of a batch at once: row i is ``rows[i].propose(contexts[i], ks[i], samplings[i],
-        generators[i], stops[i])`` (``rows``: this drafter's forks). The default proposes row after row; model
-        drafters run all rows through one forward per drafted token."""
-        return [d.propose(c, k, s, g, st) for d, c, k, s, g, st in zip(rows, contexts, ks, samplings, generators, stops)]
-
-    def accept(self, n_accepted: int) -> None:
-        """The target accepted the first n_accepted tokens of the last proposal."""
-
-    def peek(self, context: torch.Tensor) -> tuple[float, float, float] | None:
-        """For drafters whose proposal is a cheap lookup (n-gram): the confidence (top-1, entropy, margin) of the
-        proposal ``propose`` would make now, or None when it would propose nothing. ``peekable`` says whether a
-        drafter implements it."""
+    def new_state(self) -> object:
+        """The state of one request's row (a new request gets a new one). The default, None: nothing kept."""
         return None
 
-    peekable: bool = False
+    def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:
+        """One block per row, at most ``row.k`` tokens each."""
+        raise NotImplementedError
 
-    def extend_features(self, aux: torch.Tensor) -> None:
-        """Feature drafters: ``aux`` [m, len(aux_layers) * H], the target's hidden states at the next m committed
-        positions (in order; position t's row is read with token t + 1). After every target pass the drafter holds
-        rows for every committed position but the last."""
+    def accept(self, state, n_accepted: int) -> None:
+        """The target accepted the first n_accepted tokens of the row's last proposal."""
+
+    def peek(self, state, context: torch.Tensor) -> tuple[float, float, float] | None:
+        """For drafters whose proposal is a cheap lookup (``peekable``, the n-gram): the confidence (top-1, entropy,
+        margin) of the proposal ``propose`` would make now, or None when it would propose nothing."""
+        return None
+
+    def extend_features(self, state, aux: torch.Tensor) -> None:
+        """Feature drafters: ``aux`` [m, len(aux_layers) * H], the target's hidden states at the row's next m
+        committed positions (in order; position t's row is read with token t + 1). After every target pass the row's
+        state holds rows for every committed position but the last."""
 
     def teacher_force(self, ids: torch.Tensor, start: int, k_max: int,
                       aux: torch.Tensor | None = None) -> TeacherForced:
         """Proposals at every position ``start .. len(ids) - 1`` given the true prefix (see ``TeacherForced``);
         ``aux`` [len(ids), A]: the target's hidden states at ``aux_layers`` for feature drafters. The default asks
-        ``propose`` position by position (chained blocks)."""
+        ``propose`` position by position, each on a new state (chained blocks)."""
         rows = []
         for g in range(start, ids.shape[0]):
-            self.reset()
+            state = self.new_state()
             if aux is not None and self.aux_layers:
-                self.extend_features(aux[: g - 1])
-            block = self.propose(ids[:g], k_max, SamplingConfig(), None)
+                self.extend_features(state, aux[: g - 1])
+            block = self.propose([DraftRow(state, ids[:g], k_max)])[0]
             row = torch.full((k_max,), -1, dtype=torch.long, device=ids.device)
             row[: block.k] = block.tokens
             conf = block.confidence[0] if block.confidence is not None and block.k else None
             rows.append((row, block.k, conf))
-        self.reset()
         tokens = torch.stack([r[0] for r in rows]) if rows else torch.empty(0, k_max, dtype=torch.long)
         conf = torch.tensor([[0.0, 0.0, 0.0] if n == 0 else ([1.0, 0.0, 1.0] if c is None else c.tolist())
                              for _, n, c in rows]).view(-1, 3)
@@ -285,9 +286,20 @@ class Drafter:
 
 
 # ---------------------------------------------------------------------- policies
+@dataclass
+class PolicyRow:
+    """One row of a ``Policy.decide`` call: the decoder's state of the row's request and the policy's own memory of
+    it (``Policy.start``), which the decoder keeps for the row and hands back with every call."""
+
+    state: DecodeState
+    memory: object = None
+
+
 class Policy:
     """The policy protocol, with no-op defaults; subclasses override ``decide`` and whatever else they use. A policy
-    never touches models or caches. ``None`` as the decoder's policy means autoregressive decoding."""
+    never touches models or caches. What it remembers of one request lives in the memory ``start`` returns (the
+    decoder keeps it per row); what it learns across requests lives on the policy itself. ``None`` as the decoder's
+    policy means autoregressive decoding."""
 
     name: str = "policy"
     needs_token_feedback: bool = False
@@ -296,29 +308,21 @@ class Policy:
     def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
         """Fail before decoding if this policy cannot run with these drafters and this k limit."""
 
-    def reset(self, request: RequestInfo) -> None:
-        """A new request starts."""
+    def start(self, request: RequestInfo) -> object:
+        """A request starts: the policy's memory of it (None: nothing to remember)."""
+        return None
 
-    def decide(self, state: DecodeState) -> Decision:
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
+        """A decision per row of the batch (one request: a list of one). A policy that plans for the whole batch
+        (the learned rule: the batch's tokens/s at its live size) reads all rows at once."""
         raise NotImplementedError
 
-    def fork(self) -> Policy:
-        """This policy for one row of a batch (``reset`` per request follows). The default shallow copy shares
-        fitted models and configuration; per-request state is re-created by ``reset`` and ``decide``."""
-        return copy.copy(self)
-
-    def decide_batch(self, policies: list[Policy], states: list[DecodeState]) -> list[Decision]:
-        """Decisions for the rows of a batch, row i by ``policies[i]`` (this policy's forks) on ``states[i]``. The
-        default decides row by row; a policy that plans for the whole batch (the learned rule: tokens/s of the batch
-        at its live size) overrides it. With one row it must equal ``decide``."""
-        return [p.decide(s) for p, s in zip(policies, states)]
-
-    def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
+    def should_stop(self, row: PolicyRow, token: DraftToken) -> bool:
         """Called after each drafted token when ``needs_token_feedback``; True ends the block after this token."""
         return False
 
-    def observe(self, record: StepRecord) -> None:
-        """The outcome of the step just taken."""
+    def observe(self, row: PolicyRow, record: StepRecord) -> None:
+        """The outcome of the step the row just took."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
@@ -329,5 +333,5 @@ class Autoregressive(Policy):
 
     name = "ar"
 
-    def decide(self, state: DecodeState) -> Decision:
-        return Decision.autoregressive()
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
+        return [Decision.autoregressive()] * len(rows)

@@ -56,7 +56,8 @@ def headline_predictor(metrics: dict) -> str | None:
 
 @dataclass
 class EvalSettings:
-    """The ``eval`` section of ``conf/train.yaml`` (its one home: the values and their comments are there)."""
+    """The ``eval`` section of ``conf/train.yaml``: the fields without a default are set there, with their comments;
+    ``k_max`` is the pipeline's ``fit.k_max`` (``pipeline.context.eval_settings``)."""
 
     ks: tuple[int, ...]
     k_max: int
@@ -73,48 +74,34 @@ class EvalSettings:
 
 
 class Timed(Policy):
-    """Forwards to a policy and adds up the seconds spent in it (the policy's own overhead); the forks a batched
-    decoder makes for its rows add to the same total."""
+    """Forwards to a policy and adds up the seconds spent in it (the policy's own overhead), every row's calls in
+    one total."""
 
-    def __init__(self, inner: Policy, _clock: list[float] | None = None):
+    def __init__(self, inner: Policy):
         self.inner, self.name = inner, inner.name
         self.needs_token_feedback, self.uses_peeks = inner.needs_token_feedback, inner.uses_peeks
-        self._clock = [0.0] if _clock is None else _clock
-
-    @property
-    def seconds(self) -> float:
-        return self._clock[0]
-
-    @seconds.setter
-    def seconds(self, value: float) -> None:
-        self._clock[0] = value
+        self.seconds = 0.0
 
     def _call(self, fn, *args):
         t0 = time.perf_counter()
         out = fn(*args)
-        self._clock[0] += time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t0
         return out
-
-    def fork(self) -> Timed:
-        return Timed(self.inner.fork(), self._clock)
-
-    def decide_batch(self, policies, states):
-        return self._call(self.inner.decide_batch, [p.inner for p in policies], states)
 
     def validate(self, drafters, k_max):
         self.inner.validate(drafters, k_max)
 
-    def reset(self, request):
-        self._call(self.inner.reset, request)
+    def start(self, request):
+        return self._call(self.inner.start, request)
 
-    def decide(self, state):
-        return self._call(self.inner.decide, state)
+    def decide(self, rows):
+        return self._call(self.inner.decide, rows)
 
-    def should_stop(self, state, token):
-        return self._call(self.inner.should_stop, state, token)
+    def should_stop(self, row, token):
+        return self._call(self.inner.should_stop, row, token)
 
-    def observe(self, record):
-        self._call(self.inner.observe, record)
+    def observe(self, row, record):
+        self._call(self.inner.observe, row, record)
 
     def __repr__(self) -> str:
         return repr(self.inner)

@@ -15,6 +15,7 @@ input of layer i + 1, so ours minus one). Neither file holds the token embedding
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -38,7 +39,25 @@ def _read_head(head_dir) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     if not (head_dir / CONFIG_FILE).is_file() or not (head_dir / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{head_dir} is not an EAGLE-3 head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
     config = Eagle3Config.from_dict(json.loads((head_dir / CONFIG_FILE).read_text()))
-    return config, load_file(str(head_dir / WEIGHTS_FILE))
+    return _in_layer_order(config, load_file(str(head_dir / WEIGHTS_FILE)))
+
+
+def _in_layer_order(config: Eagle3Config, tensors: dict) -> tuple[Eagle3Config, dict]:
+    """The head with its aux layers in increasing order, the order vLLM and SGLang concatenate them in (they capture
+    layer by layer, whatever order the config lists): fc's column blocks and the per-aux norms permuted to match."""
+    ids = list(config.aux_layer_ids)
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if order == list(range(len(ids))):
+        return config, tensors
+    tensors = dict(tensors)
+    for name in ("fc.weight", "input_norm.weight"):
+        if name in tensors:
+            blocks = tensors[name].chunk(len(ids), dim=-1)
+            tensors[name] = torch.cat([blocks[i] for i in order], dim=-1)
+    if config.fc_norm:
+        old = {i: tensors[f"fc_norm.{i}.weight"] for i in range(len(ids))}
+        tensors.update({f"fc_norm.{j}.weight": old[i] for j, i in enumerate(order)})
+    return dataclasses.replace(config, aux_layer_ids=sorted(ids)), tensors
 
 
 def _legacy_rope(config: Eagle3Config) -> dict:
@@ -75,9 +94,12 @@ def _verifier_architectures(verifier_path: str) -> list[str]:
 def speculators_config(config: Eagle3Config, verifier_path: str, num_speculative_tokens: int,
                        dtype: torch.dtype = torch.float32) -> dict:
     """The config.json of speculators' ``Eagle3SpeculatorConfig`` (every field written explicitly: vLLM defaults a
-    missing ``norm_before_residual`` to True, which is not this head)."""
+    missing ``norm_before_residual`` to True, speculators to False)."""
     if num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    if config.qk_norm:
+        raise ValueError("this head runs a Qwen3 decoder layer (qk_norm); the speculators export writes Llama layers "
+                         "only: serve the head from the directory it was published in")
     layer = config.layer_config().to_diff_dict()
     layer.update(_legacy_rope(config))
     layer.update({"architectures": ["LlamaForCausalLM"], "dtype": str(dtype).removeprefix("torch.")})
@@ -96,10 +118,10 @@ def speculators_config(config: Eagle3Config, verifier_path: str, num_speculative
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": None,  # the head's hidden size is the target's
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-        "norm_before_residual": False,  # residual = the un-normed hidden part
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,  # the chain feeds back the pre-norm hidden state
+        "norm_before_residual": config.norm_before_residual,  # False: residual = the un-normed hidden part
+        "norm_before_fc": config.norm_before_fc,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,  # False: the chain feeds back the pre-norm hidden state
         "embed_requires_grad": False,
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -123,6 +145,11 @@ def sglang_config(config: Eagle3Config, dtype: torch.dtype = torch.float32) -> d
     if len(config.aux_layer_ids) != 3 or min(config.aux_layer_ids) < 1:
         raise ValueError(f"SGLang's EAGLE-3 reads exactly 3 aux layers, each the output of a decoder layer (ids >= 1 "
                          f"here); this head reads {config.aux_layer_ids}: train it with 3 aux layers >= 1")
+    variants = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "qk_norm")
+                if getattr(config, k)]
+    if variants:
+        raise ValueError(f"SGLang's LlamaForCausalLMEagle3 runs the plain EAGLE-3 layer; this head sets {variants}: "
+                         "export it with format=speculators for vLLM instead")
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sacpolicy.decoding import DecodeState, NgramDrafter, RequestInfo, SamplingConfig
-from sacpolicy.decoding.decoder import stop_callback
+from sacpolicy.decoding import DecodeState, DraftRow, NgramDrafter, PolicyRow, RequestInfo, SamplingConfig
+from sacpolicy.decoding.rows import stop_callback
 from sacpolicy.export import k_by_batch, pick_drafter, static_k
 from sacpolicy.io import write_json, write_text
 from sacpolicy.policy.learned import LearnedPolicy
@@ -184,7 +184,7 @@ class PolicyNgramProposer:
         self.history = _History(4 * seqs)
         self._request = RequestInfo(drafters=self.rule.drafters)
         self.calls, self.seconds, self.stats_path = 0, 0.0, os.environ.get(STATS_ENV)
-        self.policy.reset(self._request)
+        self._memory = self.policy.start(self._request)  # the block being drafted: one row at a time
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -213,15 +213,18 @@ class PolicyNgramProposer:
         before its first block): peek, plan, draft with the stop rule."""
         n, ctx = len(context), torch.from_numpy(context)
         room = min(self.k_cap, self.max_model_len - n - 1)  # the decoder's remaining - 1
+        ngram = self.ngram.new_state()
         state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=(self.drafter,),
                             accept_history={} if history is None else {self.drafter: history},
-                            peeks={self.drafter: self.ngram.peek(ctx)})
-        decision = self.policy.decide(state)
+                            peeks={self.drafter: self.ngram.peek(ngram, ctx)})
+        row = PolicyRow(state, self._memory)
+        decision = self.policy.decide([row])[0]
         k = min(decision.k, room)
         if decision.drafter is None or k < 1:
             return []
         state.drafter = decision.drafter
-        return self.ngram.propose(ctx, k, _GREEDY, stop=stop_callback(self.policy, state)).tokens.tolist()
+        draft = DraftRow(ngram, ctx, k, _GREEDY, stop=stop_callback(self.policy, row))
+        return self.ngram.propose([draft])[0].tokens.tolist()
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # nothing to load: vLLM calls this on every proposer

@@ -24,36 +24,20 @@ import importlib
 import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from sacpolicy.decoding import DecoderConfig
 from sacpolicy.io import write_json
-from sacpolicy.pipeline.context import PipelineError, RunContext
-from sacpolicy.training.distill import DistillSettings
-from sacpolicy.training.eagle3 import Eagle3Settings
-from sacpolicy.training.head_data import HeadDataSettings
+from sacpolicy.pipeline import config  # noqa: F401 (registers the config nodes conf/ extends: config.register)
+from sacpolicy.pipeline.context import PipelineError, RunContext, eval_settings
 
 logger = logging.getLogger(__name__)
 
 STAGES = ("distill", "head", "collect", "fit", "evaluate", "export", "decode")
 
 __all__ = ["PipelineError", "RunContext", "STAGES", "build_drafters", "metric_of", "run", "validate"]
-
-# Config groups whose options are dataclasses, registered from them: the dataclass is the one home of the defaults.
-# ``decoder=default``: the decoder's settings; ``head=eagle3``: the EAGLE-3 head of stage ``head``.
-ConfigStore.instance().store(group="decoder", name="default",
-                             node={"_target_": "sacpolicy.decoding.DecoderConfig", **asdict(DecoderConfig())})
-ConfigStore.instance().store(group="distill", name="base", node=asdict(DistillSettings()))  # fkl.yaml extends it
-ConfigStore.instance().store(group="head", name="eagle3", node={
-    "_target_": "sacpolicy.training.eagle3.Eagle3Settings", **asdict(Eagle3Settings()), "seed": "${seed}"})
-# ``head_data=sharegpt``: the head's data, ShareGPT's fixed answers teacher-forced (unset: the distillation data)
-ConfigStore.instance().store(group="head_data", name="sharegpt", node={
-    "_target_": "sacpolicy.training.head_data.HeadDataSettings", **asdict(HeadDataSettings())})
 
 
 def validate(cfg: DictConfig) -> None:
@@ -68,13 +52,19 @@ def validate(cfg: DictConfig) -> None:
             "machine (GPU presets also need Hub access to download the models), or pick a CPU preset "
             "(experiment=embedded_cpu or experiment=smoke)"
         )
+    k_max = cfg.fit.k_max  # the policies' longest block, under the two other limits (sacpolicy.pipeline.config)
+    if "collect" in cfg.stages and k_max > cfg.collect.k_max:
+        raise PipelineError(f"fit.k_max={k_max} exceeds collect.k_max={cfg.collect.k_max}, the longest accepted run "
+                            "the traces record (longer blocks would replay as rejected); raise collect.k_max or lower "
+                            "fit.k_max")
+    if {"fit", "evaluate"} & set(cfg.stages) and k_max > cfg.decoder.k_max:
+        raise PipelineError(f"fit.k_max={k_max} exceeds decoder.k_max={cfg.decoder.k_max}, the largest block the "
+                            "decoder accepts; raise decoder.k_max or lower fit.k_max")
     if "evaluate" in cfg.stages and cfg.eval.get("live_policies") is not None:
-        from hydra.utils import instantiate
-
         from sacpolicy.evaluation.evaluate import check_live_policies
 
         try:
-            check_live_policies(instantiate(cfg.eval, _convert_="all"), list(cfg.predictor))
+            check_live_policies(eval_settings(cfg), list(cfg.predictor))
         except ValueError as e:
             raise PipelineError(str(e)) from e
     if cfg.get("from_run"):

@@ -194,5 +194,10 @@ class RunContext:
         return instantiate(self.cfg.logger, prefix=stage) if self.cfg.get("logger") else None
 
 
+def eval_settings(cfg: DictConfig):
+    """The ``eval`` section as ``EvalSettings``; its k_max is the policies' one, ``fit.k_max``."""
+    return instantiate(cfg.eval, _convert_="all", k_max=cfg.fit.k_max)
+
+
 def command() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hydra.utils import instantiate
 
-from sacpolicy.pipeline.context import PipelineError, RunContext
+from sacpolicy.pipeline.context import PipelineError, RunContext, eval_settings
 
 
 def run(ctx: RunContext) -> dict:
@@ -23,7 +23,7 @@ def run(ctx: RunContext) -> dict:
         raise PipelineError(f"the traces were collected with drafters {order} but this run builds "
                             f"{[d.name for d in drafters]}; use the same draft= setting (and distilled draft)")
     test = ctx.test_prompts()
-    settings = instantiate(cfg.eval, _convert_="all")
+    settings = eval_settings(cfg)
     # the in-sample ceilings refit every configured predictor as the fit stage did, on the test traces
     in_sample = InSample({name: instantiate(spec, _convert_="all") for name, spec in cfg.predictor.items()},
                          k=cfg.fit.k, soft=ctx.soft_labels)

@@ -22,20 +22,18 @@ logger = logging.getLogger(__name__)
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
     from sacpolicy.runtime.artifact import save_policy
-    from sacpolicy.training.predictor import acceptance_examples, fit_predictor
 
     cfg, tracker = ctx.cfg, ctx.tracker
-    grouped, _, tf_dir, _ = ctx.traces
-    ex = acceptance_examples(grouped, ctx.cost, vocab_size=ctx.vocab_size, k=cfg.fit.k, soft=ctx.soft_labels)
+    tf_dir = ctx.traces[2]
+    ex = examples(ctx)
     summary = {"examples": {s: int((ex.split == s).sum()) for s in SPLITS}, "soft_labels": ctx.soft_labels,
                "predictors": {}}
     specs = {s.name: s for s in ctx.drafter_specs()}
     static = ctx.best_static()
-    for name, spec in cfg.predictor.items():
+    for name in cfg.predictor:
         t0 = time.perf_counter()
-        pred, metrics = fit_predictor(name, instantiate(spec, _convert_="all"), ex, ctx.out_dir / "fit" / name,
-                                      logger=ctx.lightning_logger("fit"))
-        rule, tuning = decision_rule(ctx, name, pred, static)
+        pred, metrics, rule, tuning = fit_rule(ctx, name, ex, static, out_dir=ctx.out_dir / "fit" / name,
+                                               lightning_logger=ctx.lightning_logger("fit"))
         missing = [d for d in rule.drafters if d not in specs]
         if missing:
             raise PipelineError(f"traces hold drafters {missing} this run cannot rebuild; configure them in draft=")
@@ -50,6 +48,25 @@ def run(ctx: RunContext) -> dict:
         tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
     summary["headline"] = headline_predictor({n: p["metrics"] for n, p in summary["predictors"].items()})
     return summary
+
+
+def examples(ctx: RunContext):
+    """The acceptance examples of the run's traces, every split (``training.predictor.acceptance_examples``)."""
+    from sacpolicy.training.predictor import acceptance_examples
+
+    return acceptance_examples(ctx.traces[0], ctx.cost, vocab_size=ctx.vocab_size, k=ctx.cfg.fit.k,
+                               soft=ctx.soft_labels)
+
+
+def fit_rule(ctx: RunContext, name: str, ex, static: dict, *, out_dir=None, lightning_logger=None):
+    """(predictor, its metrics, its decision rule, the rule's tuning table): predictor ``name`` of
+    ``cfg.predictor`` fitted on the examples ``ex`` (``examples``), calibrated on val, and its rule tuned on the val
+    traces with ``static`` as fallback (``decision_rule``)."""
+    from sacpolicy.training.predictor import fit_predictor
+
+    spec = instantiate(ctx.cfg.predictor[name], _convert_="all")
+    pred, metrics = fit_predictor(name, spec, ex, out_dir, logger=lightning_logger)
+    return (pred, metrics, *decision_rule(ctx, name, pred, static))
 
 
 def track_calibration(tracker, name: str, pred, test, plot_dir) -> None:

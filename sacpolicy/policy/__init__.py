@@ -1,6 +1,6 @@
 """Speculation policies: which drafter, how many tokens, when to stop drafting."""
 
-from sacpolicy.policy.base import Decision, DecodeState, DraftToken, Policy, RequestInfo
+from sacpolicy.policy.base import Decision, DecodeState, DraftToken, Policy, PolicyRow, RequestInfo
 from sacpolicy.policy.rules import (
     Autoregressive,
     Bandit,
@@ -12,5 +12,5 @@ from sacpolicy.policy.rules import (
 
 __all__ = [
     "Autoregressive", "Bandit", "Confidence", "DecodeState", "Decision", "DraftToken", "Heuristic", "Policy",
-    "RequestInfo", "SeedRule", "Static",
+    "PolicyRow", "RequestInfo", "SeedRule", "Static",
 ]

@@ -1,7 +1,8 @@
 """Policies decide which drafter and how many tokens to draft, from a state; they never touch models or caches.
 
-The protocol and the data it reads (``Policy``, ``RequestInfo``, ``DecodeState``, ``Decision``, ``DraftToken``) live
-in the decoder's leaf module ``sacpolicy.decoding.types``; this module re-exports them with the policies' checks.
+The protocol and the data it reads (``Policy``, ``PolicyRow``, ``RequestInfo``, ``DecodeState``, ``Decision``,
+``DraftToken``) live in the decoder's leaf module ``sacpolicy.decoding.types``; this module re-exports them with the
+policies' checks.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from sacpolicy.decoding.types import (
     DecodeState,
     DraftToken,
     Policy,
+    PolicyRow,
     RequestInfo,
     StepRecord,
 )
 
-__all__ = ["DecodeState", "Decision", "DraftToken", "Policy", "RequestInfo", "StepRecord", "check_drafter", "check_k"]
+__all__ = ["DecodeState", "Decision", "DraftToken", "Policy", "PolicyRow", "RequestInfo", "StepRecord", "check_drafter",
+           "check_k"]
 
 
 def check_k(k: int, k_max: int, who: str) -> None:

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 
 from sacpolicy.policy.base import (
     Decision,
-    DecodeState,
     DraftToken,
     Policy,
+    PolicyRow,
     RequestInfo,
     check_k,
 )
@@ -41,6 +42,15 @@ def one_blas_thread():
     return _blas().limit(limits=1, user_api="blas")
 
 
+@dataclass
+class LearnedMemory:
+    """The learned policy's memory of one request."""
+
+    block: Block | None = None  # the block being drafted (the stop rule reads it)
+    prev_top1: float | None = None  # the last drafted token's confidence
+    request_drafter: str | None = None  # select="request": the drafter the request's first plan chose
+
+
 class LearnedPolicy(Policy):
     """``select="step"`` picks the drafter every step; ``"request"`` keeps the first step's choice for the request.
     In a batch, ``per_row=False`` drafts the same k in every row that drafts (``True``: rows may draft less than the
@@ -53,9 +63,6 @@ class LearnedPolicy(Policy):
         self.rule, self.name, self.select, self.per_row = rule, name, select, per_row
         self.needs_token_feedback = rule.mode == "stop"
         self.uses_peeks = True  # an n-gram drafter's match length is known before drafting
-        self.block: Block | None = None
-        self.prev_top1: float | None = None
-        self.request_drafter: str | None = None
 
     def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
         check_k(self.rule.k_max, k_max, repr(self))
@@ -66,44 +73,44 @@ class LearnedPolicy(Policy):
                     f"{self!r} was trained with drafters in the order {list(self.rule.drafters)} (the drafter-index "
                     f"feature depends on it), but the decoder holds {list(drafters)}; pass them in the trained order")
 
-    def reset(self, request: RequestInfo) -> None:
-        self.request_drafter = None
-        self.block, self.prev_top1 = None, None
+    def start(self, request: RequestInfo) -> LearnedMemory:
+        return LearnedMemory()
 
-    def decide(self, state: DecodeState) -> Decision:
-        return self.decide_batch([self], [state])[0]
-
-    def decide_batch(self, policies: list[LearnedPolicy], states: list[DecodeState]) -> list[Decision]:
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
         """One plan for the rows of a batch (``DecisionRule.plan_batch``: the batch's expected tokens/s at its live
-        size, rows' k may differ); row i's block state goes to ``policies[i]``, this policy's fork for that row."""
-        rows, caps = [], []
-        for p, state in zip(policies, states):
+        size, rows' k may differ); each row's block goes to its memory, for the stop rule."""
+        states = [row.state for row in rows]
+        feats, caps = [], []
+        for row, state in zip(rows, states):
             k_cap = min(self.rule.k_max, state.remaining - 1)
-            names = state.drafters if p.request_drafter is None else (p.request_drafter,)
+            mem = row.memory
+            names = state.drafters if mem.request_drafter is None else (mem.request_drafter,)
             # a drafter that peeked and found nothing to propose is no option this step
             names = tuple(n for n in names if n in state.drafters and not (n in state.peeks and state.peeks[n] is None))
-            rows.append({n: np.array([token_features(state, None, None, drafter=n, position=j) for j in range(k_cap)])
-                         for n in names} if k_cap > 0 else {})
+            feats.append({n: np.array([token_features(state, None, None, drafter=n, position=j)
+                                        for j in range(k_cap)]) for n in names} if k_cap > 0 else {})
             caps.append(k_cap)
         with one_blas_thread():
-            plans, rate = self.rule.plan_batch(rows, [s.context_len for s in states], caps, per_row=self.per_row,
+            plans, rate = self.rule.plan_batch(feats, [s.context_len for s in states], caps, per_row=self.per_row,
                                                batch=states[0].batch_size)
         out, together = [], Counter(name for name, k in plans if name is not None and k > 0)
-        for p, state, (name, k) in zip(policies, states, plans):
-            if p.select == "request" and name is not None:
-                p.request_drafter = name
-            p.block = Block(name, state.context_len, k, batch=state.batch_size, rows=together[name],
-                            rate=rate if state.batch_size > 1 else None) if name is not None else None
-            p.prev_top1 = None
+        for row, state, (name, k) in zip(rows, states, plans):
+            mem = row.memory
+            if self.select == "request" and name is not None:
+                mem.request_drafter = name
+            mem.block = Block(name, state.context_len, k, batch=state.batch_size, rows=together[name],
+                              rate=rate if state.batch_size > 1 else None) if name is not None else None
+            mem.prev_top1 = None
             out.append(Decision(name, k) if name is not None else Decision.autoregressive())
         return out
 
-    def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
-        row = token_features(state, token, self.prev_top1)
-        nxt = token_features(state, None, token.top1, position=token.position + 1)
-        self.prev_top1 = token.top1
+    def should_stop(self, row: PolicyRow, token: DraftToken) -> bool:
+        mem = row.memory
+        now = token_features(row.state, token, mem.prev_top1)
+        nxt = token_features(row.state, None, token.top1, position=token.position + 1)
+        mem.prev_top1 = token.top1
         with one_blas_thread():
-            return self.rule.stop(self.block, np.array(row), np.array(nxt))
+            return self.rule.stop(mem.block, np.array(now), np.array(nxt))
 
     @property
     def fallbacks(self) -> int:

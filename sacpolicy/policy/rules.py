@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from sacpolicy.decoding.types import Autoregressive  # noqa: F401 (a rule like the others)
 from sacpolicy.policy.base import (
@@ -10,6 +11,7 @@ from sacpolicy.policy.base import (
     DecodeState,
     DraftToken,
     Policy,
+    PolicyRow,
     RequestInfo,
     check_drafter,
     check_k,
@@ -47,8 +49,13 @@ class Static(_OneDrafter):
         super().validate(drafters, k_max)
         check_k(self.k, k_max, repr(self))
 
-    def decide(self, state: DecodeState) -> Decision:
-        return self._pick(state, self.k)
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
+        return [self._pick(row.state, self.k) for row in rows]
+
+
+@dataclass
+class HeuristicMemory:
+    k: int  # the request's current k
 
 
 class Heuristic(_OneDrafter):
@@ -62,7 +69,7 @@ class Heuristic(_OneDrafter):
             raise ValueError("Heuristic policy: k0 must be >= 1")
         super().__init__(drafter)
         self.k0, self.carry_over, self.k_max = k0, carry_over, k_max
-        self.k = k0
+        self.k = k0  # the k the next request starts at (carry_over: the last request's last k)
         self.name = "heuristic"
 
     def validate(self, drafters, k_max):
@@ -70,22 +77,24 @@ class Heuristic(_OneDrafter):
         check_k(self.k0, k_max, repr(self))
         self.k_max = min(self.k_max or k_max, k_max)
 
-    def reset(self, request: RequestInfo) -> None:
-        if not self.carry_over:
-            self.k = self.k0
+    def start(self, request: RequestInfo) -> HeuristicMemory:
+        return HeuristicMemory(self.k if self.carry_over else self.k0)
 
-    def decide(self, state: DecodeState) -> Decision:
-        return self._pick(state, min(self.k, self.k_max or self.k))
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
+        return [self._pick(row.state, min(row.memory.k, self.k_max or row.memory.k)) for row in rows]
 
-    def observe(self, record) -> None:
+    def observe(self, row: PolicyRow, record) -> None:
         if record.drafter is None or record.drafted == 0 or record.cooldown:
             return
+        mem = row.memory
         if record.accepted == record.drafted and record.drafted == record.k:
-            self.k += 2
+            mem.k += 2
         else:
-            self.k = max(1, self.k - 1)
+            mem.k = max(1, mem.k - 1)
         if self.k_max:
-            self.k = min(self.k, self.k_max)
+            mem.k = min(mem.k, self.k_max)
+        if self.carry_over:
+            self.k = mem.k
 
 
 class Confidence(Static):
@@ -102,7 +111,7 @@ class Confidence(Static):
         self.threshold = threshold
         self.name = f"confidence-{threshold:g}"
 
-    def should_stop(self, state: DecodeState, token: DraftToken) -> bool:
+    def should_stop(self, row: PolicyRow, token: DraftToken) -> bool:
         return token.top1 < self.threshold
 
 
@@ -137,15 +146,21 @@ class SeedRule(_OneDrafter):
         base = self.k_short + t * (self.k_long - self.k_short)
         return max(0, round(base * (1.0 - self.load_weight * load)))
 
-    def decide(self, state: DecodeState) -> Decision:
-        return self._pick(state, self.k_for(state.request.prompt_len, state.load_signal))
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
+        return [self._pick(r.state, self.k_for(r.state.request.prompt_len, r.state.load_signal)) for r in rows]
+
+
+@dataclass
+class BanditMemory:
+    arm: int | None = None  # the arm the row's last decision pulled
 
 
 class Bandit(Policy):
     """Online choice of (drafter, k), autoregressive included, with no training: discounted UCB1 on the reward
     tokens per second of each step. Statistics carry over between requests and decay by ``discount`` per step, so the
     policy follows traffic shifts. Step seconds are the measured ones, or the cost model's prediction when ``cost``
-    is given (replaying traces, where no step is timed)."""
+    is given (replaying traces, where no step is timed). Rows decoded together choose from the same statistics and
+    each reports its own arm's reward."""
 
     def __init__(self, ks=(1, 2, 4, 8), drafters: tuple[str, ...] | None = None, c: float = 0.5,
                  discount: float = 0.995, cost=None):
@@ -158,7 +173,6 @@ class Bandit(Policy):
         self.arms: list[tuple[str | None, int]] = []
         self.n = self.total = None
         self.best = 0.0  # largest reward seen: rewards are scaled into [0, 1] by it
-        self._arm = 0
 
     def validate(self, drafters, k_max):
         for k in self.ks:
@@ -169,19 +183,26 @@ class Bandit(Policy):
         self.arms = [(None, 0)] + [(d, k) for d in use for k in self.ks]
         self.n, self.total = [0.0] * len(self.arms), [0.0] * len(self.arms)
 
-    def decide(self, state: DecodeState) -> Decision:
-        usable = [i for i, (d, _) in enumerate(self.arms) if d is None or d in state.drafters]
+    def start(self, request: RequestInfo) -> BanditMemory:
+        return BanditMemory()
+
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
+        return [self._decide(row) for row in rows]
+
+    def _decide(self, row: PolicyRow) -> Decision:
+        usable = [i for i, (d, _) in enumerate(self.arms) if d is None or d in row.state.drafters]
         untried = [i for i in usable if self.n[i] == 0]
         if untried:
-            self._arm = untried[0]
+            arm = untried[0]
         else:
             log_t = math.log(sum(self.n[i] for i in usable))
-            self._arm = max(usable, key=lambda i: self.total[i] / self.n[i] + self.c * math.sqrt(log_t / self.n[i]))
-        d, k = self.arms[self._arm]
+            arm = max(usable, key=lambda i: self.total[i] / self.n[i] + self.c * math.sqrt(log_t / self.n[i]))
+        row.memory.arm = arm
+        d, k = self.arms[arm]
         return Decision(d, k) if d is not None else Decision.autoregressive()
 
-    def observe(self, record) -> None:
-        if record.cooldown or not self.arms:
+    def observe(self, row: PolicyRow, record) -> None:
+        if record.cooldown or not self.arms or row.memory.arm is None:
             return
         if self.cost is not None:
             seconds = self.cost.step_time(record.drafter, record.drafted, record.context_len)
@@ -191,5 +212,5 @@ class Bandit(Policy):
         self.best = max(self.best, reward)
         self.n = [self.discount * v for v in self.n]
         self.total = [self.discount * v for v in self.total]
-        self.n[self._arm] += 1.0
-        self.total[self._arm] += reward / self.best
+        self.n[row.memory.arm] += 1.0
+        self.total[row.memory.arm] += reward / self.best

@@ -24,7 +24,9 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from sacpolicy.decoding.compat import use_cpu_kernels, with_cache
+from sacpolicy.decoding.compat import cpu_kernels, with_cache
+from sacpolicy.decoding.sampling import SamplingConfig
+from sacpolicy.decoding.types import DraftRow
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.profiling.fit import MIN_REPEATS, N_BOOT, fit_cost_model, monotone_knots, pool_adjacent_violators
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear
@@ -178,8 +180,6 @@ def _fits(model, context_len: int, new_tokens: int) -> bool:
 def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, gen, repeats: int, warmup: int):
     """-> prefill cells [(prompt tokens, [repeats] seconds)], {drafter: [(context, [repeats] seconds)]} and the same
     for the drafters' once-per-proposal seconds (feature drafters). The verify pass: ``_verify_times``."""
-    from sacpolicy.decoding.sampling import SamplingConfig
-
     prefill_rows, draft_rows, fixed_rows = [], {name: [] for name in drafters}, {}
     feeds, k_max = sorted({k + 1 for k in ks}), max(max(ks), 1)
     for c in context_lens:
@@ -199,40 +199,41 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
                     draft_rows[name].append((c, t))
                 continue
             context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
-            propose = functools.partial(drafter.propose, context, k_max, SamplingConfig())
-            draft_rows[name].append((c, _times(propose, drafter.reset, device, repeats, warmup)))
+
+            def propose(drafter=drafter, context=context):
+                return drafter.propose([DraftRow(drafter.new_state(), context, k_max, SamplingConfig())])
+
+            draft_rows[name].append((c, _times(propose, lambda: None, device, repeats, warmup)))
     return prefill_rows, draft_rows, fixed_rows
 
 
-def _feature_cells(target, drafter, forks: list, c: int, sizes: Sequence[int], ks: Sequence[int], device,
-                   gen) -> dict:
+def _feature_cells(target, drafter, c: int, sizes: Sequence[int], ks: Sequence[int], device, gen) -> dict:
     """Timing cells {(r, k): (run, undo)} of a feature drafter as the decoder runs it on top of c committed tokens:
-    the first r of ``forks`` (the drafter itself, or its forks for a batch's rows) each hold c - 1 fed rows and 2 more
-    handed over since their last proposal (the last token and one accepted draft), and ``run`` proposes k tokens for
-    all r in one ``propose_batch`` call, which first feeds those rows; ``undo`` restores that state."""
+    r rows each hold c - 1 fed rows and 2 more handed over since their last proposal (the last token and one accepted
+    draft), and ``run`` proposes k tokens for all r in one ``propose`` call, which first feeds those rows; ``undo``
+    restores that state."""
     from sacpolicy.decoding.aux import aux_pass
-    from sacpolicy.decoding.sampling import SamplingConfig
 
     pending = 2
     context = torch.randint(target.config.vocab_size, (c + pending,), generator=gen).to(device)
     _, capture = aux_pass(target, context, 1, drafter.aux_layers)
     feats = capture.rows(drafter.aux_layers, c + pending - 1)
+    states = {r: [] for r in sizes}
 
-    def propose(rows: list, ctx: torch.Tensor, k: int) -> None:
-        n = len(rows)
-        drafter.propose_batch(rows, [ctx] * n, [k] * n, [SamplingConfig()] * n, [None] * n, [None] * n)
+    def propose(r: int, ctx: torch.Tensor, k: int) -> None:
+        drafter.propose([DraftRow(st, ctx, k) for st in states[r]])
 
-    def committed(rows: list) -> None:  # each row after a proposal at c tokens, the next rows handed over, not fed
-        for d in rows:
-            d.reset()
-            d.extend_features(feats[: c - 1])
-        propose(rows, context[:c], 1)
-        for d in rows:
-            d.extend_features(feats[c - 1 :])
+    def committed(r: int) -> None:  # each row after a proposal at c tokens, the next rows handed over, not fed
+        states[r][:] = [drafter.new_state() for _ in range(r)]
+        for st in states[r]:
+            drafter.extend_features(st, feats[: c - 1])
+        propose(r, context[:c], 1)
+        for st in states[r]:
+            drafter.extend_features(st, feats[c - 1 :])
 
     for r in sizes:
-        committed(forks[:r])
-    return {(r, k): (functools.partial(propose, forks[:r], context, k), functools.partial(committed, forks[:r]))
+        committed(r)
+    return {(r, k): (functools.partial(propose, r, context, k), functools.partial(committed, r))
             for r in sizes for k in ks}
 
 
@@ -241,47 +242,42 @@ def _feature_step_times(target, drafter, c: int, k_max: int, device, gen, repeat
     blocks of 1 and of K = max(k_max, 2) tokens timed in the same rounds; -> ([repeats] seconds per drafted token,
     [repeats] seconds once per proposal), the two solving t(k) = fixed + k * per_token at k = 1 and K."""
     K = max(k_max, 2)
-    t = _interleaved_times(_feature_cells(target, drafter, [drafter], c, [1], (1, K), device, gen), device, repeats,
-                           warmup)
+    t = _interleaved_times(_feature_cells(target, drafter, c, [1], (1, K), device, gen), device, repeats, warmup)
     per_token = (t[(1, K)] - t[(1, 1)]) / (K - 1)
     return per_token, t[(1, 1)] - per_token
 
 
-def _model_cells(target, drafter, forks: list, c: int, sizes: Sequence[int], ks: Sequence[int], device,
-                 gen) -> dict:
-    """Timing cells {(r, k): (run, undo)} of a model drafter (its own KV cache) as the decoder runs a batch's rows:
-    the first r of ``forks`` each hold c committed tokens in their caches and are handed one more (the token the
-    target emitted), and ``run`` proposes k tokens for all r in one ``propose_batch`` call (the rows' caches stacked,
-    one forward per drafted token); ``undo`` restores that state."""
-    from sacpolicy.decoding.sampling import SamplingConfig
-
+def _model_cells(target, drafter, c: int, sizes: Sequence[int], ks: Sequence[int], device, gen,
+                 states: dict | None = None) -> dict:
+    """Timing cells {(r, k): (run, undo)} of a model drafter (a KV cache per row) as the decoder runs a batch's rows:
+    r rows each hold c committed tokens in their caches and are handed one more (the token the target emitted), and
+    ``run`` proposes k tokens for all r in one ``propose`` call (the rows' caches stacked, one forward per drafted
+    token); ``undo`` restores that state. ``states``: a dict that receives the rows' states, {r: [state] * r}."""
     context = torch.randint(target.config.vocab_size, (c + 1,), generator=gen).to(device)
+    states = {} if states is None else states
+    states.update({r: [] for r in sizes})
 
-    def propose(rows: list, k: int) -> None:
-        n = len(rows)
-        drafter.propose_batch(rows, [context] * n, [k] * n, [SamplingConfig()] * n, [None] * n, [None] * n)
+    def propose(r: int, k: int) -> None:
+        drafter.propose([DraftRow(st, context, k) for st in states[r]])
 
-    def committed(rows: list) -> None:  # each row's cache holds the c tokens before the one handed over
-        for d in rows:
-            d.reset()
-            d.propose(context[:c], 1, SamplingConfig())
+    def committed(r: int) -> None:  # each row's cache holds the c tokens before the one handed over
+        states[r][:] = [drafter.new_state() for _ in range(r)]
+        drafter.propose([DraftRow(st, context[:c], 1) for st in states[r]])
 
     for r in sizes:
-        committed(forks[:r])
-    return {(r, k): (functools.partial(propose, forks[:r], k), functools.partial(committed, forks[:r]))
-            for r in sizes for k in ks}
+        committed(r)
+    return {(r, k): (functools.partial(propose, r, k), functools.partial(committed, r)) for r in sizes for k in ks}
 
 
 def _batch_shares(target, drafter, c: int, k_max: int, batch_sizes: Sequence[int], device, gen, repeats: int,
                   warmup: int) -> dict[int, np.ndarray]:
-    """A model or feature drafter's rows drafting together (``propose_batch``, as the decoder drafts a batch's rows
-    that chose it; ``_feature_cells`` or ``_model_cells`` over its forks): -> {r: [repeats] per-row share}, the
+    """A model or feature drafter's rows drafting together (one ``propose`` call, as the decoder drafts a batch's rows
+    that chose it; ``_feature_cells`` or ``_model_cells``): -> {r: [repeats] per-row share}, the
     seconds of r rows' proposals over r, as a fraction of one row's, blocks of 1 and of K tokens counted alike (the
     share of their sum). Every size is timed in the same rounds."""
     K, sizes = max(k_max, 2), sorted({1, *batch_sizes})
-    forks = [drafter.fork() for _ in range(sizes[-1])]
-    cells = (_feature_cells(target, drafter, forks, c, sizes, (1, K), device, gen) if drafter.aux_layers
-             else _model_cells(target, drafter, forks, c, sizes, (1, K), device, gen))
+    cells = (_feature_cells(target, drafter, c, sizes, (1, K), device, gen) if drafter.aux_layers
+             else _model_cells(target, drafter, c, sizes, (1, K), device, gen))
     t = _interleaved_times(cells, device, repeats, warmup)
     one = t[(1, 1)] + t[(1, K)]
     return {r: (t[(r, 1)] + t[(r, K)]) / r / one for r in sizes if r > 1}
@@ -303,14 +299,18 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     drafting together (``CostModel.draft_batch``: each row's share of their batched drafting), at the middle profiled
     context.
     """
-    import transformers
-
     from sacpolicy.models import LoadedModel
 
     target = target_model.model if isinstance(target_model, LoadedModel) else target_model
     named = dict(drafters) if isinstance(drafters, Mapping) else {d.name: d for d in drafters}
-    # time the kernels the decoder will run
-    use_cpu_kernels(target, named.values())
+    with cpu_kernels(target, named.values()):  # time the kernels the decoder will run
+        return _profile(target, named, ks, context_lens, repeats, device, warmup, seed, batch_sizes)
+
+
+def _profile(target, named: dict, ks, context_lens, repeats: int, device, warmup: int, seed: int,
+             batch_sizes) -> CostModel:
+    import transformers
+
     param = next(target.parameters())
     device = param.device if device is None else torch.device(device)
     if param.device != device:

@@ -1,1 +1,1 @@
-"""Acceptance traces: schema, live and teacher-forced collection, exact offline replay."""
+"""Acceptance traces: schema, teacher-forced collection, exact offline replay."""

@@ -1,8 +1,9 @@
-"""Trace collection over a prompt set: live (decoder step records) and teacher-forced (one pass per drafter).
+"""Trace collection over a prompt set, teacher-forced: the target decodes each prompt once, then each drafter runs one
+pass over the target's sequence. (Live decoding is measured by the evaluate stage, which writes no traces.)
 
-Both are sharded and resumable: prompts are split into shards (``shard=(i, n)``, or torchrun's RANK / WORLD_SIZE) and
-each shard into chunks of ``chunk_size`` prompts; every chunk is one Parquet file written atomically, so a rerun
-skips finished chunks and an interruption loses at most the chunk in progress, never duplicates one.
+Collection is sharded and resumable: prompts are split into shards (``shard=(i, n)``, or torchrun's RANK /
+WORLD_SIZE) and each shard into chunks of ``chunk_size`` prompts; every chunk is one Parquet file written atomically,
+so a rerun skips finished chunks and an interruption loses at most the chunk in progress, never duplicates one.
 """
 
 from __future__ import annotations
@@ -60,28 +61,6 @@ def _prepare(out_dir: Path, meta: dict) -> None:
     from sacpolicy import __version__
 
     write_meta(out_dir, {**meta, "schema_version": SCHEMA_VERSION, "package_version": __version__})
-
-
-def collect_live(decoder: SpeculativeDecoder, prompts, out_dir, *, max_new_tokens: int, meta: dict,
-                 shard=None, chunk_size: int = 8, progress: bool = True) -> Path:
-    """Decode each prompt with the decoder's policy and write its step records (kind ``live``)."""
-    out_dir = Path(out_dir)
-    weights = next(decoder.target.parameters())
-    _prepare(out_dir, {**meta, "kind": "live", "policy": repr(decoder.policy), "max_new_tokens": max_new_tokens,
-                       "drafters": list(decoder.drafters), "sampling": vars(decoder.sampling),
-                       "device": str(weights.device), "dtype": str(weights.dtype)})
-    chunks = list(_chunks(prompts, shard, chunk_size))
-    for name, chunk in progress_iter(chunks, "live traces", unit="chunk", enabled=progress):
-        if (out_dir / f"{name}.parquet").exists():
-            continue
-        rows = []
-        for r in chunk:
-            res = decoder.generate(r["input_ids"], max_new_tokens, request=RequestInfo(category=r["category"]))
-            for s in res.steps:
-                rows.append({"prompt_id": r["prompt_id"], "category": r["category"], "prompt_len": res.prompt_len,
-                             "policy": repr(decoder.policy), **s.to_dict()})
-        write_shard(rows, "live", out_dir, name)
-    return out_dir
 
 
 @torch.inference_mode()

@@ -24,6 +24,7 @@ from sacpolicy.decoding import (
     DecoderConfig,
     DraftBlock,
     Drafter,
+    DraftRow,
     RequestInfo,
     SpeculativeDecoder,
 )
@@ -132,25 +133,20 @@ class ReplayDrafter(Drafter):
         i = int(context[0]) if len(self.by_seq) > 1 else next(iter(self.by_seq))
         return self.by_seq[i], context.shape[0] - self.lens[i]  # rows, generated tokens so far
 
-    def peek(self, context):
+    def peek(self, state, context):
         rows, g = self._rows(context)
         if g >= len(rows["proposal_len"]) or rows["proposal_len"][g] == 0:
             return None
         return tuple(confidence(rows, g, 0))
 
-    def propose(self, context, k, sampling, generator=None, stop=None) -> DraftBlock:
-        block = self._propose(context, k, stop)
-        if self.clock is not None:
-            self.clock.t += self.cost.draft_time(self.name, block.k, context.shape[0])
-        return block
-
-    def propose_batch(self, rows, contexts, ks, samplings, generators, stops) -> list[DraftBlock]:
+    def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:
         """Every row's proposal, drafted together as the decoder drafts a batch's rows: with a clock, each row that
         drafts pays its share of that many rows drafting together (``CostModel.draft_batch``)."""
-        blocks = [d._propose(c, k, stop) for d, c, k, stop in zip(rows, contexts, ks, stops)]
+        blocks = [self._propose(row.context, row.k, row.stop) for row in rows]
         if self.clock is not None:
             n = sum(1 for b in blocks if b.k)
-            self.clock.t += sum(self.cost.draft_time(self.name, b.k, c.shape[0], n) for b, c in zip(blocks, contexts))
+            self.clock.t += sum(self.cost.draft_time(self.name, b.k, row.context.shape[0], max(n, 1))
+                                for b, row in zip(blocks, rows))
         return blocks
 
     def _propose(self, context, k, stop) -> DraftBlock:
@@ -317,7 +313,10 @@ class Oracle(Policy):
     def __init__(self, cost: CostModel, k_max: int = 16):
         self.cost, self.k_max, self.current = cost, k_max, None
 
-    def decide(self, state) -> Decision:
+    def decide(self, rows) -> list[Decision]:
+        return [self._decide(row.state) for row in rows]
+
+    def _decide(self, state) -> Decision:
         g = state.generated
         best = (1.0 / self.cost.step_time(None, 0, state.context_len), None, 0)
         for name in state.drafters:

@@ -207,7 +207,7 @@ class DistillModule(WarmupAdamW, StepAcceptance, L.LightningModule):
     @torch.no_grad()
     def _on_policy_batch(self, batch):
         """Replace a batch by draft-sampled continuations of its prompts, scored by the teacher on the fly."""
-        from sacpolicy.decoding import ModelDrafter, SamplingConfig
+        from sacpolicy.decoding import DraftRow, ModelDrafter, SamplingConfig
         from sacpolicy.training.distill_data import collate, teacher_topk
 
         teacher = self._teacher[0]
@@ -220,8 +220,7 @@ class DistillModule(WarmupAdamW, StepAcceptance, L.LightningModule):
         seqs = []
         for b in range(batch["input_ids"].shape[0]):
             prompt = batch["input_ids"][b, : int(batch["prompt_len"][b])]
-            drafter.reset()
-            block = drafter.propose(prompt, self.on_policy_tokens, sampling, gen)
+            block = drafter.propose([DraftRow(drafter.new_state(), prompt, self.on_policy_tokens, sampling, gen)])[0]
             seqs.append({"input_ids": prompt.tolist() + block.tokens.tolist(), "prompt_len": prompt.numel(),
                          "prompt_id": str(b), "sample": 0})
         self.draft.train(was_training)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from sacpolicy.data import assign_split
-from sacpolicy.policy.base import Decision, DecodeState, DraftToken
+from sacpolicy.policy.base import Decision, DraftToken, PolicyRow
 from sacpolicy.policy.features import feature_spec, token_features
 from sacpolicy.policy.rules import Static
 from sacpolicy.runtime.features import FEATURE_NAMES
@@ -71,17 +71,23 @@ class _Recorder(Static):
 
     def __init__(self, k: int, drafter: str, soft: bool):
         super().__init__(k, drafter)
-        self.soft, self.current, self.rows, self._snap = soft, None, [], None
+        self.soft, self.current, self.rows = soft, None, []
 
-    def decide(self, state: DecodeState) -> Decision:
-        d = super().decide(state)
-        self._snap = dataclasses.replace(state, accept_history=dict(state.accept_history), drafter=d.drafter)
-        return d
+    def start(self, request) -> dict:
+        return {}  # "snap": the state the row's last decision saw
 
-    def observe(self, record) -> None:
+    def decide(self, rows: list[PolicyRow]) -> list[Decision]:
+        out = super().decide(rows)
+        for row, d in zip(rows, out):
+            row.memory["snap"] = dataclasses.replace(row.state, accept_history=dict(row.state.accept_history),
+                                                     drafter=d.drafter)
+        return out
+
+    def observe(self, row: PolicyRow, record) -> None:
         if record.drafter is None or not record.drafted:
             return
-        state, g = self._snap, self._snap.generated
+        state = row.memory["snap"]
+        g = state.generated
         cols = self.current["drafters"][record.drafter]
         for j in range(min(record.accepted + 1, record.drafted)):
             token = DraftToken(j, *confidence(cols, g, j))

@@ -1,0 +1,114 @@
+"""sacpolicy.bench, what the benchmark scripts share: Markdown tables, ratio cells, the alternating order of timed
+configurations, option lists, the JSON they write, the held-out prompts they load; and a bench script run in this
+process on the tiny target (bench_decoder with the trace cost folded into it)."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sacpolicy import bench
+from sacpolicy.data import assign_split, load_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_table_is_markdown_with_a_rule_under_the_header():
+    md = bench.table(["policy", "tokens/s", "lossless"], [["ar", "12.3", "yes"], ["static-k2", 15, None]])
+    assert md.splitlines() == ["| policy | tokens/s | lossless |", "|---|---|---|", "| ar | 12.3 | yes |",
+                               "| static-k2 | 15 | None |"]
+    assert bench.table(["a"], []) == "| a |\n|---|"
+    assert bench.table(["a", "b"], iter([(1, 2)])).endswith("| 1 | 2 |")  # any iterable of rows
+
+
+def test_ratio_shows_its_interval_or_its_range_over_runs():
+    assert bench.ratio(1.2345) == "1.23x"
+    assert bench.ratio(1.2, [1.104, 1.311]) == "1.20x [1.10, 1.31]"
+    assert bench.ratio(1.2, None) == bench.ratio(1.2, []) == "1.20x"  # no interval: none shown
+    assert bench.ratio(1.0, runs=[0.9, 1.12, 1.0]) == "1.00x (0.90-1.12)"
+    assert bench.ratio(1.0, runs=[1.05]) == "1.00x"  # one run has no range
+    assert bench.ratio(float("nan")) == "nanx"
+    assert bench.cell(None) == "-" and bench.cell(0.12345) == "0.12" and bench.cell(0.12345, ".3f") == "0.123"
+
+
+def test_alternating_reverses_the_order_every_other_repeat():
+    order = list(bench.alternating(["a", "b", "c"], 3))
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
+    assert list(bench.alternating(["a", "b"], 0)) == []
+    # over an even number of repeats every name sits at the same mean position: a linear drift cancels
+    names = ["a", "b", "c", "d"]
+    slots = Counter()
+    for i, (_, name) in enumerate(bench.alternating(names, 4)):
+        slots[name] += i % len(names)
+    assert len(set(slots.values())) == 1
+
+
+def test_int_list_parses_comma_separated_options():
+    assert bench.int_list("1,2,4") == [1, 2, 4]
+    assert bench.int_list("8") == [8] and bench.int_list("") == [] and bench.int_list("1,,3") == [1, 3]
+    with pytest.raises(ValueError):
+        bench.int_list("1,x")
+
+
+def test_write_results_writes_args_then_payload_atomically(tmp_path):
+    args = argparse.Namespace(out=str(tmp_path / "r.json"), prompts=4)
+    path = bench.write_results(tmp_path / "sub" / "r.json", {"rows": [{"name": "ar"}], "where": tmp_path}, args)
+    data = json.loads(path.read_text())
+    assert list(data) == ["args", "rows", "where"] and data["args"] == {"out": args.out, "prompts": 4}
+    assert data["where"] == str(tmp_path)  # paths and other objects as strings
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary file left beside it
+    bench.write_results(path, {"rows": []})
+    assert json.loads(path.read_text()) == {"rows": []}  # without args: the payload alone, replacing the old file
+
+
+def test_parser_keeps_the_docstring_and_adds_the_shared_options():
+    doc = "Title.\n\n    python scripts/bench_x.py --prompts 4     # a quick subset\n"
+    ap = bench.parser(doc)
+    bench.add_target(ap, device="cpu", dtype="auto")
+    bench.add_prompt_set(ap, split="val", prompts=6, max_tokens=48)
+    bench.add_out(ap, "bench_x.json")
+    assert "    python scripts/bench_x.py --prompts 4     # a quick subset" in ap.format_help()
+    assert "its validation split is used" in ap.format_help()
+    args = ap.parse_args([])
+    assert vars(args) == {"target": bench.EMBEDDED_TARGET, "device": "cpu", "dtype": "auto", "source": "mt_bench",
+                          "prompts": 6, "max_tokens": 48, "out": "bench_x.json"}
+    assert ap.parse_args(["--prompts", "2", "--out", "o.json"]).prompts == 2
+    bare = bench.parser(None)
+    bench.add_target(bare)  # no --device / --dtype unless given a default
+    assert vars(bare.parse_args([])) == {"target": bench.EMBEDDED_TARGET}
+
+
+def test_held_out_prompts_are_one_split_in_file_order(tiny_target):
+    every = list(load_prompts("mt_bench", tokenizer=tiny_target.tokenizer))
+    val = bench.held_out_prompts("mt_bench", tiny_target.tokenizer, split="val", n=3)
+    assert [r["prompt_id"] for r in val] == [r["prompt_id"] for r in every if assign_split(r["prompt_id"]) == "val"][:3]
+    test = bench.held_out_prompts("mt_bench", tiny_target.tokenizer)
+    assert test and all(assign_split(r["prompt_id"]) == "test" for r in test)
+
+
+def test_bench_decoder_times_the_trace_pass_against_live_decoding(tmp_path, capsys, monkeypatch):
+    """scripts/bench_decoder.py --trace-cost in this process on the tiny target: the rows' table and the trace cost
+    per position (the fold of the former bench_traces.py)."""
+    spec = importlib.util.spec_from_file_location("bench_decoder", ROOT / "scripts" / "bench_decoder.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_decoder", script)  # its dataclasses look their module up
+    spec.loader.exec_module(script)
+    report = script.main(["--target", "tiny:llama-4l", "--dtype", "float32", "--prompts", "2", "--warmup", "1",
+                          "--max-new-tokens", "6", "--ks", "2", "--drafters", "ngram", "--layers", "2",
+                          "--trace-cost", "--out", str(tmp_path / "d.json")])
+    assert json.loads((tmp_path / "d.json").read_text()) == json.loads(json.dumps(report, default=str))
+    rows = {r["name"]: r for r in report["rows"]}
+    assert {"ar", "hf-ar", "ngram-static-k2", "ngram-heuristic", "hf-prompt-lookup-k2"} <= set(rows)
+    assert all(r["lossless"] for r in rows.values())
+    tc = report["meta"]["trace_cost"]
+    assert tc["drafters"] == ["ngram"] and tc["positions"] == rows["ar"]["tokens"]  # the same greedy outputs
+    ours = [rows["ngram-static-k2"], rows["ngram-heuristic"]]
+    assert tc["live_s_per_position"] == pytest.approx(sum(r["seconds"] for r in ours) / sum(r["tokens"] for r in ours))
+    live, tf = tc["live_s_per_position"], tc["teacher_forced_s_per_position"]
+    assert tc["teacher_forced_speedup"] == pytest.approx(live / tf) and tf > 0
+    out = capsys.readouterr().out
+    assert "| ngram-static-k2 |" in out and "Trace cost over" in out and "| ours / transformers" in out
