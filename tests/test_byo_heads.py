@@ -94,6 +94,19 @@ def write_format(fmt: str, head: Eagle3Head, target, tmp: Path) -> Path:
     return out
 
 
+def speculators_logits(model, x, a, steps: int) -> list:
+    """The draft logits of each training-time-test step of a speculators ``Eagle3DraftModel`` on ids ``x`` [1, T]
+    and aux features ``a`` [1, T, A] (its own forward, read at its LM head)."""
+    theirs = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: theirs.append(out))
+    try:
+        T = x.shape[1]
+        model(hidden_states=a, input_ids=x, document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=steps)
+    finally:
+        hook.remove()
+    return theirs
+
+
 def features(target, ids, aux=AUX) -> torch.Tensor:
     """ids [n] -> the target's aux hidden states [n, len(aux) * H]."""
     capture = AuxCapture(target.model, aux)
@@ -370,12 +383,7 @@ def test_a_head_the_speculators_package_saved_matches_its_own_forward(variant, t
     seq = sequences[0]
     T = seq.numel() - 1
     x, a = seq[1:].view(1, T), features(target, seq)[:T].unsqueeze(0)
-    theirs = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: theirs.append(out))
-    try:
-        model(hidden_states=a, input_ids=x, document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=3)
-    finally:
-        hook.remove()
+    theirs = speculators_logits(model, x, a, 3)
     ours = drafter.head.ttt_forward(x, a, 3)
     assert len(theirs) == 3
     for j in range(3):  # step 0: the first drafted token's logits; steps 1, 2: the chain on the head's own outputs

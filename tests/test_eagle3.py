@@ -483,12 +483,9 @@ def test_speculators_export_matches_the_real_package(tiny_target, sequences, tmp
     ids = torch.tensor(sequences[5]["input_ids"])
     T = ids.numel() - 1
     x, a = ids[1:].view(1, T), features(tiny_target, ids)[:T].unsqueeze(0)
-    theirs = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: theirs.append(out))
-    try:
-        model(hidden_states=a, input_ids=x, document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=3)
-    finally:
-        hook.remove()
+    from test_byo_heads import speculators_logits
+
+    theirs = speculators_logits(model, x, a, 3)
     ours = head.ttt_forward(x, a, 3)
     assert len(theirs) == 3
     for j in range(3):
