@@ -249,6 +249,7 @@ def ship(args) -> None:
     to the target's dtype), its config, and a provenance JSON with the training commands, settings, data recipe,
     seed, curve and the weights' SHA-256 (checked by ``sacpolicy.heads.verify`` and by the tests)."""
     import json
+    import shutil
 
     from safetensors.torch import load_file, save_file
 
@@ -273,6 +274,10 @@ def ship(args) -> None:
                                                     for k, v in old.items() if k.startswith("curve") and v}}
 
     def fill(tmp: Path) -> None:
+        # what else lives beside the head (the regenerated answers it was trained on) stays
+        for extra in (out.iterdir() if out.is_dir() else []):
+            if extra.name not in (WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE):
+                (shutil.copytree if extra.is_dir() else shutil.copy2)(extra, tmp / extra.name)
         save_file(state, str(tmp / WEIGHTS_FILE))
         (tmp / CONFIG_FILE).write_text((head / CONFIG_FILE).read_text())
         write_json(tmp / PROVENANCE_FILE, {
