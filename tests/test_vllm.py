@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from toys import ngram_batch_rule, ngram_rule
 
 from sacpolicy.data import assign_split, load_prompt_mix
 from sacpolicy.decoding import NgramDrafter, SpeculativeDecoder
@@ -24,11 +25,7 @@ from sacpolicy.export.vllm_run import run_engine, vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, model_dir
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.policy.rules import Static
-from sacpolicy.runtime import FEATURE_NAMES, save_policy
-from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
-from sacpolicy.runtime.features import feature_spec
-from sacpolicy.runtime.predictors import Predictor
-from sacpolicy.runtime.rule import DecisionRule
+from sacpolicy.runtime import save_policy
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS, K_HEAD = 40, 3
@@ -59,33 +56,6 @@ def prompts(target):
     return chat + edits
 
 
-def _rule(mode: str) -> DecisionRule:
-    """A rule that reads what the vLLM proposer must reproduce: the peeked match length (top1 = n / 3), the
-    request's acceptance history (accept_ema) and the position; so its blocks vary from AR to long ones."""
-    coef = np.zeros(len(FEATURE_NAMES))
-    for name, c in {"top1": 3.0, "accept_ema": 4.0, "has_accept_ema": -1.5, "position": -0.35}.items():
-        coef[FEATURE_NAMES.index(name)] = c
-    pred = Predictor("linear", {"mean": np.zeros(len(coef)), "scale": np.ones(len(coef)), "coef": coef,
-                                "intercept": np.array([-1.0])}, {"features": feature_spec()})
-    cost = CostModel(device="cpu", verify={"tokens": PiecewiseLinear([1, 2, 4, 9], [0.06, 0.07, 0.08, 0.11]),
-                                           "per_context": 1e-5},
-                     draft={"ngram": PiecewiseLinear([0], [2e-4])}, per_token_draft={"ngram": False})
-    return DecisionRule(pred, cost, ("ngram",), 8, ("ngram", 4), mode, 1.0)
-
-
-def _batch_rule() -> DecisionRule:
-    """The same predictor with a cost model profiled over batch sizes in which drafting is free alone and dear in any
-    batch: its k-by-batch-size map for vLLM is [(1, 1, 4), (2, 4, 0)]."""
-    from dataclasses import replace
-
-    rule = _rule("k")
-    cost = CostModel("cpu", {"tokens": PiecewiseLinear([1, 9], [0.06, 0.0602]), "per_context": 1e-5}, rule.cost.draft,
-                     rule.cost.per_token_draft,
-                     batch={2: {"tokens": PiecewiseLinear([1, 9], [0.07, 0.60]), "per_context": 1e-5},
-                            4: {"tokens": PiecewiseLinear([1, 9], [0.08, 1.2]), "per_context": 1e-5}})
-    return replace(rule, cost=cost)
-
-
 @pytest.fixture(scope="module")
 def engines(vllm_ok, target, prompts, tmp_path_factory):
     """{"runs": name -> run_engine result, "draft": dir}: one engine each, started one after another (each takes
@@ -101,14 +71,15 @@ def _run_engines(target, prompts, root) -> dict:
     from sacpolicy.training.drafts import build_draft, export_draft
 
     target_dir = model_dir()
-    policy = save_policy(root / "policy", _rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
+    policy = save_policy(root / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
                          provenance={"target": EMBEDDED_TARGET}, metrics={})
     # the distillation's starting point (the target's first 2 layers, norm and head), exported as distill exports
     draft = export_draft(build_draft(target, arch="truncate", num_layers=2), target, root / "draft",
                          {"note": "untrained"})
     head = export_speculators(shipped_head(EMBEDDED_TARGET), root / "eagle3", str(target_dir), K_HEAD,
                               dtype=torch.float32)
-    by_batch = save_policy(root / "by_batch", _batch_rule(), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
+    by_batch = save_policy(root / "by_batch", ngram_batch_rule(),
+                           drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
                            provenance={"target": EMBEDDED_TARGET}, metrics={})
     runs = {"none": {}, "learned": {"speculative_config": learned_config(policy), "policy_dir": policy},
             "by_batch": {"speculative_config": speculative_config(by_batch), "phases": ("serial", "concurrent"),
@@ -138,7 +109,7 @@ def _check_learned_policy_is_lossless_and_decides_as_our_decoder(engines, target
     test_decoder), vLLM with our policy equals vLLM without, and vLLM's counters equal ours."""
     base, got = engines["runs"]["none"]["outputs"]["serial"], engines["runs"]["learned"]
     assert got["outputs"]["serial"] == base
-    rule = _rule("stop")
+    rule = ngram_rule("stop")
     # vLLM's proposer is not told how many tokens a request may still emit, so near max_tokens it drafts full blocks
     # (and counts what they accept past the end), where our decoder shortens the last blocks. Replayed with room
     # for those blocks, our decoder takes the same steps up to max_tokens, and vLLM's counters equal ours exactly.
@@ -201,7 +172,7 @@ def test_proposer_tracks_each_requests_history_without_request_ids(tmp_path):
 
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8),
                           model_config=SimpleNamespace(max_model_len=128))
-    policy_dir = save_policy(tmp_path / "policy", _rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
+    policy_dir = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
                              provenance={}, metrics={})
     proposer = PolicyNgramProposer(cfg, policy_dir)
     rng = np.random.default_rng(0)
@@ -249,7 +220,7 @@ def test_vllm_cost_profile_times_steps_and_replaces_the_verify_curve():
     assert step_seconds(res) == {"steps": 30, "seconds": 3.0, "step_s": pytest.approx(0.1), "drafts": 30}
     calls = []
 
-    def fake_run(model_dir, prompts, *, max_tokens, speculative_config):
+    def fake_run(model_dir, prompts, *, max_tokens, speculative_config, **kw):
         k = 0 if speculative_config is None else speculative_config["num_speculative_tokens"]
         calls.append(k)
         return {"tokens": {"serial": 20}, "seconds": {"serial": 1.0 + 0.1 * k + 0.01 * len(calls)},
@@ -258,7 +229,7 @@ def test_vllm_cost_profile_times_steps_and_replaces_the_verify_curve():
     steps = profile_vllm_verify("dir", [[1, 2]], (0, 2), repeats=2, run=fake_run)
     assert calls == [0, 2, 0, 2]  # interleaved
     assert steps[0] == pytest.approx([1.01 / 20, 1.03 / 20]) and steps[2] == pytest.approx([1.22 / 20, 1.24 / 20])
-    base = _rule("k").cost
+    base = ngram_rule("k").cost
     cost = vllm_cost_model(base, steps, mean_context=100.0)
     for k in (0, 2):  # the median step time at the profiled context, the context term kept
         assert cost.verify_time(k, 100.0) == pytest.approx(np.median(steps[k]))
@@ -266,3 +237,40 @@ def test_vllm_cost_profile_times_steps_and_replaces_the_verify_curve():
     assert cost.meta["verify_profiled_in"] == "vllm"
     with pytest.raises(ValueError, match="needs k = 0"):
         vllm_cost_model(base, {2: steps[2]}, 100.0)
+
+
+def test_vllm_profile_over_batch_sizes_prices_a_wide_step():
+    """Batch sizes: one engine per k times one request at a time and waves of B (the prompts cycled to fill them,
+    every request to max_tokens); a wave's step is its seconds over its steps (tokens less accepted, over B rows);
+    the cost model gets a verify curve per B, so the rule prices a step at vLLM's live batch size."""
+    from sacpolicy.export.vllm_cost import profile_vllm_steps, step_seconds, vllm_cost_model
+
+    res = {"tokens": {"concurrent:4": 400}, "seconds": {"concurrent:4": 5.0},
+           "spec": {"concurrent:4": {"num_accepted_tokens": 0, "num_drafts": 0}}}
+    assert step_seconds(res, "concurrent:4", rows=4)["step_s"] == pytest.approx(0.05)  # 100 steps of 4 rows
+    seen = []
+
+    def fake_run(model_dir, prompts, *, max_tokens, speculative_config, phases, ignore_eos):
+        k = 0 if speculative_config is None else speculative_config["num_speculative_tokens"]
+        seen.append((len(prompts), phases, ignore_eos))
+        # one row: 0.05 s a step whatever k; four rows: 0.06 s + 0.02 s per drafted token per row
+        out = {"tokens": {}, "seconds": {}, "spec": {}}
+        for phase, rows, step in (("serial", 1, 0.05), ("concurrent:4", 4, 0.06 + 0.02 * k)):
+            out["tokens"][phase], out["seconds"][phase] = 10 * len(prompts), 10 * len(prompts) / rows * step
+            out["spec"][phase] = {"num_accepted_tokens": 0, "num_drafts": 0}
+        return out
+
+    by_b = profile_vllm_steps("dir", [[1], [2]], (0, 2), (1, 4), run=fake_run)
+    assert seen == [(4, ("serial", "concurrent:4"), True)] * 2  # 2 prompts cycled to fill a wave of 4
+    assert by_b[1] == {0: [pytest.approx(0.05)], 2: [pytest.approx(0.05)]}
+    assert by_b[4] == {0: [pytest.approx(0.06)], 2: [pytest.approx(0.10)]}
+    base = ngram_rule("k").cost
+    cost = vllm_cost_model(base, by_b[1], 100.0, batch_steps={4: by_b[4]})
+    assert cost.batch_sizes == [1, 4]
+    assert cost.verify_time(2, 100.0, 4) == pytest.approx(0.10) and cost.verify_time(0, 100.0, 4) == pytest.approx(0.06)
+    assert cost.batch[4]["per_context"] == pytest.approx(4 * base.verify["per_context"])
+    # alone, drafting 2 is free; in a batch of 4 it costs 0.04 s a step: the rule drafts alone and not at B = 4 when
+    # 2 drafts are worth 0.5 tokens a step
+    probs = [0.25, 0.25]
+    assert cost.best_k("ngram", 100, probs, 2, batch=1)[0] == 2
+    assert cost.best_k("ngram", 100, probs, 2, batch=4)[0] == 0

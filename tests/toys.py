@@ -2,12 +2,18 @@
 
 from functools import partial
 
+import numpy as np
 import torch
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.linear_model import LogisticRegression
 from transformers import LlamaConfig
 
 from sacpolicy.decoding import DraftRow, PolicyRow, SamplingConfig
+from sacpolicy.runtime import FEATURE_NAMES
+from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
+from sacpolicy.runtime.features import feature_spec
+from sacpolicy.runtime.predictors import Predictor
+from sacpolicy.runtime.rule import DecisionRule
 from sacpolicy.training.predictor import fit_mlp, fit_sklearn
 
 
@@ -100,3 +106,31 @@ PREDICTORS = {
     "mlp": partial(fit_mlp, max_epochs=4, hidden=(32,), lr=3e-3, weight_decay=1e-4, batch_size=512, patience=4,
                    trainer_kwargs={"enable_progress_bar": False}),
 }
+
+
+# ---------------------------------------------------------------------- rules for vLLM's proposer (test_vllm, test_serve)
+def ngram_rule(mode: str) -> DecisionRule:
+    """A rule that reads what the vLLM proposer must reproduce: the peeked match length (top1 = n / 3), the
+    request's acceptance history (accept_ema) and the position; so its blocks vary from AR to long ones."""
+    coef = np.zeros(len(FEATURE_NAMES))
+    for name, c in {"top1": 3.0, "accept_ema": 4.0, "has_accept_ema": -1.5, "position": -0.35}.items():
+        coef[FEATURE_NAMES.index(name)] = c
+    pred = Predictor("linear", {"mean": np.zeros(len(coef)), "scale": np.ones(len(coef)), "coef": coef,
+                                "intercept": np.array([-1.0])}, {"features": feature_spec()})
+    cost = CostModel(device="cpu", verify={"tokens": PiecewiseLinear([1, 2, 4, 9], [0.06, 0.07, 0.08, 0.11]),
+                                           "per_context": 1e-5},
+                     draft={"ngram": PiecewiseLinear([0], [2e-4])}, per_token_draft={"ngram": False})
+    return DecisionRule(pred, cost, ("ngram",), 8, ("ngram", 4), mode, 1.0)
+
+
+def ngram_batch_rule() -> DecisionRule:
+    """The same predictor with a cost model profiled over batch sizes in which drafting is free alone and dear in any
+    batch: its k-by-batch-size map for vLLM is [(1, 1, 4), (2, 4, 0)]."""
+    from dataclasses import replace
+
+    rule = ngram_rule("k")
+    cost = CostModel("cpu", {"tokens": PiecewiseLinear([1, 9], [0.06, 0.0602]), "per_context": 1e-5}, rule.cost.draft,
+                     rule.cost.per_token_draft,
+                     batch={2: {"tokens": PiecewiseLinear([1, 9], [0.07, 0.60]), "per_context": 1e-5},
+                            4: {"tokens": PiecewiseLinear([1, 9], [0.08, 1.2]), "per_context": 1e-5}})
+    return replace(rule, cost=cost)

@@ -40,6 +40,7 @@ VLLM_KINDS = ("model", "ngram")
 POLICY_ENV = "SACPOLICY_POLICY_DIR"
 DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's n-gram drafters the proposer runs
 STATS_ENV = "SACPOLICY_PROPOSER_STATS"  # optional: a JSON file where the proposer reports its calls and seconds
+LOAD_ENV = "SACPOLICY_PROPOSER_LOAD"  # "0": price every step as one request even where the cost model has batches
 _GREEDY = SamplingConfig()  # n-gram proposals are deterministic; the sampling settings do not reach them
 
 
@@ -166,8 +167,16 @@ class PolicyNgramProposer:
 
     It runs sacpolicy's own ``LearnedPolicy`` and ``NgramDrafter`` (peek, plan, stop rule) on each row, as the
     decoder does, so vLLM decodes with the decisions sacpolicy's decoder makes on the same context: the rule's
-    drafter index, the request's acceptance history (``_History``), an unknown category and idle load. The rule's
-    other drafters are not on offer in vLLM, as when a decoder drops a drafter."""
+    drafter index, the request's acceptance history (``_History``) and an unknown category. The rule's other drafters
+    are not on offer in vLLM, as when a decoder drops a drafter.
+
+    Load: the rows of one engine step are planned together (``LearnedPolicy.decide``, as the batched decoder does),
+    priced at the step's live batch size (the requests vLLM scheduled) when the rule's cost model was profiled over
+    batch sizes (``scripts/profile_vllm.py --batch-sizes``: vLLM's own batched step costs), so the rule drafts less,
+    or nothing, where a wide batch makes drafting lose; a rule profiled at one request prices every step as one.
+
+    A failure inside the proposer never reaches vLLM's engine: the step goes without drafts (lossless: vLLM then
+    decodes one token per request), the failure is logged once and counted (``failures`` in the stats file)."""
 
     def __init__(self, vllm_config, policy=None, drafter: str | None = None):
         policy, drafter = policy or os.environ.get(POLICY_ENV), drafter or os.environ.get(DRAFTER_ENV) or None
@@ -183,48 +192,83 @@ class PolicyNgramProposer:
         seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         self.history = _History(4 * seqs)
         self._request = RequestInfo(drafters=self.rule.drafters)
-        self.calls, self.seconds, self.stats_path = 0, 0.0, os.environ.get(STATS_ENV)
-        self._memory = self.policy.start(self._request)  # the block being drafted: one row at a time
+        self.load_aware = bool(self.rule.cost.batch) and os.environ.get(LOAD_ENV, "1") != "0"
+        self.calls, self.seconds, self.failures, self.stats_path = 0, 0.0, 0, os.environ.get(STATS_ENV)
+        self.batch_sizes: dict[int, int] = {}  # steps per live batch size
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
-        t0 = time.perf_counter()
-        out = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        t0, failed = time.perf_counter(), False
+        try:
+            out = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception:  # a proposer failure must never take the engine down
+            if not self.failures:
+                logger.exception("the sacpolicy proposer failed; this step goes without drafts (counted as "
+                                 "'failures' in %s)", self.stats_path or f"the proposer's stats ({STATS_ENV})")
+            self.failures, failed = self.failures + 1, True
+            out = [[] for _ in sampled_token_ids]
         self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - t0
-        if self.stats_path and self.calls % 20 == 0:  # the proposer lives in vLLM's worker: report through a file
-            write_json(self.stats_path, {"calls": self.calls, "seconds": self.seconds})
+        if self.stats_path and (self.calls % 20 == 0 or failed):
+            self.write_stats()
         return out
 
+    def write_stats(self) -> None:
+        """The proposer lives in vLLM's worker: it reports through a JSON file (``SACPOLICY_PROPOSER_STATS``)."""
+        if self.stats_path:
+            write_json(self.stats_path, {"calls": self.calls, "seconds": self.seconds, "failures": self.failures,
+                                         "load_aware": self.load_aware,
+                                         "batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}})
+
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        out = []
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        live = []
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not len(sampled) or n >= self.max_model_len:  # a prefill chunk mid-way, or no room: no drafts
-                out.append([])
                 continue
             context = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
-            history = self.history.advance(context, len(sampled))
-            block = self.block(context, history)
+            live.append((i, context, self.history.advance(context, len(sampled))))
+        batch = len(sampled_token_ids)  # the requests this engine step verifies together
+        self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
+        blocks = self.blocks([(c, h) for _, c, h in live], batch=batch if self.load_aware else 1)
+        for (i, context, history), block in zip(live, blocks):
             self.history.record(context, history, len(block))
-            out.append(block)
+            out[i] = block
         return out
 
     def block(self, context: np.ndarray, history: tuple[float, float] | None = None) -> list[int]:
-        """The tokens the decoder would draft on ``context`` (``history``: the request's acceptance history, None
-        before its first block): peek, plan, draft with the stop rule."""
-        n, ctx = len(context), torch.from_numpy(context)
-        room = min(self.k_cap, self.max_model_len - n - 1)  # the decoder's remaining - 1
-        ngram = self.ngram.new_state()
-        state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=(self.drafter,),
-                            accept_history={} if history is None else {self.drafter: history},
-                            peeks={self.drafter: self.ngram.peek(ngram, ctx)})
-        row = PolicyRow(state, self._memory)
-        decision = self.policy.decide([row])[0]
-        k = min(decision.k, room)
-        if decision.drafter is None or k < 1:
-            return []
-        state.drafter = decision.drafter
-        draft = DraftRow(ngram, ctx, k, _GREEDY, stop=stop_callback(self.policy, row))
-        return self.ngram.propose([draft])[0].tokens.tolist()
+        """The tokens the decoder would draft on ``context`` alone (``history``: the request's acceptance history,
+        None before its first block)."""
+        return self.blocks([(context, history)])[0]
+
+    def blocks(self, rows: list[tuple[np.ndarray, tuple[float, float] | None]], batch: int = 1) -> list[list[int]]:
+        """The tokens the decoder would draft on each (context, history) row: peek, plan, draft with the stop rule.
+        ``batch`` > 1: the rows are planned together as one step of that many rows (the cost model must have batch
+        curves); 1: each row is planned alone."""
+        prows, drafts, where = [], [], []
+        for context, history in rows:
+            n = len(context)
+            room = min(self.k_cap, self.max_model_len - n - 1)  # the decoder's remaining - 1
+            ngram = self.ngram.new_state()
+            ctx = torch.from_numpy(context)
+            state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=(self.drafter,),
+                                accept_history={} if history is None else {self.drafter: history},
+                                peeks={self.drafter: self.ngram.peek(ngram, ctx)}, batch_size=max(batch, 1))
+            prows.append((PolicyRow(state, self.policy.start(self._request)), ngram, ctx, room))
+        if batch > 1:  # one plan for the step's rows, at its live size
+            decisions = self.policy.decide([r for r, *_ in prows]) if prows else []
+        else:  # each row priced as a step of its own
+            decisions = [self.policy.decide([r])[0] for r, *_ in prows]
+        for j, ((row, ngram, ctx, room), decision) in enumerate(zip(prows, decisions)):
+            k = min(decision.k, room)
+            if decision.drafter is None or k < 1:
+                continue
+            row.state.drafter = decision.drafter
+            drafts.append(DraftRow(ngram, ctx, k, _GREEDY, stop=stop_callback(self.policy, row)))
+            where.append(j)
+        out: list[list[int]] = [[] for _ in rows]
+        for j, proposal in zip(where, self.ngram.propose(drafts) if drafts else []):
+            out[j] = proposal.tokens.tolist()
+        return out
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # nothing to load: vLLM calls this on every proposer

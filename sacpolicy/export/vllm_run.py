@@ -9,10 +9,10 @@ GB while it lives, and frees it all when the process ends. Phases, each on the s
 
 - ``serial``: one request at a time (``LLM.generate`` per prompt): tokens/s at one request;
 - ``concurrent``: the prompts in waves of ``concurrency`` (default: all at once), each wave one ``LLM.generate``
-  call (vLLM batches its requests): tokens/s under load.
+  call (vLLM batches its requests): tokens/s under load; ``concurrent:B``: the same in waves of B.
 
-Greedy decoding (temperature 0), ``ignore_eos=False``; outputs are the generated token ids. Counters are per phase
-(the difference of vLLM's cumulative ``vllm:spec_decode_*`` counters before and after it).
+Greedy decoding (temperature 0), ``ignore_eos=False`` (profiling: True, every request runs to ``max_tokens``);
+outputs are the generated token ids. Counters are per phase (the difference of vLLM's cumulative ``vllm:spec_decode_*`` counters before and after it).
 
 Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache),
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. With it and the ``uni`` executor (the default ``engine_args``), the engine core
@@ -70,7 +70,7 @@ def vllm_status() -> tuple[bool, str]:
 def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, speculative_config: dict | None = None,
                policy_dir=None, phases=("serial",), enforce_eager: bool = True, max_model_len: int = 2048,
                engine_args: dict | None = None, concurrency: int | None = None, timeout: float = 1200,
-               log=None) -> dict:
+               log=None, ignore_eos: bool = False) -> dict:
     """Start one vLLM engine on ``model_dir`` (float32) in a child process and run ``phases`` over ``prompts``.
     ``policy_dir``: the policy artifact a ``custom_class`` proposer of ours reads (``SACPOLICY_POLICY_DIR``);
     ``engine_args``: more ``vllm.LLM`` keyword arguments (e.g. ``{"async_scheduling": False}``).
@@ -79,16 +79,16 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
     "per_prompt_s": [s per prompt of the serial phase], "proposer": {"calls", "seconds"} (our custom proposer only),
     "spec": {phase: {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}},
     "startup_s": s, "vllm": version}. Raises ``VllmUnavailable`` or RuntimeError with the child's last lines."""
-    unknown = [p for p in phases if p not in PHASES]
+    unknown = [p for p in phases if p.split(":")[0] not in PHASES or (":" in p and not p.split(":")[1].isdigit())]
     if unknown:
-        raise ValueError(f"unknown phases {unknown}; phases are {list(PHASES)}")
+        raise ValueError(f"unknown phases {unknown}; phases are {list(PHASES)} (concurrent:B: waves of B)")
     with tempfile.TemporaryDirectory(prefix="sacpolicy-vllm-") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         write_json(job, {"model": str(model_dir), "prompts": [list(map(int, p)) for p in prompts],
                          "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
                          "enforce_eager": enforce_eager, "max_model_len": max_model_len,
                          "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})},
-                         "concurrency": concurrency or len(prompts)})
+                         "concurrency": concurrency or len(prompts), "ignore_eos": ignore_eos})
         env = {**CPU_ENV, **os.environ}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
@@ -147,7 +147,7 @@ def _child(job_path: str, out_path: str) -> None:
 
     result = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "outputs": {}, "seconds": {},
               "tokens": {}, "spec": {}}
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     for phase in job["phases"]:
@@ -161,7 +161,7 @@ def _child(job_path: str, out_path: str) -> None:
                 per.append(time.perf_counter() - tp)
             result["per_prompt_s"] = per
         else:
-            c = job["concurrency"]
+            c = int(phase.split(":")[1]) if ":" in phase else job["concurrency"]
             outs = [o for i in range(0, len(prompts), c) for o in llm.generate(prompts[i : i + c], params,
                                                                               use_tqdm=False)]
         result["seconds"][phase] = time.perf_counter() - t
