@@ -160,16 +160,20 @@ def main(argv=None) -> int:
             return res
 
         killed: list[str] = []
-        # (1) capacity and the reference outputs: no speculation, every request at once
-        base = VllmServer(target_dir, configs.get("none") or serve_config("none"), log=work / "none-capacity.log",
-                          max_num_seqs=args.max_num_seqs)
-        with base:
-            completions(base.url, ["Hello"], max_tokens=4)  # warm-up
-            cap = run(base, "none", math.inf, "capacity")
-        ref = cap["generated_texts"]
-        capacity = args.capacity or cap["request_throughput"]
-        print(f"capacity (no speculation, all {len(prompts)} at once): {cap['request_throughput']:.3f} requests/s, "
-              f"{cap['output_throughput']:.1f} output tokens/s; using {capacity:.3f} requests/s", flush=True)
+        cap: dict = {}
+
+        def measure_capacity(server) -> None:
+            """(1) capacity and the reference outputs: no speculation, every request at once."""
+            cap.update(run(server, "none", math.inf, "capacity"))
+            print(f"capacity (no speculation, all {len(prompts)} at once): {cap['request_throughput']:.3f} "
+                  f"requests/s, {cap['output_throughput']:.1f} output tokens/s", flush=True)
+
+        if "none" not in configs:  # a server of its own for the capacity
+            with VllmServer(target_dir, serve_config("none"), log=work / "none-capacity.log",
+                            max_num_seqs=args.max_num_seqs) as base:
+                completions(base.url, ["Hello"], max_tokens=4)  # warm-up
+                measure_capacity(base)
+        configs = {"none": configs["none"], **configs} if "none" in configs else configs  # none first: capacity
 
         # (2) every configuration at every rate, servers alternating over repeats
         results: dict = {name: {str(r): [] for r in rates} for name in configs}
@@ -183,6 +187,10 @@ def main(argv=None) -> int:
             server = VllmServer(target_dir, config, log=work / f"{name}-{rep}.log", max_num_seqs=args.max_num_seqs)
             with server:
                 completions(server.url, ["Hello"], max_tokens=4)  # warm-up
+                if not cap:
+                    measure_capacity(server)
+                capacity = args.capacity or cap["request_throughput"]
+                ref = cap["generated_texts"]
                 for r in rates:
                     res = run(server, name, r * capacity, f"{name}-{rep}-{r}")
                     row = summarize(res)
