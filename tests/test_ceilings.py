@@ -99,13 +99,23 @@ def test_evaluation_puts_ceilings_next_to_the_learned_rows(synth, tmp_path):
     assert f"learned-logreg captures {share:.0%} of learned-logreg-in-sample's gain over best-static" in md
 
 
-def test_sampled_traces_give_no_simulated_rows(synth, tmp_path):
+def test_sampled_traces_give_simulated_rows_in_expectation(synth, tmp_path):
+    """Sampled traces replay in expectation: every simulated row and ceiling is there, one result per test prompt
+    (its draws merged), and the metadata says which replay ran."""
     split, cost, rule, static = synth
-    sampled = {s: {pid: {**p, "temperature": 1.0} for pid, p in g.items()} for s, g in split.items()}
-    rows, meta = _evaluate((sampled, cost, rule, static), in_sample=InSample({"logreg": PREDICTORS["logreg"]}, k=K_MAX))
-    assert rows == [] and meta["test_prompts_simulated"] == 0 and meta["confidence_threshold"] is None
-    assert meta["simulated_skipped"].startswith("No simulated rows (nor ceilings): these traces were recorded with "
-                                                "sampling")
+    sampled = {s: {pid: {**p, "temperature": 1.0, "draws": 2} for pid, p in g.items()} for s, g in split.items()}
+    rows, meta = _evaluate((sampled, cost, rule, static), in_sample=InSample({"logreg": PREDICTORS["logreg"]}, k=K_MAX,
+                                                                            soft=True))
+    names = [r["name"] for r in rows]
+    assert {"best-static", "per-prompt-static", "confidence-tuned", "learned-logreg", "learned-logreg-in-sample",
+            "oracle"} <= set(names) and all(r["mode"] == "simulated" for r in rows)
+    assert meta["test_prompts_simulated"] == len(split["test"]) and meta["confidence_threshold"] is not None
+    assert meta["simulated_replay"].startswith("expected (sampled traces, temperature 1.0: 2 seeded draws")
+    by = {r["name"]: r for r in rows}
+    for r in rows:
+        assert len(r["per_prompt"]["tokens"]) == len(split["test"])  # prompts, not draws, behind the intervals
+        assert r["tokens"] == 2 * sum(len(p["drafters"]["draft"]["target_token"]) for p in split["test"].values())
+    assert by["oracle"]["tokens_per_s"] >= by["per-prompt-static"]["tokens_per_s"] >= by["best-static"]["tokens_per_s"]
+    assert by["ar"]["tokens_per_call"] == pytest.approx(1.0)  # one prefill per draw: no call left uncounted
     write_eval(tmp_path, rows, meta)
-    assert f"- {meta['simulated_skipped']}" in (tmp_path / "eval.md").read_text()
-
+    assert "simulated_replay: expected" in (tmp_path / "eval.md").read_text()

@@ -16,10 +16,18 @@ import numpy as np
 import pytest
 import torch
 from test_traces import cost_model
-from toys import PREDICTORS, propose_one, synthetic_traces
+from toys import PREDICTORS, Markov, propose_one, synthetic_traces
 
 from sacpolicy.data import assign_split
-from sacpolicy.decoding import DecodeState, ModelDrafter, NgramDrafter, PolicyRow, RequestInfo
+from sacpolicy.decoding import (
+    DecodeState,
+    ModelDrafter,
+    NgramDrafter,
+    PolicyRow,
+    RequestInfo,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
 from sacpolicy.decoding.rows import stop_callback
 from sacpolicy.export import (
     build_drafters,
@@ -274,6 +282,41 @@ def test_bad_artifacts_are_refused_with_the_fix(fitted, tmp_path):
     (missing / "policy.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="not valid JSON"):
         load_policy(missing)
+
+
+def test_artifact_records_the_sampling_it_was_fitted_for_and_the_policy_warns_once_elsewhere(tmp_path, caplog):
+    """The pipeline's fit records the traces' temperature and top_p in the predictor's meta; the artifact gives them
+    back, and a learned policy decoding at other settings (a decoder's own, or a request's) warns once. Artifacts that
+    do not record them (older ones) load and decode without a word."""
+    rule = _constant_rule(0.0, k_max=2, drafters=("ngram",))
+    rule.predictor.meta.update(fitted_temperature=0.7, fitted_top_p=0.9)
+    art = load_artifact(save_policy(tmp_path / "p", rule, drafters={"ngram": {"kind": "ngram"}}, provenance={},
+                                    metrics={}))
+    assert art.fitted_sampling == {"temperature": 0.7, "top_p": 0.9}
+    assert art.rule.sampling_mismatch(0.7, 0.9) is None and art.rule.sampling_mismatch(0.74, 0.88) is None
+    assert "decodes greedy" in art.rule.sampling_mismatch(0.0)
+    assert "decodes temperature 0.8, top_p 0.9" in art.rule.sampling_mismatch(0.8, 0.9)
+    assert "decodes temperature 0.7, top_p 1" in art.rule.sampling_mismatch(0.7, 1.0)
+    policy = LearnedPolicy(art.rule)
+    with caplog.at_level("WARNING", logger="sacpolicy.policy.learned"):
+        for t in (0.7, 1.0, 1.0, 0.0):
+            policy.start(RequestInfo(sampling=SamplingConfig(temperature=t, top_p=0.9)))
+    warned = [r for r in caplog.records if r.name == "sacpolicy.policy.learned"]
+    assert len(warned) == 1 and "fitted on traces decoded temperature 0.7, top_p 0.9, but decodes temperature 1" in (
+        warned[0].getMessage())
+    caplog.clear()
+    logp = torch.log_softmax(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), -1)
+    with caplog.at_level("WARNING", logger="sacpolicy.policy.learned"):
+        for t, fitted in ((0.7, art.rule), (0.0, art.rule), (0.0, _constant_rule(0.0, k_max=2, drafters=("ngram",)))):
+            dec = SpeculativeDecoder(Markov(logp), [NgramDrafter(name="ngram")], LearnedPolicy(fitted),
+                                     sampling=SamplingConfig(temperature=t, top_p=0.9), stop_token_ids=[])
+            dec.generate([1, 2, 3, 1, 2], 6)
+            dec.generate([1, 2, 3, 1, 2], 6)
+    warned = [r.getMessage() for r in caplog.records if r.name == "sacpolicy.policy.learned"]
+    assert len(warned) == 1 and "but decodes greedy" in warned[0]  # the decoder's settings reach the policy
+    old = load_artifact(save_policy(tmp_path / "old", _constant_rule(0.0, k_max=2, drafters=("ngram",)),
+                                    drafters={"ngram": {"kind": "ngram"}}, provenance={}, metrics={}))
+    assert old.fitted_sampling is None and old.rule.sampling_mismatch(1.0) is None
 
 
 def test_drafters_rebuilt_from_the_artifact(fitted, tiny_target):

@@ -177,9 +177,10 @@ def test_multirun_sweep_runs_two_jobs(tmp_path):
 
 def test_an_interrupted_run_resumes_where_it_stopped(tmp_path):
     """Kill the run during trace collection, rerun it in the same directory: finished stages and trace chunks are
-    kept, the rest is done, and the result matches an uninterrupted run's traces."""
-    # sampled traces (beta labels; the fit stage skips rule tuning, which would replay them as if greedy): without a
-    # trained draft the tiny target's greedy text is one every drafter predicts, nothing to learn from
+    kept, the rest is done, and the result matches an uninterrupted run's traces. The traces are sampled: fit tunes
+    the rule by the expected-value replay, and evaluation has simulated rows."""
+    # sampled traces (beta labels, replayed in expectation): without a trained draft the tiny target's greedy text is
+    # one every drafter predicts, nothing to learn from
     stages = ["stages=[collect,fit]", "collect.chunk_size=1", "sampling.temperature=1.0"]
     args = [sys.executable, TRAIN, "experiment=smoke", f"hydra.run.dir={tmp_path}", *stages]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -199,7 +200,16 @@ def test_an_interrupted_run_resumes_where_it_stopped(tmp_path):
     collect = json.loads((tmp_path / "collect.json").read_text())
     assert len(after) == sum(collect["prompts"].values())
     fit = json.loads((tmp_path / "fit.json").read_text())
-    assert all(p["tuning_skipped"] for p in fit["predictors"].values()), fit  # sampled: no replayed tuning
+    for p in fit["predictors"].values():  # sampled: tuned by the expected-value replay, fitted for temperature 1
+        assert p["tuning_replay"].startswith("expected (sampled traces, temperature 1.0") and p["val_tokens_per_s"] > 0
+        assert p["fitted_sampling"] == {"temperature": 1.0, "top_p": 1.0}
+    policy = json.loads((tmp_path / "policies" / "hgb" / "policy.json").read_text())
+    assert policy["predictor"]["meta"]["fitted_temperature"] == 1.0
+    run_in_process(tmp_path, "stages=[evaluate]", "sampling.temperature=1.0", "eval.live_prompts=0")
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    names = {r["name"] for r in ev["rows"] if r["mode"] == "simulated"}
+    assert {"ar", "best-static", "confidence-tuned", "learned-hgb", "learned-hgb-in-sample", "oracle"} <= names
+    assert ev["meta"]["simulated_replay"].startswith("expected")
 
 
 def test_wandb_offline_run_holds_the_logged_summary(tmp_path, monkeypatch, caplog):

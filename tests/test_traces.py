@@ -1,5 +1,5 @@
 """Traces: schema and loading, teacher-forced collection, exact replay of policies, features, resume after a kill,
-sampled traces (refused by every replay, ranked in expectation instead)."""
+sampled traces (beta of the processed distributions, replayed in expectation over seeded draws)."""
 
 import json
 import math
@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 from toys import synthetic_traces
 
@@ -25,13 +26,15 @@ from sacpolicy.decoding import (
     SamplingConfig,
     SpeculativeDecoder,
 )
+from sacpolicy.decoding.sampling import probs_from_logits
 from sacpolicy.policy import Confidence, Heuristic, Static
 from sacpolicy.policy.features import FEATURE_NAMES, token_features
 from sacpolicy.profiling import CostModel, PiecewiseLinear
 from sacpolicy.runtime.features import FEATURE_NAMES as RUNTIME_FEATURES
 from sacpolicy.runtime.features import feature_spec
-from sacpolicy.runtime.predictors import Predictor
-from sacpolicy.traces.collect import collect_teacher_forced, resolve_shard
+from sacpolicy.runtime.predictors import Predictor, PredictorError
+from sacpolicy.traces.collect import collect_teacher_forced, resolve_shard, teacher_forced_rows
+from sacpolicy.traces.draws import DRAWS
 from sacpolicy.traces.schema import (
     SCHEMA_VERSION,
     TraceError,
@@ -48,6 +51,7 @@ from sacpolicy.traces.simulate import (
     expected_tokens_per_s,
     group_traces,
     simulate,
+    simulate_batch,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,33 +295,146 @@ def sampled(tiny_target, tmp_path_factory):
     return out, group_traces(load_traces(out), read_meta(out))
 
 
-def test_sampled_traces_are_recorded_and_refused_by_every_replay(setup, sampled):
+def test_sampled_traces_are_recorded_and_replayed_in_expectation(setup, sampled):
     out, grouped = sampled
-    assert read_meta(out)["sampling"]["temperature"] == 0.8
+    assert read_meta(out)["sampling"]["temperature"] == 0.8 and read_meta(out)["beta"] == "processed"
     assert {p["temperature"] for p in grouped.values()} == {0.8}
+    assert {p["draws"] for p in grouped.values()} == {DRAWS}
     cost = cost_model(["skip2", "ngram"])
-    with pytest.raises(SampledTracesError, match=r"simulate .*temperature \[0.8\].*sampling.temperature=0"):
-        simulate(Static(2, "skip2"), grouped, cost, vocab_size=V)
-    with pytest.raises(SampledTracesError, match="best_static"):
-        best_static(grouped, cost, vocab_size=V, k_max=2)
-    with pytest.raises(SampledTracesError):
-        simulate(Oracle(cost, k_max=4), grouped, cost, vocab_size=V)
-    one = {pid: grouped[pid] for pid in list(grouped)[:1]}  # a subset (a split) carries the stamp along
-    with pytest.raises(SampledTracesError):
-        simulate(Static(1, "ngram"), one, cost, vocab_size=V)
+    sim = simulate(Static(2, "skip2"), grouped, cost, vocab_size=V)
+    assert sim.tokens == DRAWS * 3 * 8 and sim.tokens_per_s > 0  # every draw of every prompt, merged per prompt
+    assert [r.draws for _, r in sim.results] == [DRAWS] * 3
+    assert simulate(Static(2, "skip2"), grouped, cost, vocab_size=V).per_prompt == sim.per_prompt  # seeded draws
+    best = best_static(grouped, cost, vocab_size=V, k_max=2)["all"]
+    oracle = simulate(Oracle(cost, k_max=4), grouped, cost, vocab_size=V)
+    assert oracle.tokens_per_s >= best["tokens_per_s"] > 0  # the oracle knows each draw's outcomes
+    one = {pid: grouped[pid] for pid in list(grouped)[:1]}  # a prompt replays alike alone and among others
+    pid = next(iter(one))
+    assert simulate(Static(1, "ngram"), one, cost, vocab_size=V).per_prompt[pid] == simulate(
+        Static(1, "ngram"), grouped, cost, vocab_size=V).per_prompt[pid]
     from sacpolicy.training.predictor import tune_rule
 
-    static = expected_best_static(grouped, cost, k_max=4)["all"]
-    assert static["estimate"] == "expected" and static["tokens_per_s"] > 0
-    with pytest.raises(SampledTracesError):
-        tune_rule(constant_predictor(), cost, grouped, static, vocab_size=V, k_max=4)
-    # walking the positions without reading rates (training examples labelled with beta) is allowed explicitly
-    assert simulate(Static(2, "skip2"), grouped, cost, vocab_size=V, allow_sampled=True).tokens == 3 * 8
+    _, tuning = tune_rule(constant_predictor(), cost, grouped, best, vocab_size=V, k_max=4)
+    assert len(tuning["grid"]) > 1 and all(r["val_tokens_per_s"] > 0 for r in tuning["grid"])
+    with pytest.raises(SampledTracesError, match=r"simulate_batch replays greedy traces only.*temperature \[0.8\]"):
+        simulate_batch(Static(2, "skip2"), grouped, cost, vocab_size=V, max_batch=1)
     # greedy traces with their meta replay as before
     _, _, greedy_out, traces = setup
     greedy = group_traces(traces, read_meta(greedy_out))
     assert {p["temperature"] for p in greedy.values()} == {0.0}
     assert simulate(Static(2, "skip2"), greedy, cost_model(["skip2", "self", "ngram"]), vocab_size=V).tokens > 0
+
+
+def test_sampled_beta_is_computed_on_the_processed_distributions(tiny_target):
+    """With top-p (and temperature) the traces' p, q and beta are the warped distributions verification accepts with,
+    for a model drafter (sum min(p, q)) and a copying one (p of its token)."""
+    prompt = {"prompt_id": "p", "category": "writing", "input_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}
+    generated = [7, 8, 5, 6, 7, 9]
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9)
+    logits = torch.randn(len(generated), V, generator=torch.Generator().manual_seed(0)) * 3
+    skip, ngram = LayerSkipDrafter(tiny_target.model, 2, name="skip2"), NgramDrafter(name="ngram")
+    rows = teacher_forced_rows(tiny_target, [skip, ngram], prompt, generated, 4, target_logits=logits, sampling=cfg)
+    ids = torch.tensor(prompt["input_ids"] + generated)
+    p = probs_from_logits(logits, cfg)
+    q = probs_from_logits(skip.teacher_force(ids, len(prompt["input_ids"]), 4).logits.float(), cfg)
+    by = {(r["drafter"], r["position"]): r for r in rows}
+    for g, tok in enumerate(generated):
+        assert by["skip2", g]["beta"] == pytest.approx(float(torch.minimum(p[g], q[g]).sum()), abs=1e-5)
+        assert by["skip2", g]["p_target"] == pytest.approx(float(p[g, tok]), abs=1e-6)
+        first = by["ngram", g]["draft_token"]
+        assert by["ngram", g]["beta"] == pytest.approx(float(p[g, first]) if first >= 0 else 0.0, abs=1e-6)
+    assert (p == 0).any()  # top-p did cut the tail
+    greedy = teacher_forced_rows(tiny_target, [skip], prompt, generated, 4, target_logits=logits)
+    p1 = probs_from_logits(logits, SamplingConfig(temperature=1.0))
+    assert greedy[0]["p_target"] == pytest.approx(float(p1[0, generated[0]]), abs=1e-6)  # greedy: temperature 1
+
+
+def _hand_sampled(betas: dict, length: int, k_max: int = 8, temperature: float = 1.0, draws: int = DRAWS) -> dict:
+    """Grouped sampled traces of one prompt: per drafter (name -> beta per position; a token-by-token drafter), the
+    recorded tokens all drafted right (run_len as long as the rest), certain confidence."""
+    rows = []
+    for name, beta in betas.items():
+        for g in range(length):
+            rows.append({"prompt_id": "hand", "category": "writing", "prompt_len": 16, "drafter": name, "position": g,
+                         "target_token": 3 + g % 50, "draft_token": 3 + g % 50, "match": True, "top1": 0.9,
+                         "entropy": 0.3, "margin": 0.8, "p_target": 0.5, "q_target": 0.5, "beta": beta[g],
+                         "run_len": min(k_max, length - g), "proposal_len": k_max, "proposal": False})
+    meta = {"kind": "teacher_forced", "sampling": {"temperature": temperature, "top_p": 1.0}, "beta": "processed"}
+    return group_traces(rows, meta, draws=draws)
+
+
+def test_expected_replay_accepts_as_the_product_of_betas():
+    """beta 0.5 everywhere, static k = 2: a block accepts its first token with probability 0.5 and both with 0.25, so
+    0.75 accepted tokens per block on average, and 1.75 tokens per target call; the rate is the closed form's."""
+    length, draws = 400, 8
+    grouped = _hand_sampled({"draft": [0.5] * length}, length, draws=draws)
+    cost = cost_model(["draft"])
+    sim = simulate(Static(2, "draft"), grouped, cost, vocab_size=1000)
+    blocks = [s for _, r in sim.results for s in r.steps if s.drafted == 2]
+    assert len(blocks) > 1500
+    sd = (0.6875 / len(blocks)) ** 0.5  # accepted: 0, 1, 2 with probabilities 0.5, 0.25, 0.25
+    mean = sum(s.accepted for s in blocks) / len(blocks)
+    assert mean == pytest.approx(0.75, abs=4 * sd)
+    assert sum(s.emitted for s in blocks) / len(blocks) == pytest.approx(1.75, abs=4 * sd)
+    shares = [sum(s.accepted == a for s in blocks) / len(blocks) for a in (0, 1, 2)]
+    assert shares == pytest.approx([0.5, 0.25, 0.25], abs=0.04)
+    assert sim.tokens_per_s == pytest.approx(expected_tokens_per_s(grouped, cost, "draft", 2), rel=0.03)
+    # later tokens of a block read the betas ahead of it: 1, 0, 1, 0, ... accepts one token from an even position
+    alternating = _hand_sampled({"draft": [float(g % 2 == 0) for g in range(40)]}, 40)
+    steps = simulate(Static(3, "draft"), alternating, cost, vocab_size=1000).results[0][1].steps
+    assert all(s.accepted == (1 if s.context_len % 2 == 0 else 0) for s in steps if s.drafted)  # prompt_len 16
+
+
+@pytest.mark.parametrize("make_policy", [lambda: Static(3, "draft"), lambda: Confidence(0.5, k=6, drafter="draft"),
+                                         lambda: Heuristic(k0=2, drafter="ngram")], ids=["static", "confidence",
+                                                                                          "heuristic-ngram"])
+def test_expected_replay_of_certain_acceptances_is_the_greedy_replay(make_policy):
+    """beta 1 where the greedy traces match and 0 where they do not (and the copying drafter's matched tokens certain):
+    every draw is the greedy replay, step for step, the stop rule reading the same recorded confidence."""
+    rows = synthetic_traces(6, length=32, drafters=("draft", "ngram"))
+    for r in rows:
+        r["beta"], r["p_target"] = float(r["match"]), 1.0
+    greedy = group_traces(rows)
+    sampled = group_traces(rows, {"kind": "teacher_forced", "sampling": {"temperature": 0.7}, "beta": "processed"},
+                           draws=3)
+    cost = cost_model(["draft", "ngram"])
+    exact, expected = (simulate(make_policy(), g, cost, vocab_size=1000) for g in (greedy, sampled))
+    for pid, (calls, accepted) in exact.per_prompt.items():
+        assert expected.per_prompt[pid] == (3 * calls, accepted * 3)
+    assert expected.tokens_per_s == pytest.approx(exact.tokens_per_s)
+    assert any(a for _, acc in exact.per_prompt.values() for a in acc)
+
+
+def test_training_examples_of_sampled_traces_carry_their_acceptance_probability():
+    """Soft labels: a drafted position's label is its acceptance probability (beta of its own position for a
+    token-by-token drafter), on the positions one draw reaches."""
+    from sacpolicy.training.predictor import acceptance_examples
+
+    length = 60
+    beta = [0.2 + 0.6 * (g % 3 == 0) for g in range(length)]
+    grouped = _hand_sampled({"draft": beta}, length)
+    ex = acceptance_examples(grouped, cost_model(["draft"]), vocab_size=1000, k=4, soft=True)
+    known = ex.of(ex.split[0], "known")  # one prompt: one split
+    assert len(known) and set(np.round(known.y, 6)) <= {0.2, 0.8}
+    with pytest.raises(PredictorError, match="need sampled traces"):
+        acceptance_examples(group_traces(synthetic_traces(2, drafters=("draft",))), cost_model(["draft"]),
+                            vocab_size=1000, k=4, soft=True)
+
+
+def test_predictor_calibration_on_beta_labels_compares_mean_prediction_and_mean_beta():
+    """A constant prediction of 0.6 against beta labels averaging 0.6 is calibrated, against labels averaging 0.4 off
+    by 0.2, as a reliability diagram of 0/1 labels would say of the same rates."""
+    from sacpolicy.training.predictor import Examples, predictor_metrics
+
+    n = 400
+    X = np.zeros((n, len(RUNTIME_FEATURES)))
+
+    def examples(y):
+        return Examples(X, np.asarray(y), *(np.array(["x"] * n) for _ in range(5)))
+
+    pred = constant_predictor(0.6)
+    assert predictor_metrics(pred, examples([0.5, 0.7] * (n // 2)))["ece"] == pytest.approx(0.0, abs=1e-9)
+    assert predictor_metrics(pred, examples([0.3, 0.5] * (n // 2)))["ece"] == pytest.approx(0.2, abs=1e-9)
 
 
 def test_expected_tokens_per_s_hand_computed():
@@ -346,22 +463,21 @@ def test_expected_best_static_prefers_the_drafter_accepted_more():
     assert set(per_cat) == {r["category"] for r in rows}
 
 
-def test_fit_stage_skips_rule_tuning_on_sampled_traces(caplog):
-    """Fit on sampled traces: the untuned rule with the static fallback, and why; on greedy traces: tuned by replay."""
+def test_fit_stage_tunes_the_rule_on_sampled_traces_in_expectation():
+    """Fit tunes the rule by replay on both kinds of traces: exactly on greedy ones, in expectation on sampled ones,
+    and the tuning table says which."""
     from sacpolicy.pipeline.fit import decision_rule
 
     rows = synthetic_traces(12, length=16, drafters=("draft",))
     cfg = OmegaConf.create({"fit": {"k_max": 4}, "decoder": {"_target_": "sacpolicy.decoding.DecoderConfig"}})
     cost, static = cost_model(["draft"]), {"drafter": "draft", "k": 3, "tokens_per_s": 1.0}
     for temperature in (0.7, 0.0):
-        grouped = group_traces(rows, {"kind": "teacher_forced", "sampling": {"temperature": temperature}})
+        grouped = group_traces(rows, {"kind": "teacher_forced", "sampling": {"temperature": temperature},
+                                      "beta": "processed"}, draws=2)
         ctx = SimpleNamespace(cfg=cfg, cost=cost, vocab_size=1000, soft_labels=temperature > 0,
                               traces=(grouped, {"val": grouped}, None, None))
-        with caplog.at_level("WARNING", logger="sacpolicy.pipeline.fit"):
-            rule, tuning = decision_rule(ctx, "const", constant_predictor(), static)
+        rule, tuning = decision_rule(ctx, "const", constant_predictor(), static)
         assert rule.fallback == ("draft", 3) and rule.drafters == ("draft",) and rule.k_max == 4
-        if temperature:
-            assert tuning["grid"] == [] and "sampled" in tuning["skipped"] and (rule.mode, rule.optimism) == ("stop", 1.0)
-            assert "not tuned" in caplog.text
-        else:
-            assert len(tuning["grid"]) > 1 and "skipped" not in tuning
+        assert len(tuning["grid"]) > 1 and "skipped" not in tuning
+        assert tuning["replay"].startswith("expected (sampled traces, temperature 0.7: 2 seeded draws" if temperature
+                                           else "exact")

@@ -280,11 +280,13 @@ class SpeculativeDecoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens} (request {index})")
         prompt = self._prompt(input_ids, index)
         L = prompt.numel()
-        request = replace(request or RequestInfo(), prompt_len=L, max_new_tokens=max_new_tokens,
-                          drafters=tuple(self.drafters))
+        request = request or RequestInfo()
         if request.sampling is not None and not isinstance(request.sampling, SamplingConfig):
             raise ValueError(f"request {index}: sampling must be a SamplingConfig (or None for the decoder's), got "
                              f"{type(request.sampling).__name__}")
+        # the policy is told the row's sampling settings too (a learned policy checks them against its fit's)
+        request = replace(request, prompt_len=L, max_new_tokens=max_new_tokens, drafters=tuple(self.drafters),
+                          sampling=request.sampling or self.sampling)
         limit = max_new_tokens if self.max_context is None else min(max_new_tokens, self.max_context - L)
         # a seeded request samples from its own generator; the others continue the decoder's
         generator = self.generator if request.seed is None else torch.Generator(device=self.device)
@@ -293,7 +295,7 @@ class SpeculativeDecoder:
             stops=stops, limit=limit, max_new_tokens=max_new_tokens,
             policy=PolicyRow(DecodeState(request, drafters=tuple(self.drafters))), drafts={},
             logits=[] if keep_logits else None, generator=generator,
-            arrival=arrival, index=index, sampling=request.sampling or self.sampling,
+            arrival=arrival, index=index, sampling=request.sampling,
         )
         run.buf[:L] = prompt
         run.n = L

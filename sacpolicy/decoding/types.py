@@ -28,8 +28,9 @@ __all__ = ["Autoregressive", "DecodeState", "Decision", "DraftBlock", "DraftRow"
 # ---------------------------------------------------------------------- requests, state, decisions
 @dataclass(frozen=True)
 class RequestInfo:
-    """What is known of a request before it is decoded. ``generate`` fills ``prompt_len``, ``max_new_tokens`` and
-    ``drafters``; callers pass the rest (``RequestInfo(category=..., load=..., seed=...)``)."""
+    """What is known of a request before it is decoded. ``generate`` fills ``prompt_len``, ``max_new_tokens``,
+    ``drafters`` and, when left None, ``sampling`` (the decoder's); callers pass the rest (``RequestInfo(category=...,
+    load=..., seed=...)``)."""
 
     prompt_len: int = 0
     max_new_tokens: int = 0

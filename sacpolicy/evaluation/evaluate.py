@@ -140,8 +140,6 @@ def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *,
         # live steps are timed; replayed ones are priced by the cost model
         "bandit": lambda: Bandit(ks=tuple(k for k in settings.ks if k <= settings.k_max), cost=None if live else cost),
     }
-    if threshold is None:  # sampled traces: nothing to tune the threshold on
-        del make["confidence-tuned"]
     for name, rule in rules.items():  # a copy of the rule per policy: fallback counts stay per row
         make[f"learned-{name}"] = lambda rule=rule, name=name: LearnedPolicy(replace(rule, fallbacks=0),
                                                                              name=f"learned-{name}")
@@ -154,24 +152,15 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
     """-> (rows, meta). ``rules``: {predictor name: DecisionRule}; ``drafters`` in the order the traces hold them;
     ``best_static``: the best static (drafter, k) on val traces (``traces.simulate.best_static``); ``in_sample``:
     what to refit for the in-sample ceilings (none without it); ``headline``: the predictor chosen on validation
-    (``headline_predictor``), whose row ``eval.live_policies``' ``learned`` names. Traces of sampled decoding cannot
-    be replayed exactly: they give no simulated rows, and ``meta["simulated_skipped"]`` says why."""
-    from sacpolicy.traces.simulate import SampledTracesError
+    (``headline_predictor``), whose row ``eval.live_policies``' ``learned`` names. Traces of sampled decoding replay
+    in expectation (``traces.draws``; ``meta["simulated_replay"]`` says which replay ran) and give no load rows."""
+    from sacpolicy.traces.draws import replay_kind
 
     vocab = int(target.model.get_output_embeddings().out_features)
-    rows, skipped, no_ceiling = [], None, {}
-    try:
-        chosen = choose_on_val(settings, val_grouped, cost, best_static, vocab_size=vocab, config=decoder_config)
-        sim_rows, no_ceiling = simulated_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab,
-                                              config=decoder_config, in_sample=in_sample, progress=progress)
-        rows += sim_rows
-    except SampledTracesError as e:
-        logger.warning("no simulated rows: %s", e)
-        chosen = {"best_static": best_static, "confidence_threshold": None}  # nothing to tune the threshold on
-        skipped = ("No simulated rows (nor ceilings): these traces were recorded with sampling (temperature > 0), "
-                   "which the simulator cannot replay exactly; collect greedy traces (sampling.temperature=0) for them.")
-    load = [] if skipped else load_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab,
-                                        config=decoder_config)
+    chosen = choose_on_val(settings, val_grouped, cost, best_static, vocab_size=vocab, config=decoder_config)
+    rows, no_ceiling = simulated_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab,
+                                      config=decoder_config, in_sample=in_sample, progress=progress)
+    load = load_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab, config=decoder_config)
     n_live = len(test_prompts) if settings.live_prompts is None else min(settings.live_prompts, len(test_prompts))
     if n_live:
         rows += live_rows(settings, chosen, cost, rules, target, drafters, test_prompts[:n_live], sampling=sampling,
@@ -180,10 +169,11 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
     add_intervals(rows, resamples=settings.resamples, seed=settings.bootstrap_seed)
     flag_artefacts(rows)
     meta = {"target": target.spec, "device": str(target.device), "dtype": str(target.dtype),
-            "drafters": [d.name for d in drafters], "test_prompts_simulated": 0 if skipped else len(test_grouped),
+            "drafters": [d.name for d in drafters], "test_prompts_simulated": len(test_grouped),
+            "simulated_replay": replay_kind(test_grouped),
             "val_prompts": len(val_grouped), "live_prompts": n_live, "max_new_tokens": settings.max_new_tokens,
             "price_per_hour": settings.price_per_hour, "bootstrap_resamples": settings.resamples, **chosen,
-            **targets(rows, list(rules)), **({"simulated_skipped": skipped} if skipped else {}),
+            **targets(rows, list(rules)),
             **({"in_sample_skipped": no_ceiling} if no_ceiling else {}),
             **({"learned_policy": f"learned-{headline}"} if headline else {}), **settings.extra}
     if load:
@@ -277,12 +267,14 @@ def load_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test_grou
     """Every policy under load, replayed over the test traces by the batched decoder (``simulate_batch``): at each
     batch size the cost model was profiled at, then with Poisson arrivals at ``LOAD_RATES`` of AR's throughput at the
     largest. Empty when the cost model has no batch curves (``collect.profile.batch_sizes``) or the traces were
-    sampled. Ratios: against AR and against the best static k of the same load (k = 0 included)."""
+    sampled (the batched replay is exact for greedy traces and has no expected-value form). Ratios: against AR and
+    against the best static k of the same load (k = 0 included)."""
     import numpy as np
 
+    from sacpolicy.traces.draws import is_sampled
     from sacpolicy.traces.simulate import simulate_batch
 
-    if not cost.batch or not test_grouped or any(p.get("temperature", 0.0) > 0 for p in test_grouped.values()):
+    if not cost.batch or not test_grouped or any(is_sampled(p) for p in test_grouped.values()):
         return []
     make = policy_factories(settings, chosen, cost, rules, live=False)
     names = [n for n in make if n in LOAD_POLICIES or n.startswith(("static-k", "learned-"))]

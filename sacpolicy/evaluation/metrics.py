@@ -1,7 +1,8 @@
 """One table row per evaluated policy, from its generations: throughput, calls per token, latency, cost, histograms.
 
 Live and simulated rows are built the same way: a simulated GenerationResult carries predicted seconds in
-``prefill_s``, ``total_s`` and each step's ``draft_s``/``verify_s``, so nothing here knows which kind it reads.
+``prefill_s``, ``total_s`` and each step's ``draft_s``/``verify_s``, so nothing here knows which kind it reads. A
+prompt of sampled traces is one result holding all its draws (``traces.draws.DrawnResult``): one prefill per draw.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def row_from_results(name: str, mode: str, results: list[tuple[str | None, Gener
 
     latency = []  # seconds per emitted token: a step's time is shared by the tokens it emitted
     for _, r in results:
-        if r.tokens:
-            latency.append(r.prefill_s)  # the first token comes from the prefill pass
+        if r.tokens:  # the first token comes from the prefill pass (one per draw of a sampled replay's result)
+            prefills = r.target_calls - len(r.steps)
+            latency += [r.prefill_s / prefills] * prefills
         for s in r.steps:
             if s.emitted:
                 latency += [(s.draft_s + s.verify_s) / s.emitted] * s.emitted

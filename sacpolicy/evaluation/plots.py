@@ -40,14 +40,16 @@ def make_plots(eval: dict, out_dir) -> list[Path]:
     return [p for p in made if p is not None]
 
 
-def calibration_plot(probs, labels, out_path, n_bins: int = 10, title: str = "Reliability diagram") -> Path:
-    """Observed frequency per probability bin against the diagonal of perfect calibration; ECE in the title."""
+def calibration_plot(probs, labels, out_path, n_bins: int = 10, title: str = "Reliability diagram",
+                     observed: str = "observed frequency") -> Path:
+    """Mean label per probability bin (the observed frequency of 0/1 labels; the mean beta of soft ones, named by
+    ``observed``) against the diagonal of perfect calibration; ECE in the title."""
     _, freq, count = reliability_bins(probs, labels, n_bins)
     fig, ax = _figure()
     edges = np.linspace(0.0, 1.0, n_bins + 1)
     ax.bar(edges[:-1], np.nan_to_num(freq), 1.0 / n_bins, align="edge", edgecolor="black", label="observed")
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfectly calibrated")
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted probability", ylabel="observed frequency",
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted probability", ylabel=observed,
            title=f"{title} (ECE {calibration_error(probs, labels, n_bins):.3f}, n={int(count.sum())})")
     ax.legend(loc="upper left")
     return _save(fig, out_path)

@@ -1,7 +1,7 @@
 """Stage ``collect``: the cost model profiled on this device (``cost.json``) and teacher-forced traces over the
-train/val/test prompts (``traces/tf``), which record the sampling settings they were decoded with (replays refuse
-sampled ones). Live decoding is measured by the ``evaluate`` stage; no live traces are written here (nothing read
-them)."""
+train/val/test prompts (``traces/tf``), which record the sampling settings they were decoded with (sampled ones
+replay in expectation: ``traces.draws``). Live decoding is measured by the ``evaluate`` stage; no live traces are
+written here (nothing read them)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def run(ctx: RunContext) -> dict:
     meta = {"target": target.spec, "vocab_size": int(target.model.get_output_embeddings().out_features)}
     sampling = instantiate(cfg.sampling)
     if not sampling.greedy:
-        logger.warning("collecting sampled traces (temperature %s): the simulator replays greedy traces only, so fit "
-                       "will label examples with beta and skip rule tuning, and static k is ranked in expectation",
-                       sampling.temperature)
+        logger.info("collecting sampled traces (temperature %s, top_p %s): fit labels examples with beta, and replays "
+                    "(rule tuning, best static, simulated rows) run in expectation over seeded draws",
+                    sampling.temperature, sampling.top_p)
     t0 = time.perf_counter()
     collect_teacher_forced(target, drafters, [r for s in SPLITS for r in chosen[s]], ctx.out_dir / "traces" / "tf",
                            max_new_tokens=c.max_new_tokens, meta=meta, sampling=sampling,

@@ -65,6 +65,10 @@ class FitSettings:
     # evaluation compares (the confidence rule's cap): the policies' one k_max. At most collect.k_max (what the
     # traces record) and decoder.k_max (the largest block the decoder accepts)
     k_max: int = 8
+    # Sampled traces replay in expectation (rule tuning, best static, simulated rows): seeded draws of each prompt's
+    # acceptances from the recorded beta (sacpolicy.traces.draws). null: that module's DRAWS. Replays cost this many
+    # times a greedy replay's; the Monte-Carlo error of a rate falls as 1 / sqrt(draws)
+    draws: int | None = None
 
 
 @dataclass

@@ -151,7 +151,8 @@ class RunContext:
 
         tf_dir = self.need("traces/tf", "fit")
         meta = read_meta(tf_dir)
-        grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=self.cfg.target.spec), meta)
+        grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=self.cfg.target.spec), meta,
+                               draws=self.cfg.fit.get("draws"))
         by_split = {s: {} for s in SPLITS}
         for pid, p in grouped.items():
             by_split[assign_split(pid)][pid] = p
@@ -159,8 +160,8 @@ class RunContext:
 
     @property
     def soft_labels(self) -> bool:
-        """Traces of sampled decoding label a drafted token with its acceptance probability beta, not 0/1 (and cannot
-        be replayed: ``traces.simulate.SampledTracesError``)."""
+        """Traces of sampled decoding label a drafted token with its acceptance probability beta, not 0/1 (and
+        replay in expectation: ``traces.draws``)."""
         from sacpolicy.traces.schema import trace_temperature
 
         return trace_temperature(self.traces[3]) > 0.0
@@ -174,16 +175,15 @@ class RunContext:
 
     def best_static(self) -> dict:
         """The best static (drafter, k) on validation traces, up to ``fit.k_max``: computed once per run
-        (``best_static.json``) and shared by rule tuning and evaluation. Replayed on greedy traces; ranked in
-        expectation from beta on sampled ones (which cannot be replayed)."""
-        from sacpolicy.traces.simulate import best_static, expected_best_static
+        (``best_static.json``) and shared by rule tuning and evaluation. Replayed: exactly on greedy traces, in
+        expectation on sampled ones."""
+        from sacpolicy.traces.simulate import best_static
 
         path = self.out_dir / "best_static.json"
         if path.is_file():
             return json.loads(path.read_text())
         val, k_max = self.traces[1]["val"], self.cfg.fit.k_max
-        best = (expected_best_static(val, self.cost, k_max=k_max) if self.soft_labels
-                else best_static(val, self.cost, vocab_size=self.vocab_size, k_max=k_max))
+        best = best_static(val, self.cost, vocab_size=self.vocab_size, k_max=k_max)
         write_json(path, best["all"])
         return best["all"]
 

@@ -4,6 +4,7 @@ runtime decides exactly as it does."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from sacpolicy.policy.base import (
 from sacpolicy.policy.features import token_features
 from sacpolicy.runtime.rule import Block, DecisionRule
 
+logger = logging.getLogger(__name__)
 
 _BLAS: list = [None, -1]  # (the controller, len(sys.modules) when it was made)
 
@@ -63,6 +65,7 @@ class LearnedPolicy(Policy):
         self.rule, self.name, self.select, self.per_row = rule, name, select, per_row
         self.needs_token_feedback = rule.mode == "stop"
         self.uses_peeks = True  # an n-gram drafter's match length is known before drafting
+        self.warned = False  # about decoding at sampling settings the rule was not fitted for (once per policy)
 
     def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
         check_k(self.rule.k_max, k_max, repr(self))
@@ -74,6 +77,13 @@ class LearnedPolicy(Policy):
                     f"feature depends on it), but the decoder holds {list(drafters)}; pass them in the trained order")
 
     def start(self, request: RequestInfo) -> LearnedMemory:
+        """A request's memory; the first request decoded at sampling settings the rule was not fitted for
+        (``DecisionRule.sampling_mismatch``) logs a warning, once per policy."""
+        if not self.warned and request.sampling is not None:
+            why = self.rule.sampling_mismatch(request.sampling.temperature, request.sampling.top_p)
+            if why:
+                logger.warning("%r: %s", self, why)
+                self.warned = True
         return LearnedMemory()
 
     def decide(self, rows: list[PolicyRow]) -> list[Decision]:

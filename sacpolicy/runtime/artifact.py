@@ -1,8 +1,9 @@
 """Policy artifacts: a learned decision rule as a directory a production decoder loads with numpy alone.
 
     out/policy/
-      policy.json            format_version, feature spec, predictor kind + meta, rule config, cost model, drafter
-                             specs, provenance, metrics, sha256 checksums of every other file
+      policy.json            format_version, feature spec, predictor kind + meta (with ``fitted_temperature`` and
+                             ``fitted_top_p``: the sampling settings of the traces it was fitted on), rule config,
+                             cost model, drafter specs, provenance, metrics, sha256 checksums of every other file
       predictor.safetensors  the predictor's arrays (never a pickle)
       predictor.onnx         MLP predictors only, when ``onnx`` is installed (see ``_write_onnx``)
 
@@ -56,6 +57,16 @@ class PolicyArtifact:
     provenance: dict
     metrics: dict
     manifest: dict  # the whole policy.json
+
+    @property
+    def fitted_sampling(self) -> dict | None:
+        """{"temperature", "top_p"} of the traces the policy was fitted on (the pipeline's fit records them in the
+        predictor's meta; ``LearnedPolicy`` warns when it decodes at others), or None when the artifact does not say
+        (artifacts written before it did)."""
+        meta = self.rule.predictor.meta
+        if meta.get("fitted_temperature") is None:
+            return None
+        return {"temperature": float(meta["fitted_temperature"]), "top_p": float(meta.get("fitted_top_p", 1.0))}
 
 
 # ---------------------------------------------------------------------- save

@@ -34,6 +34,8 @@ from sacpolicy.runtime.features import (
 from sacpolicy.runtime.predictors import Predictor
 
 MODES = ("stop", "k")
+# |temperature - fitted| (and |top_p - fitted|) beyond which decoding is not what the predictor was fitted for
+SAMPLING_TOLERANCE = 0.05
 _CONF_KNOWN = FEATURE_NAMES.index("conf_known")
 
 
@@ -95,6 +97,27 @@ class DecisionRule:
                             "sacpolicy.profiling.profile")
         if self.fallback[0] is not None and self.fallback[0] not in self.drafters:
             raise RuleError(f"fallback drafter {self.fallback[0]!r} is not among {list(self.drafters)}")
+
+    def sampling_mismatch(self, temperature: float, top_p: float = 1.0) -> str | None:
+        """Why decoding at ``temperature`` / ``top_p`` is not what the predictor was fitted for, or None. Acceptance
+        depends on them (a sampled draft is accepted with probability beta, a greedy one when it matches), and so do
+        the predictor's labels and the rule's tuning; the pipeline's fit records them in the predictor's meta
+        (``fitted_temperature``, ``fitted_top_p``). None also when the meta does not record them (older artifacts)."""
+        fitted = self.predictor.meta.get("fitted_temperature")
+        if fitted is None:
+            return None
+        fitted_p = float(self.predictor.meta.get("fitted_top_p", 1.0))
+        if (fitted > 0.0) == (temperature > 0.0) and (fitted == 0.0 or (
+                abs(temperature - fitted) <= SAMPLING_TOLERANCE and abs(top_p - fitted_p) <= SAMPLING_TOLERANCE)):
+            return None
+
+        def words(t, p):
+            return "greedy" if t == 0.0 else f"temperature {t:g}, top_p {p:g}"
+
+        return (f"the policy was fitted on traces decoded {words(fitted, fitted_p)}, but decodes "
+                f"{words(temperature, top_p)}: its acceptance predictions and tuned rule are for the former. Fit it "
+                "on traces collected with the sampling settings it will decode with (sampling.temperature=, "
+                "sampling.top_p=; e.g. experiment=sampled_t07)")
 
     def check_drafter(self, name: str) -> None:
         if name not in self.drafters:

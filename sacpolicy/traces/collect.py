@@ -65,12 +65,17 @@ def _prepare(out_dir: Path, meta: dict) -> None:
 
 @torch.inference_mode()
 def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[int], k_max: int,
-                        target_logits: torch.Tensor | None = None) -> list[dict]:
+                        target_logits: torch.Tensor | None = None,
+                        sampling: SamplingConfig | None = None) -> list[dict]:
     """Per generated position and drafter: the draft's proposal given the target's own prefix (each drafter
     teacher-forces itself: ``Drafter.teacher_force``) and the accepted run from there.
 
     ``target_logits`` ([G, V]): the target's logits behind each generated token, as kept by the decode that produced
-    them (``generate(keep_logits=True)``); without them the target runs one teacher-forced pass to recompute them."""
+    them (``generate(keep_logits=True)``); without them the target runs one teacher-forced pass to recompute them.
+    ``sampling``: the settings ``generated`` was sampled with. Then p and q (``p_target``, ``q_target``, ``beta``) are
+    the processed distributions (temperature, top-k, top-p applied to both) that verification at those settings
+    accepts with, as the live decoder's records are; greedy (None): the temperature-1 ones, which stay informative.
+    Draft confidence is at temperature 1 either way, as the policies read it."""
     prompt = list(row["input_ids"])
     L, G = len(prompt), len(generated)
     ids = torch.tensor(prompt + generated, device=target.device)
@@ -81,7 +86,8 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
         target_logits = logits[:-1] if target_logits is None else target_logits
     if target_logits.shape[0] != G:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {G} generated tokens")
-    p = probs_from_logits(target_logits.float(), _T1)  # [G, V]
+    cfg = _T1 if sampling is None or sampling.greedy else sampling
+    p = probs_from_logits(target_logits.float(), cfg)  # [G, V]
     gen = torch.tensor(generated, device=target.device)
     p_target = p.gather(-1, gen.view(-1, 1)).squeeze(-1)
     out = []
@@ -99,7 +105,7 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
             run, plen = _runs((first == gen).tolist(), k_max), [k_max] * G
         if tf.logits is not None:
             logits = tf.logits.float()
-            q = probs_from_logits(logits, _T1)
+            q = probs_from_logits(logits, cfg)
             stats = draft_stats(logits).tolist()
             q_target = q.gather(-1, gen.view(-1, 1)).squeeze(-1).tolist()
             beta = torch.minimum(p, q).sum(-1).tolist()
@@ -133,12 +139,13 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
                            sampling: SamplingConfig | None = None, k_max: int = 16, shard=None, chunk_size: int = 8,
                            progress: bool = True) -> Path:
     """Decode each prompt once with the target (greedy, or sampled with ``sampling.seed`` + prompt index), then run
-    each drafter once over the target's sequence (kind ``teacher_forced``)."""
+    each drafter once over the target's sequence (kind ``teacher_forced``). Sampled traces record beta from the
+    processed distributions (``teacher_forced_rows``), which their meta says (``"beta": "processed"``)."""
     sampling = sampling or SamplingConfig()
     out_dir = Path(out_dir)
     _prepare(out_dir, {**meta, "kind": "teacher_forced", "drafters": [d.name for d in drafters], "k_max": k_max,
                        "max_new_tokens": max_new_tokens, "sampling": vars(sampling), "device": str(target.device),
-                       "dtype": str(target.dtype)})
+                       "dtype": str(target.dtype), **({} if sampling.greedy else {"beta": "processed"})})
     decoder = SpeculativeDecoder(target.model, [], None, sampling=sampling,
                                  stop_token_ids=target.eos_token_ids)
     chunks = list(_chunks(prompts, shard, chunk_size))
@@ -149,7 +156,8 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
         for r in chunk:
             seed = None if sampling.greedy else (sampling.seed or 0) + hash_id(r["prompt_id"])
             res = decoder.generate(r["input_ids"], max_new_tokens, request=RequestInfo(seed=seed), keep_logits=True)
-            rows += teacher_forced_rows(target, drafters, r, res.tokens, k_max, target_logits=res.logits)
+            rows += teacher_forced_rows(target, drafters, r, res.tokens, k_max, target_logits=res.logits,
+                                        sampling=sampling)
         write_shard(rows, "teacher_forced", out_dir, name)
     return out_dir
 

@@ -97,6 +97,11 @@ def trace_temperature(meta: dict) -> float:
                      "traces again with this sacpolicy version")
 
 
+def trace_sampling(meta: dict) -> dict:
+    """{"temperature", "top_p"} the traces' target tokens were decoded with (``trace_temperature``; top_p 1: off)."""
+    return {"temperature": trace_temperature(meta), "top_p": float(meta.get("sampling", {}).get("top_p", 1.0))}
+
+
 def load_traces(trace_dir: str | Path, *, kind: str | None = None, target: str | None = None,
                 skip_corrupt: bool = False):
     """All shards of a trace directory as a ``datasets.Dataset`` (via ``load_dataset("parquet", ...)``).

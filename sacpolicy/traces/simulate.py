@@ -1,19 +1,22 @@
-"""Exact offline replay of any policy over greedy teacher-forced traces, the oracle, and the best static k.
+"""Offline replay of any policy over teacher-forced traces (exact if greedy, in expectation if sampled), the oracle.
 
 The replay runs the real ``SpeculativeDecoder`` loop (so policies, fallback and bookkeeping are the live ones) with a
-``ReplayTarget`` that reproduces the target's recorded greedy tokens and ``ReplayDrafter``s that propose what each
-drafter would have proposed: the recorded tokens while they match, a wrong token at the first mismatch. Target calls
-and accepted tokens therefore equal the live decoder's for any policy; times come from the cost model.
+``ReplayTarget`` that reproduces the target's recorded tokens and ``ReplayDrafter``s that propose what each drafter
+would have proposed: the recorded tokens while they are accepted, a wrong token at the first rejection. For greedy
+traces a token is accepted when it matches, so target calls and accepted tokens equal the live decoder's for any
+policy; times come from the cost model.
 
-That holds for greedy traces only: with sampling a drafted token is accepted with probability beta, not when it equals
-the recorded token, so ``simulate``, ``best_static`` (and everything built on them: the oracle, rule tuning) refuse
-traces recorded with temperature > 0 (``SampledTracesError``). ``group_traces(rows, meta)`` stamps each prompt with the
-traces' temperature (``schema.trace_temperature``). For sampled traces, ``expected_tokens_per_s`` and
-``expected_best_static`` give static-k rates in expectation from the recorded beta: the one honest number they allow.
+With sampling a drafted token is accepted with probability beta, not when it equals the recorded token: a prompt of
+sampled traces (``group_traces(rows, meta)`` stamps each prompt with the traces' temperature) is replayed in
+expectation, over seeded draws of its acceptances from the recorded beta (``traces.draws``: the method and its
+assumption). ``simulate``, ``best_static``, the oracle and rule tuning take both kinds; ``simulate_batch`` replays
+greedy traces only (``SampledTracesError``). ``expected_tokens_per_s`` and ``expected_best_static`` give static-k
+rates in closed form from the recorded beta.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -30,23 +33,25 @@ from sacpolicy.decoding import (
 )
 from sacpolicy.policy import Decision, Policy, Static
 from sacpolicy.runtime.cost import CostModel
-from sacpolicy.traces.schema import trace_temperature
+from sacpolicy.traces.draws import DRAWS, AtTracesSampling, draws_of, is_sampled, merge_draws
+from sacpolicy.traces.schema import trace_sampling
+
+logger = logging.getLogger(__name__)
 
 
 class SampledTracesError(ValueError):
-    """Raised when asked to replay traces recorded with sampling (temperature > 0) as if they were greedy: the replay
-    is exact for greedy traces only."""
+    """Raised when a replay exact for greedy traces only (``simulate_batch``) is asked to replay sampled ones."""
 
 
 def check_greedy(grouped: dict, what: str) -> None:
     """Raise ``SampledTracesError`` if any prompt of ``grouped`` was recorded with sampling."""
-    temps = {p["temperature"] for p in grouped.values() if p.get("temperature", 0.0) > 0.0}
+    temps = {p["temperature"] for p in grouped.values() if is_sampled(p)}
     if temps:
         raise SampledTracesError(
-            f"{what} replays traces as if they were greedy, but these were recorded with sampling (temperature "
-            f"{sorted(temps)}): a sampled draft is accepted with probability beta, not when it equals the recorded "
-            "token, so the replay's rates would be wrong. Fix: collect greedy traces (sampling.temperature=0) to "
-            "replay, or rank static k on these with expected_best_static / expected_tokens_per_s (in expectation)")
+            f"{what} replays greedy traces only, but these were recorded with sampling (temperature {sorted(temps)}): "
+            "a sampled draft is accepted with probability beta, not when it equals the recorded token. Fix: replay "
+            "them one request at a time with simulate (in expectation over seeded draws), or collect greedy traces "
+            "(sampling.temperature=0)")
 
 
 class VirtualClock:
@@ -173,19 +178,26 @@ def confidence(rows: dict, g: int, j: int) -> list[float]:
     return [rows["top1"][i], rows["entropy"][i], rows["margin"][i]]
 
 
-def group_traces(traces, meta: dict | None = None) -> dict:
-    """Teacher-forced rows -> {prompt_id: {"prompt_len", "category", "temperature", "drafters": {name: {column:
-    [...]}}}}, drafters in collection order (the order the live decoder held them in, which the drafter-index feature
-    depends on). ``meta``: the trace directory's (``schema.read_meta``), whose sampling temperature each prompt
-    carries so that replays can refuse sampled traces; without it the rows are taken as greedy."""
-    temperature = 0.0 if meta is None else trace_temperature(meta)
+def group_traces(traces, meta: dict | None = None, *, draws: int | None = None) -> dict:
+    """Teacher-forced rows -> {prompt_id: {"prompt_len", "category", "temperature", "top_p", "draws", "drafters":
+    {name: {column: [...]}}}}, drafters in collection order (the order the live decoder held them in, which the
+    drafter-index feature depends on). ``meta``: the trace directory's (``schema.read_meta``), whose sampling settings
+    each prompt carries, so that replays of sampled traces run in expectation; without it the rows are taken as
+    greedy. ``draws``: seeded draws per prompt of that replay (default ``traces.draws.DRAWS``)."""
+    sampling = {"temperature": 0.0, "top_p": 1.0} if meta is None else trace_sampling(meta)
+    temperature, top_p = sampling["temperature"], sampling["top_p"]
+    if temperature > 0.0 and meta.get("beta") != "processed":
+        logger.warning("these sampled traces record beta from temperature-1 distributions (collected by an older "
+                       "sacpolicy), not from the processed ones decoding at temperature %s verifies with; collect "
+                       "them again for acceptance labels and replays that match it", temperature)
     out: dict = {}
     for r in sorted(traces, key=lambda r: (r["prompt_id"], r["position"])):  # stable: keeps the drafter order
         p = out.setdefault(r["prompt_id"], {"prompt_len": r["prompt_len"], "category": r["category"],
-                                            "temperature": temperature, "drafters": {}})
+                                            "temperature": temperature, "top_p": top_p, "draws": draws or DRAWS,
+                                            "drafters": {}})
         cols = p["drafters"].setdefault(r["drafter"], defaultdict(list))
         for c in ("target_token", "draft_token", "top1", "entropy", "margin", "run_len", "proposal_len", "beta",
-                  "proposal"):
+                  "p_target", "proposal"):
             cols[c].append(r[c])
     return out
 
@@ -206,32 +218,18 @@ class SimResult:
 
 
 def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
-             config: DecoderConfig | None = None, drafters: list[str] | None = None,
-             allow_sampled: bool = False) -> SimResult:
+             config: DecoderConfig | None = None, drafters: list[str] | None = None) -> SimResult:
     """Replay ``policy`` over every prompt of ``grouped`` (from ``group_traces``). Each replayed result carries the
     cost model's seconds in place of wall times (prefill, every step's draft and verify, the total).
 
-    Raises ``SampledTracesError`` on sampled traces, unless ``allow_sampled``: only for callers that use the replay
-    to walk the recorded positions and never read its rates or acceptances (training examples labelled with beta)."""
-    if not allow_sampled:
-        check_greedy(grouped, "simulate")
+    Greedy traces replay exactly, one result per prompt. A prompt of sampled traces replays once per draw of its
+    acceptances (``traces.draws``), its draws merged into one result (``DrawnResult``: every draw's tokens, steps and
+    seconds), so rates are expectations over the draws, and the policy is told the traces' temperature."""
     res = SimResult()
     for pid, p in grouped.items():
         names = drafters or list(p["drafters"])
-        any_rows = p["drafters"][names[0]]
-        seq = [0] * p["prompt_len"] + list(any_rows["target_token"])
-        G = len(any_rows["target_token"])
-        replay = [ReplayDrafter(n, p["drafters"][n], p["prompt_len"], vocab_size) for n in names]
-        if hasattr(policy, "current"):  # policies that read the traces (the oracle, example recorders)
-            policy.current = p
-        dec = SpeculativeDecoder(ReplayTarget(seq, vocab_size), replay, policy, config=config or DecoderConfig(),
-                                 stop_token_ids=[])
-        out = dec.generate(seq[: p["prompt_len"]], G, request=RequestInfo(category=p["category"]))
-        out.prefill_s = cost.prefill_time(p["prompt_len"])
-        for s in out.steps:
-            s.draft_s = cost.draft_time(s.drafter, s.drafted, s.context_len)
-            s.verify_s = cost.verify_time(s.drafted, s.context_len)
-        out.total_s = out.prefill_s + sum(s.draft_s + s.verify_s for s in out.steps)
+        outs = [_replay(policy, q, names, cost, vocab_size, config) for q in draws_of(pid, p)]
+        out = merge_draws(outs) if is_sampled(p) else outs[0]
         res.tokens += len(out.tokens)
         res.target_calls += out.target_calls
         res.accepted += sum(s.accepted for s in out.steps)
@@ -240,6 +238,27 @@ def simulate(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size: int,
         res.per_prompt[pid] = (out.target_calls, [s.accepted for s in out.steps])
         res.results.append((p["category"], out))
     return res
+
+
+def _replay(policy: Policy, p: dict, names: list[str], cost: CostModel, vocab_size: int, config):
+    """One prompt's replay (a greedy one, or one draw of a sampled one): its result in cost-model seconds."""
+    any_rows = p["drafters"][names[0]]
+    seq = [0] * p["prompt_len"] + list(any_rows["target_token"])
+    G = len(any_rows["target_token"])
+    replay = [ReplayDrafter(n, p["drafters"][n], p["prompt_len"], vocab_size) for n in names]
+    if hasattr(policy, "current"):  # policies that read the traces (the oracle, example recorders): this draw's
+        policy.current = p
+    if is_sampled(p):
+        policy = AtTracesSampling(policy, p["temperature"], p.get("top_p", 1.0))
+    dec = SpeculativeDecoder(ReplayTarget(seq, vocab_size), replay, policy, config=config or DecoderConfig(),
+                             stop_token_ids=[])
+    out = dec.generate(seq[: p["prompt_len"]], G, request=RequestInfo(category=p["category"]))
+    out.prefill_s = cost.prefill_time(p["prompt_len"])
+    for s in out.steps:
+        s.draft_s = cost.draft_time(s.drafter, s.drafted, s.context_len)
+        s.verify_s = cost.verify_time(s.drafted, s.context_len)
+    out.total_s = out.prefill_s + sum(s.draft_s + s.verify_s for s in out.steps)
+    return out
 
 
 @dataclass
@@ -306,7 +325,8 @@ def simulate_batch(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size
 
 class Oracle(Policy):
     """Knows the future: drafts exactly the run that will be accepted, with the drafter that makes the step
-    fastest under the cost model (or none, when no run pays for its draft)."""
+    fastest under the cost model (or none, when no run pays for its draft). On sampled traces it knows each draw's
+    outcomes (``simulate`` hands it the drawn runs): a bound on what any policy gets from those draws."""
 
     name = "oracle"
 
@@ -338,9 +358,8 @@ def _by_category(grouped: dict, by_category: bool) -> dict:
 
 
 def best_static(grouped: dict, cost: CostModel, *, vocab_size: int, k_max: int = 8, by_category: bool = False) -> dict:
-    """The static (drafter, k) with the highest replayed tokens/s, over all prompts or per category (greedy traces;
-    sampled ones raise ``SampledTracesError``: see ``expected_best_static``)."""
-    check_greedy(grouped, "best_static")
+    """The static (drafter, k) with the highest replayed tokens/s, over all prompts or per category (exact on greedy
+    traces, in expectation on sampled ones: ``simulate``)."""
     out = {}
     for cat, g in _by_category(grouped, by_category).items():
         drafters = list(next(iter(g.values()))["drafters"])

@@ -7,7 +7,8 @@ import numpy as np
 
 
 def reliability_bins(probs, labels, n_bins: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mean predicted probability, observed frequency and count per equal-width bin of [0, 1] (NaN when empty)."""
+    """Mean predicted probability, observed frequency and count per equal-width bin of [0, 1] (NaN when empty).
+    Labels may be soft (beta, the acceptance probability of sampled traces): the frequency is then their mean."""
     probs, labels = np.asarray(probs, dtype=float).ravel(), np.asarray(labels, dtype=float).ravel()
     if probs.size == 0 or probs.shape != labels.shape:
         raise ValueError(f"need as many labels as probabilities, at least one; got {probs.size} probabilities "

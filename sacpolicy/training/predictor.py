@@ -4,10 +4,11 @@ and the tuning that turns a predictor into a ``DecisionRule``.
 Examples come from replaying teacher-forced traces through the real decoder loop (``traces.simulate``) with a
 recording policy that drafts ``k`` tokens per block, so every feature is computed by the shared feature function
 exactly as live decoding computes it. A drafted position is an example when everything before it in its block was
-accepted (later positions never matter); its label is whether it was accepted (greedy traces) or beta, the expected
-acceptance (sampled traces). Each example appears in three forms: confidence known (the stop rule), confidence
-unknown with the previous token's confidence known (the stop rule's look-ahead) and both unknown (planning k and the
-drafter), so one predictor serves every decision. Splits follow the prompt-id split of the data module.
+accepted (later positions never matter); its label is whether it was accepted (greedy traces) or its acceptance
+probability (sampled traces: beta, ``traces.draws.accept_probs``). Each example appears in three forms: confidence
+known (the stop rule), confidence unknown with the previous token's confidence known (the stop rule's look-ahead) and
+both unknown (planning k and the drafter), so one predictor serves every decision. Splits follow the prompt-id split
+of the data module.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class _Recorder(Static):
         for j in range(min(record.accepted + 1, record.drafted)):
             token = DraftToken(j, *confidence(cols, g, j))
             prev = confidence(cols, g, j - 1)[0] if j else None
-            label = cols["beta"][g + j] if self.soft else float(j < record.accepted)
+            label = float(cols["accept_prob"][g, j]) if self.soft else float(j < record.accepted)
             for form, feats in zip(FORMS, (token_features(state, token, prev),
                                            token_features(state, None, prev, position=j),
                                            token_features(state, None, None, position=j))):
@@ -102,15 +103,21 @@ class _Recorder(Static):
 def acceptance_examples(grouped: dict, cost, *, vocab_size: int, k: int, soft: bool = False,
                         fractions=None) -> Examples:
     """Examples from teacher-forced traces grouped by ``traces.simulate.group_traces``: every drafter, ``k`` tokens a
-    block. ``soft``: label with beta (sampled traces) instead of the greedy match."""
+    block. ``soft``: label with beta (sampled traces) instead of the greedy match. On sampled traces the replay walks
+    one draw of the acceptances (``traces.draws``), so the positions reached and the acceptance history the features
+    read follow sampled acceptance, as live decoding at that temperature does; the labels stay beta."""
+    from sacpolicy.traces.draws import is_sampled
     from sacpolicy.traces.simulate import simulate
 
-    grouped = {pid: {**p, "prompt_id": pid} for pid, p in grouped.items()}
+    if soft and not all(is_sampled(p) for p in grouped.values()):
+        raise PredictorError("beta labels (soft=True) need sampled traces: group them with their meta "
+                             "(group_traces(rows, read_meta(trace_dir))), whose sampling temperature is > 0")
+    grouped = {pid: {**p, "prompt_id": pid, "draws": 1} for pid, p in grouped.items()}
     drafters = list(next(iter(grouped.values()))["drafters"]) if grouped else []
     rows = []
     for name in drafters:
         rec = _Recorder(k, name, soft)
-        simulate(rec, grouped, cost, vocab_size=vocab_size, allow_sampled=soft)  # positions only, not rates
+        simulate(rec, grouped, cost, vocab_size=vocab_size)
         rows += rec.rows
     if not rows:
         raise PredictorError("the traces hold no drafted positions; collect traces with at least one drafter")
