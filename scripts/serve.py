@@ -50,6 +50,15 @@ def main(argv=None) -> int:
         config = serve_config(args.config, export=args.export, head=args.head, target=target, served_model=served)
     except ServeError as e:
         raise SystemExit(f"serve: {e}") from None
+    if config.policy_dir is not None:  # the sampling the policy was fitted for: vLLM's hook does not see a request's
+        from sacpolicy.runtime import load_artifact
+
+        fitted = load_artifact(config.policy_dir).fitted_sampling
+        if fitted:
+            t = fitted["temperature"]
+            words = "greedy decoding" if t == 0 else f"temperature {t:g}, top_p {fitted['top_p']:g}"
+            print(f"serve: the policy was fitted for {words}; requests at other settings get decisions priced for "
+                  "those (fit one with sampling.temperature=... for them)", flush=True)
     ok, why = vllm_status()
     if not ok:
         raise SystemExit(f"serve: {why}")
