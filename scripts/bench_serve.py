@@ -51,6 +51,8 @@ def summarize(res: dict) -> dict:
     """The figures of one ``vllm bench serve`` result that the table reads."""
     row = {k: res.get(k) for k in ("duration", "completed", "failed", "request_throughput", "output_throughput",
                                    "total_output_tokens")}
+    if not row["completed"]:  # every request failed (the server died): no figures, only the failures
+        return {**row, "output_throughput": None, "request_throughput": None}
     for m in METRICS:
         for stat in ("mean", "median", "p50", "p90", "p99"):
             if f"{stat}_{m}_ms" in res:
@@ -271,7 +273,7 @@ def verdict(results: dict, rates: list[float]) -> list[dict]:
     for r in rates:
         mine = results["learned"][str(r)]
         others = {n: results[n][str(r)] for n in ("none", "vllm-ngram", "static") if n in results and results[n][str(r)]}
-        if not mine or not others:
+        if not others or _mean(mine, "output_throughput") is None:  # no learned run, or every request failed
             continue
         x = {"rate_x": r}
         for n, key in (("none", "tpot_vs_none"), ("vllm-ngram", "tpot_vs_ngram")):
