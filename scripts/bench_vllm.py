@@ -30,10 +30,9 @@ from sacpolicy.evaluation.intervals import bootstrap_indices, paired_ratio_inter
 from sacpolicy.export import static_k
 from sacpolicy.export.vllm import learned_config, speculative_config
 from sacpolicy.export.vllm_run import run_engine, vllm_status
+from sacpolicy.export.vllm_serve import VLLM_NGRAM_DOCS
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
 from sacpolicy.runtime import load_artifact
-
-VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 
 
 def configs(args, target_dir, tmp) -> dict[str, dict]:

@@ -102,25 +102,23 @@ def vllm_cost_model(base: CostModel, steps: dict, mean_context: float, *, meta: 
     stored at context 0 (measured at ``mean_context``, minus that term), so the model still charges longer contexts
     more; at B > 1 the term is ``base``'s at that B where profiled, else B times its one-row term (every row reads
     its own cache)."""
-    ks = sorted(int(k) for k in steps)
-    if 0 not in ks:
-        raise ValueError("the vLLM profile needs k = 0 (a step without drafts) for the 1-token cost")
     per_context = base.verify["per_context"]
 
     def curve(by_k: dict, per_ctx: float) -> dict:
-        kk = sorted(int(k) for k in by_k)
-        if 0 not in kk:
-            raise ValueError("the vLLM profile needs k = 0 (a step without drafts) at every batch size")
-        ys = [statistics.median(by_k[k]) - per_ctx * mean_context for k in kk]
-        return {"tokens": PiecewiseLinear([k + 1 for k in kk], ys), "per_context": per_ctx}
+        ks = sorted(int(k) for k in by_k)
+        if 0 not in ks:
+            raise ValueError("the vLLM profile needs k = 0 (a step without drafts) for the 1-token cost, at every "
+                             "batch size")
+        ys = [statistics.median(by_k[k]) - per_ctx * mean_context for k in ks]
+        return {"tokens": PiecewiseLinear([k + 1 for k in ks], ys), "per_context": per_ctx}
 
-    batch = {}
+    verify, batch = curve(steps, per_context), {}
     for b, by_k in sorted((batch_steps or {}).items()):
         if int(b) > 1:
             per_b = base.batch[int(b)]["per_context"] if int(b) in base.batch else per_context * int(b)
             batch[int(b)] = curve(by_k, per_b)
     info = {**base.meta, "verify_profiled_in": "vllm", "vllm_mean_context": mean_context,
-            "vllm_step_s": {str(k): steps[k] for k in ks},
+            "vllm_step_s": {str(k): v for k, v in sorted(steps.items())},
             **({"vllm_batch_step_s": {str(b): {str(k): v for k, v in by_k.items()} for b, by_k in batch_steps.items()}}
                if batch_steps else {}), **(meta or {})}
-    return dataclasses.replace(base, verify=curve(steps, per_context), batch=batch, meta=info)
+    return dataclasses.replace(base, verify=verify, batch=batch, meta=info)

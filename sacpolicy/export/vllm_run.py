@@ -12,7 +12,8 @@ GB while it lives, and frees it all when the process ends. Phases, each on the s
   call (vLLM batches its requests): tokens/s under load; ``concurrent:B``: the same in waves of B.
 
 Greedy decoding (temperature 0), ``ignore_eos=False`` (profiling: True, every request runs to ``max_tokens``);
-outputs are the generated token ids. Counters are per phase (the difference of vLLM's cumulative ``vllm:spec_decode_*`` counters before and after it).
+outputs are the generated token ids. Counters are per phase (the difference of vLLM's cumulative
+``vllm:spec_decode_*`` counters before and after it).
 
 Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache),
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. With it and the ``uni`` executor (the default ``engine_args``), the engine core

@@ -212,10 +212,9 @@ class VllmServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         t0 = time.perf_counter()
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop
-        self._log = out if self.log_path else None
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen(self.command(), stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
         while time.perf_counter() - t0 < timeout:
             if self.proc.poll() is not None:
                 tail = self.log_tail()
