@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 from sacpolicy import bench
-from sacpolicy.export.vllm_run import vllm_status
+from sacpolicy.export.vllm_run import cpu_openmp_env, vllm_status
 from sacpolicy.export.vllm_serve import CONFIGS, ServeError, VllmServer, bench_serve, completions, serve_config
 from sacpolicy.io import write_text
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
 
     md = markdown(results, rates, capacity)
     print(md)
-    payload = {"vllm": why, "source": args.source, "n_prompts": len(prompts), "capacity_rps": capacity,
+    payload = {"vllm": why, "ld_preload": {**cpu_openmp_env(), **os.environ}.get("LD_PRELOAD", ""),
+               "source": args.source, "n_prompts": len(prompts), "capacity_rps": capacity,
                "capacity_run": summarize(cap), "rates_x": rates, "results": results, "markdown": md,
                "verdict": verdict(results, rates)}
     bench.write_results(args.out, payload, args)

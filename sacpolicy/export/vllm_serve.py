@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from sacpolicy.export.vllm_run import cpu_openmp_env
+
 logger = logging.getLogger(__name__)
 
 CONFIGS = ("none", "vllm-ngram", "learned", "static", "head")
@@ -196,7 +198,7 @@ class VllmServer:
                      str(self.port), *(["--enforce-eager"] if enforce_eager else []), *map(str, extra_args)]
         if self.config.speculative_config is not None:
             self.args += ["--speculative-config", json.dumps(self.config.speculative_config)]
-        self.env = {**SERVER_ENV, **os.environ, **self.config.env, **(env or {})}
+        self.env = {**SERVER_ENV, **cpu_openmp_env(), **os.environ, **self.config.env, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._log = None
         self.started_s: float | None = None
