@@ -159,7 +159,7 @@ def test_intel_openmp_is_preloaded_for_vllm_where_installed_and_the_callers_sett
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     lib = str(tmp_path / "lib" / "libiomp5.so")
-    assert vllm_run.cpu_openmp_env() == {"LD_PRELOAD": lib}
+    assert vllm_run.cpu_openmp_env() == {"LD_PRELOAD": lib, "NUMBA_THREADING_LAYER": "workqueue"}
     assert VllmServer("model").env["LD_PRELOAD"] == lib
     monkeypatch.setenv("LD_PRELOAD", "")  # the caller's own setting (here: none) wins
     assert VllmServer("model").env["LD_PRELOAD"] == ""

@@ -46,15 +46,20 @@ BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
 
 def cpu_openmp_env() -> dict[str, str]:
-    """``{"LD_PRELOAD": <prefix>/lib/libiomp5.so}`` where this environment has Intel's OpenMP runtime (the
-    ``intel-openmp`` wheel puts it there) on x86-64 Linux, else {}. vLLM's CPU backend asks for it: under GNU libgomp
-    the many short parallel regions of a speculative step run about 2x slower (vLLM issue #44191; measured here in
-    docs/benchmarks.md). Callers put it under ``os.environ``, so a caller's own ``LD_PRELOAD`` wins, and
-    ``LD_PRELOAD=`` (set, empty) turns it off. Not used with CUDA, where ``install.sh`` installs no intel-openmp."""
+    """The environment of a vLLM CPU engine with Intel's OpenMP runtime, where this environment has it (the
+    ``intel-openmp`` wheel puts ``<prefix>/lib/libiomp5.so`` there) on x86-64 Linux, else {}:
+
+    - ``LD_PRELOAD=<prefix>/lib/libiomp5.so``, as vLLM's CPU backend asks: speculative steps run many short parallel
+      regions, slow under GNU libgomp (vLLM issue #44191);
+    - ``NUMBA_THREADING_LAYER=workqueue``: vLLM's own n-gram proposer runs numba parallel code, and numba's OpenMP
+      layer on top of the preloaded runtime slowed it (docs/benchmarks.md, "vLLM server under load").
+
+    Callers put it under ``os.environ``, so a caller's own settings win; ``LD_PRELOAD=`` (set, empty) turns the
+    preload off. Not used with CUDA, where ``install.sh`` installs no intel-openmp."""
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64") or not lib.is_file():
         return {}
-    return {"LD_PRELOAD": str(lib)}
+    return {"LD_PRELOAD": str(lib), "NUMBA_THREADING_LAYER": "workqueue"}
 
 
 class VllmUnavailable(RuntimeError):
