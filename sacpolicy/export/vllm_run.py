@@ -11,7 +11,8 @@ GB while it lives, and frees it all when the process ends. Phases, each on the s
 - ``concurrent``: the prompts in waves of ``concurrency`` (default: all at once), each wave one ``LLM.generate``
   call (vLLM batches its requests): tokens/s under load; ``concurrent:B``: the same in waves of B.
 
-Greedy decoding (temperature 0), ``ignore_eos=False`` (profiling: True, every request runs to ``max_tokens``);
+Greedy decoding (temperature 0) unless ``sampling`` ({"temperature", "top_p"}: vLLM samples, seeded by the
+engine's seed), ``ignore_eos=False`` (profiling: True, every request runs to ``max_tokens``);
 outputs are the generated token ids. Counters are per phase (the difference of vLLM's cumulative
 ``vllm:spec_decode_*`` counters before and after it).
 
@@ -91,7 +92,7 @@ def vllm_status() -> tuple[bool, str]:
 def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, speculative_config: dict | None = None,
                policy_dir=None, phases=("serial",), enforce_eager: bool = True, max_model_len: int = 2048,
                engine_args: dict | None = None, concurrency: int | None = None, timeout: float = 1200,
-               log=None, ignore_eos: bool = False) -> dict:
+               log=None, ignore_eos: bool = False, sampling: dict | None = None) -> dict:
     """Start one vLLM engine on ``model_dir`` (float32) in a child process and run ``phases`` over ``prompts``.
     ``policy_dir``: the policy artifact a ``custom_class`` proposer of ours reads (``SACPOLICY_POLICY_DIR``);
     ``engine_args``: more ``vllm.LLM`` keyword arguments (e.g. ``{"async_scheduling": False}``).
@@ -109,7 +110,8 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
                          "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
                          "enforce_eager": enforce_eager, "max_model_len": max_model_len,
                          "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})},
-                         "concurrency": concurrency or len(prompts), "ignore_eos": ignore_eos})
+                         "concurrency": concurrency or len(prompts), "ignore_eos": ignore_eos,
+                         "sampling": sampling or {}})
         env = {**CPU_ENV, **cpu_openmp_env(), **os.environ}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
@@ -168,7 +170,10 @@ def _child(job_path: str, out_path: str) -> None:
 
     result = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - t0, "outputs": {}, "seconds": {},
               "tokens": {}, "spec": {}}
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False))
+    sampling = job.get("sampling") or {}
+    params = SamplingParams(temperature=float(sampling.get("temperature", 0.0)),
+                            top_p=float(sampling.get("top_p", 1.0)), max_tokens=job["max_tokens"],
+                            ignore_eos=job.get("ignore_eos", False))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     for phase in job["phases"]:
