@@ -56,16 +56,16 @@ def tiny_drafters(target, draft):
     ]
 
 
-def test_greedy_equals_target_for_every_drafter_and_policy(tiny_target, tiny_draft, tiny_prompts):
+@pytest.mark.parametrize("which", range(4), ids=["draft", "self", "layerskip", "ngram"])  # tiny_drafters' order
+def test_greedy_equals_target_for_every_drafter_and_policy(tiny_target, tiny_draft, tiny_prompts, which):
     target = tiny_target.model
+    drafter = tiny_drafters(tiny_target, tiny_draft)[which]
     for prompt in tiny_prompts:
         ref = hf_greedy(target, prompt, 24)
-        for drafter in tiny_drafters(tiny_target, tiny_draft):
-            for policy in policies():
-                dec = SpeculativeDecoder(target, [drafter], policy, stop_token_ids=[])
-                res = dec.generate(prompt, 24)
-                assert res.tokens == ref, (drafter.name, policy, prompt)
-                assert sum(s.emitted for s in res.steps) + 1 == len(ref)
+        for policy in policies():
+            res = SpeculativeDecoder(target, [drafter], policy, stop_token_ids=[]).generate(prompt, 24)
+            assert res.tokens == ref, (drafter.name, policy, prompt)
+            assert sum(s.emitted for s in res.steps) + 1 == len(ref)
 
 
 def test_self_draft_accepts_whole_blocks(tiny_target, tiny_prompts):

@@ -513,6 +513,7 @@ def test_decoder_with_a_feature_drafter_is_greedy_exact(tiny_target, sequences):
             assert sum(s.drafted for s in res.steps) > 0 and not res.dropped_drafters
 
 
+@pytest.mark.slow  # 2,500 draws a case (13-22 s each): make test runs them, the quick loop does not
 @pytest.mark.parametrize("rows, fmt", [(1, "sacpolicy"), (5, "sacpolicy"), (1, "speculators"), (2, "sglang")])
 def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows, fmt, tmp_path):
     """Sampled speculative decoding with a feature head reproduces the target's joint distribution of two tokens

@@ -509,6 +509,7 @@ def _main(capsys, *args):
     return SimpleNamespace(returncode=rc, stdout=capsys.readouterr().out, stderr=err)
 
 
+@pytest.mark.slow  # a fresh Python process per case
 @pytest.mark.parametrize("broken, message", [
     ("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')", "scripts/install.sh .venv --vllm"),
     ("raise RuntimeError('operator torchvision::nms does not exist')", "pip uninstall -y torchvision"),
