@@ -135,10 +135,13 @@ def test_rerun_in_the_same_directory_skips_finished_stages_and_from_run_reuses_t
         outputs = run_in_process(out, "stages=[fit,evaluate]")
     assert "already finished" in caplog.text and outputs["metric"] > 0
     assert (out / "eval.json").stat().st_mtime == before
-    outputs = run_in_process(tmp_path, f"from_run={out}", "stages=[evaluate]", "eval.live_prompts=0")
+    outputs = run_in_process(tmp_path, f"from_run={out}", "stages=[evaluate]", "eval.live_prompts=0",
+                             "eval.ceilings=false")
     assert not (tmp_path / "fit.json").exists() and (tmp_path / "eval.json").is_file()
     rows = json.loads((tmp_path / "eval.json").read_text())["rows"]
     assert {"learned-hgb", "oracle"} <= {r["name"] for r in rows} and all(r["mode"] == "simulated" for r in rows)
+    in_sample = {r["name"] for r in json.loads((out / "eval.json").read_text())["rows"]} - {r["name"] for r in rows}
+    assert in_sample and all(n.endswith("-in-sample") for n in in_sample)  # eval.ceilings=false: no refits
     chained = tmp_path / "chained"  # from_run follows the chain: this run reads the policies of the first one
     run_in_process(chained, f"from_run={tmp_path}", "stages=[export]")
     assert (chained / "export" / "hgb" / "vllm.json").is_file()

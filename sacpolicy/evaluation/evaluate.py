@@ -67,6 +67,8 @@ class EvalSettings:
     confidence_grid: tuple[float, ...]
     live_policies: tuple[str, ...] | None = None  # fnmatch patterns of the rows decoded live (HEADLINE: the chosen
     # predictor's row); None: every policy
+    ceilings: bool = True  # the in-sample rows: every predictor refitted, calibrated and tuned on the test traces
+    # (the slowest part of a simulated-only evaluation; false: no in-sample rows, e.g. to replay other policies)
     warmup_tokens: int = 8  # tokens each live decoder decodes once before timing (lazy initialisation)
     resamples: int = 2000  # bootstrap resamples of the prompts behind each ratio's 95% interval
     bootstrap_seed: int = 0

@@ -26,7 +26,7 @@ def run(ctx: RunContext) -> dict:
     settings = eval_settings(cfg)
     # the in-sample ceilings refit every configured predictor as the fit stage did, on the test traces
     in_sample = InSample({name: instantiate(spec, _convert_="all") for name, spec in cfg.predictor.items()},
-                         k=cfg.fit.k, soft=ctx.soft_labels)
+                         k=cfg.fit.k, soft=ctx.soft_labels) if settings.ceilings else None
     rows, meta = evaluate(target=ctx.target, drafters=drafters, cost=ctx.cost, val_grouped=by_split["val"],
                           test_grouped=by_split["test"], test_prompts=test, rules=rules, settings=settings,
                           best_static=ctx.best_static(), sampling=instantiate(cfg.sampling),
