@@ -13,8 +13,12 @@ both alike), its ratio to n = 1 and the speedup of ours over torch's; and the sa
 (``linear``, microseconds), which isolates the matrix kernel. Then (``--rows``, at the first thread count) an
 autoregressive step of R rows on the ragged cache the batched decoder keeps (rows of ``--context`` - 7 i tokens),
 with transformers' ``DynamicCache`` (a copy of every layer per forward) and the decoder's ``new_cache`` (in place once
-it holds several rows), alternating repeat by repeat: median milliseconds per step. Prints Markdown tables and writes
-bench_verify.json.
+it holds several rows), alternating repeat by repeat: median milliseconds per step. Then (``--top-p``) what a
+sampled block's probabilities cost beyond the pass: ``probs_from_logits`` at temperature 0.7 and each top-p over
+blocks of 5 positions (a block of k = 4 drafted tokens) of the target's real logits over MT-Bench prompts, ranking
+only the head of the vocabulary (``top_p_filter``) against a full sort (``head=0``: what it did before), and the share
+of positions whose head holds top-p (a block with one that does not falls back to the full sort). Prints Markdown
+tables and writes bench_verify.json.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from sacpolicy import bench
 from sacpolicy.decoding.compat import CpuLinear, use_masked_gqa, with_cache
 from sacpolicy.decoding.ragged import new_cache
+from sacpolicy.decoding.sampling import TOP_P_HEAD, SamplingConfig, probs_from_logits, top_p_filter
 from sacpolicy.profiling import prefilled_batch
 
 
@@ -106,6 +111,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--rows", default="1,8,16", help="rows of the batched AR step timed on both caches (empty: none)")
     ap.add_argument("--steps", type=int, default=16, help="AR steps per row count, cache and repeat")
+    ap.add_argument("--top-p", default="0.9,0.95", help="top-p values of the sampled-block table (empty: none)")
     bench.add_out(ap, "bench_verify.json")
     args = ap.parse_args(argv)
     tokens = bench.int_list(args.tokens)
@@ -135,14 +141,40 @@ def main(argv=None) -> dict:
         ms = cache_step_ms(model, n, args.context, args.steps, max(2, args.repeats // 3))
         caches.append({"rows": n, "dynamic_ms": ms["dynamic"], "in_place_ms": ms["in_place"],
                        "speedup": ms["dynamic"] / ms["in_place"]})
+    top_p = [top_p_row(model, lm.tokenizer, float(t), args.repeats) for t in args.top_p.split(",") if t]
     meta = {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
             "linear": f"mlp.up_proj {tuple(layer.weight.shape)}", "torch": torch.__version__}
-    bench.write_results(args.out, {"rows": rows, "caches": caches, "meta": meta})
-    print(markdown(rows, caches, args))
-    return {"rows": rows, "caches": caches, "meta": meta}
+    bench.write_results(args.out, {"rows": rows, "caches": caches, "top_p": top_p, "meta": meta})
+    print(markdown(rows, caches, args, top_p))
+    return {"rows": rows, "caches": caches, "top_p": top_p, "meta": meta}
 
 
-def markdown(rows: list[dict], caches: list[dict], args) -> str:
+@torch.inference_mode()
+def top_p_row(model, tokenizer, top_p: float, repeats: int, temperature: float = 0.7, block: int = 5) -> dict:
+    """Median ms of ``probs_from_logits`` over blocks of ``block`` positions of real logits (8 MT-Bench test prompts,
+    every position) and of the same with a full sort (``top_p_filter(..., head=0)``), alternating block by block;
+    and the share of positions whose ``TOP_P_HEAD`` most likely tokens hold ``top_p`` of the mass."""
+    prompts = bench.held_out_prompts("mt_bench", tokenizer, n=8)
+    logits = torch.cat([model(input_ids=torch.tensor([r["input_ids"]])).logits[0] for r in prompts]).float()
+    blocks = [logits[i : i + block] for i in range(0, len(logits) - block + 1, block)]
+    cfg = SamplingConfig(temperature=temperature, top_p=top_p)
+    runs = {"partial": lambda b: probs_from_logits(b, cfg),
+            "full": lambda b: top_p_filter(torch.softmax(b / temperature, -1), top_p, head=0)}
+    times = {name: [] for name in runs}
+    for _ in range(max(1, repeats // 3)):
+        for b in blocks:
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                fn(b)
+                times[name].append(time.perf_counter() - t0)
+    probs = torch.softmax(logits / temperature, -1)
+    head = float((probs.topk(TOP_P_HEAD, -1).values.sum(-1) >= top_p).float().mean())
+    partial, full = statistics.median(times["partial"]) * 1e3, statistics.median(times["full"]) * 1e3
+    return {"top_p": top_p, "temperature": temperature, "block": block, "positions": len(logits),
+            "partial_ms": partial, "full_sort_ms": full, "speedup": full / partial, "head_share": head}
+
+
+def markdown(rows: list[dict], caches: list[dict], args, top_p=()) -> str:
     def forward(r, kernel):
         return f"{r[f'{kernel}_forward_ms']:.1f} ({r[f'{kernel}_forward_vs_1']:.2f}x)"
 
@@ -159,6 +191,11 @@ def markdown(rows: list[dict], caches: list[dict], args) -> str:
                + bench.table(["rows", "DynamicCache", "new_cache (in place)", "speedup"],
                              ([c["rows"], f"{c['dynamic_ms']:.1f}", f"{c['in_place_ms']:.1f}",
                                bench.ratio(c["speedup"])] for c in caches)))
+    if top_p:
+        md += ("\n\nA sampled block's probabilities (5 positions, temperature 0.7), median ms\n\n"
+               + bench.table(["top-p", "positions", "head holds top-p", "head only", "full sort", "speedup"],
+                             ([t["top_p"], t["positions"], f"{t['head_share']:.0%}", f"{t['partial_ms']:.2f}",
+                               f"{t['full_sort_ms']:.2f}", bench.ratio(t["speedup"])] for t in top_p)))
     return md
 
 

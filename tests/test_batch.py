@@ -707,11 +707,13 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monke
 
 
 def test_bench_verify_times_both_caches_on_a_batched_step(tmp_path):
-    """scripts/bench_verify.py --rows: the batched AR step on transformers' cache and on ours, both timed."""
+    """scripts/bench_verify.py --rows: the batched AR step on transformers' cache and on ours, both timed; --top-p:
+    a sampled block's probabilities with the vocabulary's head ranked and with a full sort."""
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, str(root / "scripts/bench_verify.py"), "--target", "tiny:llama-4l",
                           "--tokens", "1,2", "--threads", "1", "--repeats", "1", "--context", "24", "--rows", "1,3",
-                          "--steps", "2", "--out", str(tmp_path / "v.json")], capture_output=True, text=True,
+                          "--steps", "2", "--top-p", "0.9", "--out", str(tmp_path / "v.json")], capture_output=True,
+                         text=True,
                          timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "v.json").read_text())
@@ -720,3 +722,6 @@ def test_bench_verify_times_both_caches_on_a_batched_step(tmp_path):
         assert c["dynamic_ms"] > 0 and c["in_place_ms"] > 0
         assert c["speedup"] == c["dynamic_ms"] / c["in_place_ms"]
     assert "| 3 |" in res.stdout and "new_cache (in place)" in res.stdout
+    (t,) = out["top_p"]
+    assert t["top_p"] == 0.9 and t["positions"] > 5 and 0 <= t["head_share"] <= 1
+    assert t["partial_ms"] > 0 and t["speedup"] == t["full_sort_ms"] / t["partial_ms"] and "full sort" in res.stdout

@@ -110,6 +110,26 @@ def test_top_k_top_p_temperature():
     torch.testing.assert_close(g, torch.tensor([1.0, 0, 0, 0]))
 
 
+@pytest.mark.parametrize("scale", [6.0, 2.0, 0.05], ids=["peaked", "spread", "flat"])  # flat: the full-sort fallback
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps(scale, top_p):
+    """top-p ranks only the head of a large vocabulary (a partial sort) when the head holds top_p of the mass; the
+    tokens kept and their probabilities are the full sort's, row by row, in batches mixing both cases."""
+    from sacpolicy.decoding.sampling import TOP_P_HEAD, top_p_filter
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 49152, generator=g) * scale
+    logits[0, 0] = torch.randn(49152, generator=g) * 0.05  # one flat row in the batch: every row falls back together
+    for batch in (logits[1:], logits):
+        for temperature in (0.7, 1.0):
+            p = probs_from_logits(batch, SamplingConfig(temperature=temperature, top_p=top_p))
+            ref = top_p_filter(torch.softmax(batch / temperature, -1), top_p, head=0)  # a full sort
+            assert torch.equal(p > 0, ref > 0)
+            torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-7)
+    head = torch.softmax(logits[1:] / 0.7, -1).topk(TOP_P_HEAD, -1).values.sum(-1)
+    assert bool((head >= top_p).all()) == (scale == 6.0 or (scale == 2.0 and top_p < 0.9))
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)],

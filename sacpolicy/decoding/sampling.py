@@ -57,13 +57,33 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if cfg.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the top-1 token always stays)
-        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = top_p_filter(probs, cfg.top_p)
     return probs
+
+
+TOP_P_HEAD = 512  # tokens ranked by a partial sort before top-p falls back to sorting the whole vocabulary
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float, head: int = TOP_P_HEAD) -> torch.Tensor:
+    """Nucleus filtering: drop a token when the mass strictly before it, in descending order, already reaches
+    ``top_p`` (the top-1 token always stays); renormalize.
+
+    Only the ``head`` most likely tokens are ranked (``topk``, a partial sort: a full sort of a 49k vocabulary
+    costs milliseconds a position on a CPU) when they hold at least ``top_p`` of the mass in every row: every token
+    outside them then has at least that mass before it and is dropped, so the result is the full sort's. Flatter rows
+    fall back to sorting everything (``head=0``: always). On a CPU only: choosing the path reads a value back to the
+    host, which an accelerator pays for and whose sort is fast anyway."""
+    if 0 < head < probs.shape[-1] and probs.device.type == "cpu":
+        top, order = torch.topk(probs, head, dim=-1)
+        if bool((top.sum(-1) >= top_p).all()):
+            keep = (torch.cumsum(top, dim=-1) - top) < top_p
+            out = torch.zeros_like(probs).scatter(-1, order, top * keep)
+            return out / out.sum(-1, keepdim=True)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
