@@ -652,10 +652,11 @@ def test_masked_grouped_query_attention_is_transformers_sdpa_bit_for_bit():
 
 
 def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monkeypatch):
-    """``CpuLinear`` (few rows as one GEMM with the weight on the left, more through oneDNN) gives torch's ``linear``
-    results up to float rounding at every row count and input layout, keeps torch's own path (bit for bit) under
-    autograd and, without oneDNN, for long feeds, and the decoder runs the target's and a model drafter's linears on
-    it while it decodes, without touching their parameters, and gives the models back as they were."""
+    """``CpuLinear`` (the fastest of torch's linear, a weight-on-left GEMM and oneDNN, timed per shape and row count
+    on first use) gives torch's ``linear`` results up to float rounding with every candidate kernel at every row count
+    and input layout, records the kernel it chose for each, keeps torch's own path (bit for bit) under autograd and,
+    without oneDNN, for long feeds, and the decoder runs the target's and a model drafter's linears on it while it
+    decodes, without touching their parameters, and gives the models back as they were."""
     from sacpolicy.decoding.compat import _GEMM_MAX_ROWS, CpuLinear, use_cpu_kernels
     from sacpolicy.models import load_model
 
@@ -665,14 +666,25 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monke
     fast.load_state_dict(plain.state_dict())
     use_cpu_kernels(torch.nn.Sequential(fast))
     assert type(fast) is CpuLinear
+    fast.eval()  # in training mode every call is torch's own
     shapes = [(64,), (1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 5, 64), (_GEMM_MAX_ROWS, 64), (300, 64)]
+    monkeypatch.setattr(CpuLinear, "choices", {})
     for onednn in (CpuLinear.onednn, None):
         monkeypatch.setattr(CpuLinear, "onednn", onednn)
         with torch.inference_mode():
             for shape in shapes:
                 x = torch.randn(*shape)
+                flat, rows = x.reshape(-1, 64), x.numel() // 64
+                kernels = fast.kernels(rows, x.dtype)
+                assert ("gemm" in kernels) == (rows <= _GEMM_MAX_ROWS) and ("onednn" in kernels) == (onednn is not None)
+                for kernel in kernels:
+                    torch.testing.assert_close(getattr(fast, f"_{kernel}")(flat), plain(flat), rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
                 assert fast(x).shape == plain(x).shape
+                chosen = [v for k, v in CpuLinear.choices.items() if k[5] == (rows if rows <= 8 else
+                                                                              1 << (rows - 1).bit_length())
+                          and k[6] == (onednn is not None)]
+                assert len(chosen) == 1 and chosen[0] in kernels
             x = torch.randn(64, 7).t()  # 7 rows, not contiguous
             torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
             if onednn is None:

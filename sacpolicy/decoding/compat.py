@@ -5,6 +5,7 @@ kernels)."""
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -76,13 +77,17 @@ def use_masked_gqa(model) -> bool:
     return True
 
 
-# torch's CPU ``linear`` runs one row as a GEMV and 2-3 rows as one GEMV each, reading the weights once per row; one
-# GEMM with the weight as the left operand (a single row fed twice) reads them once, which is what decoding's few-row
-# passes need. From 5 rows on, oneDNN's linear (``mkldnn::_linear_pointwise``, the kernel inductor emits for CPU
-# linears) is the faster path: MKL can pick slow code paths on some CPUs (AMD EPYC among them), and oneDNN also serves
-# long prefills. Timings per row count and kernel: docs/benchmarks.md, "CPU kernels" (``scripts/bench_verify.py``).
-_MKL_MAX_ROWS = 4  # up to here the weight-on-left GEMM; beyond, oneDNN where torch has it
-_GEMM_MAX_ROWS = 256  # without oneDNN: the weight-on-left GEMM up to here, torch's linear beyond
+# Which CPU kernel is fastest for a linear of a few rows depends on the CPU and the torch build: on one machine torch's
+# GEMV for a single row was the slow path and one GEMM with the weight on the left (the row fed twice) read the
+# weights once; on another the GEMV is 3-4x faster than that GEMM; oneDNN's linear (``mkldnn::_linear_pointwise``, the
+# kernel inductor emits for CPU linears) wins at some row counts and shapes and serves long prefills. So ``CpuLinear``
+# times the candidates once per shape, row count and thread count on first use and keeps the fastest. Timings:
+# docs/benchmarks.md, "CPU kernels" (``scripts/bench_verify.py``).
+_GEMM_MAX_ROWS = 256  # the weight-on-left GEMM is a candidate up to here
+_CALIBRATION_ROUNDS = 5  # timed calls of each candidate (after one untimed) when a shape is first seen
+# another kernel replaces torch's only when its median time is below this share of torch's: timed alone, a kernel
+# finds its weights in cache, which a forward through every layer does not (a GEMM at 0.7x torch's alone lost there)
+_CLEARLY_FASTER = 0.67
 
 
 def _onednn_linear():
@@ -96,30 +101,65 @@ def _onednn_linear():
 
 
 class CpuLinear(torch.nn.Linear):
-    """``nn.Linear`` whose inference forward on the CPU picks the fastest kernel for the rows fed: ``(W @ x.T).T`` for
-    up to 4 rows (one row is fed twice: torch's GEMV for it is the slow path), oneDNN's linear from 5 rows on (MKL's
-    weight-on-left GEMM up to 256 rows where torch lacks oneDNN). Training, autograd and other devices use
-    ``nn.Linear.forward``; parameters and state dict are unchanged. ``onednn``: the oneDNN op, None for MKL's paths at
-    every size (a subclass or test may set it)."""
+    """``nn.Linear`` whose inference forward on the CPU runs the fastest kernel for the rows fed, measured on this
+    machine: torch's own ``linear``, one GEMM with the weight on the left (``(W @ x.T).T``; a single row fed twice) or
+    oneDNN's linear. The first call of each (shape, dtype, row count, thread count) times every candidate
+    ``_CALIBRATION_ROUNDS`` times; another kernel replaces torch's only when clearly faster (``_CLEARLY_FASTER``), and
+    the choice is kept for the process (``choices``); row counts past 8 share a choice per power of two. Training, autograd and other devices use ``nn.Linear.forward``; parameters and state
+    dict are unchanged. ``onednn``: the oneDNN op, None to leave it out (a subclass or test may set it)."""
 
     onednn = _onednn_linear()
+    choices: dict[tuple, str] = {}  # (in, out, dtype, bias, threads, rows bucket, oneDNN offered) -> kernel name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
         if (self.training or torch.is_grad_enabled() or x.device.type != "cpu" or rows < 1
                 or x.dtype != self.weight.dtype):
             return super().forward(x)
-        if rows > _MKL_MAX_ROWS and self.onednn is not None and x.dtype == torch.float32:
-            return self.onednn(x.contiguous(), self.weight, self.bias, "none", [], "")
-        if rows > _GEMM_MAX_ROWS:
-            return super().forward(x)
         flat = x.reshape(rows, self.in_features)
+        key = (self.in_features, self.out_features, x.dtype, self.bias is not None, torch.get_num_threads(),
+               rows if rows <= 8 else 1 << (rows - 1).bit_length(), self.onednn is not None)
+        kernel = self.choices.get(key)
+        if kernel is None:
+            kernel = self.choices[key] = self._fastest(flat)
+        return getattr(self, f"_{kernel}")(flat).reshape(*x.shape[:-1], self.out_features)
+
+    def kernels(self, rows: int, dtype: torch.dtype) -> list[str]:
+        """The candidate kernels for ``rows`` rows of ``dtype``."""
+        names = ["torch"]
+        if rows <= _GEMM_MAX_ROWS:
+            names.append("gemm")
+        if self.onednn is not None and dtype == torch.float32:
+            names.append("onednn")
+        return names
+
+    def _fastest(self, flat: torch.Tensor) -> str:
+        names = self.kernels(len(flat), flat.dtype)
+        times = {name: [] for name in names}
+        for name in names:
+            getattr(self, f"_{name}")(flat)  # untimed: first-call costs
+        for _ in range(_CALIBRATION_ROUNDS):
+            for name in names:
+                t0 = time.perf_counter()
+                getattr(self, f"_{name}")(flat)
+                times[name].append(time.perf_counter() - t0)
+        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        best = min(names, key=median.get)
+        # torch's own unless another is clearly faster: a near-tie is noise, and torch's is transformers' arithmetic
+        return best if median[best] < _CLEARLY_FASTER * median["torch"] else "torch"
+
+    def _torch(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(flat, self.weight, self.bias)
+
+    def _gemm(self, flat: torch.Tensor) -> torch.Tensor:
+        rows = len(flat)
         if rows == 1:
             flat = torch.cat([flat, flat])  # contiguous: a stride-0 view is copied on every call and loses the gain
         y = (self.weight @ flat.t()).t()[:rows]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def _onednn(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.onednn(flat.contiguous(), self.weight, self.bias, "none", [], "")
 
 
 def use_cpu_kernels(target, drafters=()) -> Callable[[], None]:
