@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
+from typing import ClassVar
 from contextlib import contextmanager
 
 import torch
@@ -109,7 +110,7 @@ class CpuLinear(torch.nn.Linear):
     dict are unchanged. ``onednn``: the oneDNN op, None to leave it out (a subclass or test may set it)."""
 
     onednn = _onednn_linear()
-    choices: dict[tuple, str] = {}  # (in, out, dtype, bias, threads, rows bucket, oneDNN offered) -> kernel name
+    choices: ClassVar[dict[tuple, str]] = {}  # (in, out, dtype, bias, threads, rows bucket, oneDNN offered) -> kernel name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
