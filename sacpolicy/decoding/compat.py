@@ -7,8 +7,8 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from typing import ClassVar
 from contextlib import contextmanager
+from typing import ClassVar
 
 import torch
 from transformers.integrations import sdpa_attention
