@@ -4,10 +4,10 @@ over test traces and live side by side; writes eval.json, eval.md, plots and rep
     python scripts/evaluate.py from_run=outputs/<date>/<time>                  # traces + policies of that run
     python scripts/evaluate.py from_run=outputs/<date>/<time> eval.live_prompts=0   # simulated rows only
     python scripts/evaluate.py from_run=... eval.live_prompts=0 eval.ceilings=false  # nor the in-sample refits
+    python scripts/evaluate.py experiment=smoke from_run=<a smoke run>
 
 A run directory's own ``policies/`` come before ``from_run``'s: copy another run's there to replay them on these
 traces (e.g. a policy fitted at another temperature).
-    python scripts/evaluate.py experiment=smoke from_run=<a smoke run>
 
 Same configuration as scripts/train.py (conf/evaluate.yaml = conf/train.yaml with stages=[evaluate]).
 """

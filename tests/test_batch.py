@@ -678,7 +678,7 @@ def test_cpu_linear_is_torch_linear_up_to_rounding_and_the_decoder_uses_it(monke
                 kernels = fast.kernels(rows, x.dtype)
                 assert ("gemm" in kernels) == (rows <= _GEMM_MAX_ROWS) and ("onednn" in kernels) == (onednn is not None)
                 for kernel in kernels:
-                    torch.testing.assert_close(getattr(fast, f"_{kernel}")(flat), plain(flat), rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(fast.KERNELS[kernel](fast, flat), plain(flat), rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
                 assert fast(x).shape == plain(x).shape
                 chosen = [v for k, v in CpuLinear.choices.items() if k[5] == (rows if rows <= 8 else
@@ -725,8 +725,7 @@ def test_bench_verify_times_both_caches_on_a_batched_step(tmp_path):
     res = subprocess.run([sys.executable, str(root / "scripts/bench_verify.py"), "--target", "tiny:llama-4l",
                           "--tokens", "1,2", "--threads", "1", "--repeats", "1", "--context", "24", "--rows", "1,3",
                           "--steps", "2", "--top-p", "0.9", "--out", str(tmp_path / "v.json")], capture_output=True,
-                         text=True,
-                         timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+                         text=True, timeout=300, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "v.json").read_text())
     assert [c["rows"] for c in out["caches"]] == [1, 3]

@@ -106,11 +106,13 @@ class CpuLinear(torch.nn.Linear):
     machine: torch's own ``linear``, one GEMM with the weight on the left (``(W @ x.T).T``; a single row fed twice) or
     oneDNN's linear. The first call of each (shape, dtype, row count, thread count) times every candidate
     ``_CALIBRATION_ROUNDS`` times; another kernel replaces torch's only when clearly faster (``_CLEARLY_FASTER``), and
-    the choice is kept for the process (``choices``); row counts past 8 share a choice per power of two. Training, autograd and other devices use ``nn.Linear.forward``; parameters and state
-    dict are unchanged. ``onednn``: the oneDNN op, None to leave it out (a subclass or test may set it)."""
+    the choice is kept for the process (``choices``); row counts past 8 share a choice per power of two. Training,
+    autograd and other devices use ``nn.Linear.forward``; parameters and state dict are unchanged. ``onednn``: the
+    oneDNN op, None to leave it out (a subclass or test may set it)."""
 
     onednn = _onednn_linear()
-    choices: ClassVar[dict[tuple, str]] = {}  # (in, out, dtype, bias, threads, rows bucket, oneDNN offered) -> kernel name
+    # (in, out, dtype, bias, threads, rows bucket, oneDNN offered) -> kernel name (a key of ``KERNELS``)
+    choices: ClassVar[dict[tuple, str]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
@@ -123,7 +125,7 @@ class CpuLinear(torch.nn.Linear):
         kernel = self.choices.get(key)
         if kernel is None:
             kernel = self.choices[key] = self._fastest(flat)
-        return getattr(self, f"_{kernel}")(flat).reshape(*x.shape[:-1], self.out_features)
+        return self.KERNELS[kernel](self, flat).reshape(*x.shape[:-1], self.out_features)
 
     def kernels(self, rows: int, dtype: torch.dtype) -> list[str]:
         """The candidate kernels for ``rows`` rows of ``dtype``."""
@@ -138,11 +140,11 @@ class CpuLinear(torch.nn.Linear):
         names = self.kernels(len(flat), flat.dtype)
         times = {name: [] for name in names}
         for name in names:
-            getattr(self, f"_{name}")(flat)  # untimed: first-call costs
+            self.KERNELS[name](self, flat)  # untimed: first-call costs
         for _ in range(_CALIBRATION_ROUNDS):
             for name in names:
                 t0 = time.perf_counter()
-                getattr(self, f"_{name}")(flat)
+                self.KERNELS[name](self, flat)
                 times[name].append(time.perf_counter() - t0)
         median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
         best = min(names, key=median.get)
@@ -161,6 +163,8 @@ class CpuLinear(torch.nn.Linear):
 
     def _onednn(self, flat: torch.Tensor) -> torch.Tensor:
         return self.onednn(flat.contiguous(), self.weight, self.bias, "none", [], "")
+
+    KERNELS: ClassVar[dict[str, Callable]] = {"torch": _torch, "gemm": _gemm, "onednn": _onednn}  # name -> kernel
 
 
 def use_cpu_kernels(target, drafters=()) -> Callable[[], None]:
