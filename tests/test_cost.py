@@ -153,6 +153,51 @@ def test_rows_drafting_together_pay_their_profiled_share_and_it_round_trips(tmp_
                   draft_batch={"draft": PiecewiseLinear([2.0, 4.0], [0.8, 0.6])})
 
 
+def test_the_decoders_own_work_is_priced_per_row_and_round_trips(tmp_path):
+    """``step_base`` is paid by every step and row (in the target pass's time, times the batch's rows); a drafter's
+    ``step_draft(k)`` by each row that drafts k > 0 tokens with it, outside the share of rows drafting together;
+    both survive the JSON file, and files without them keep the old layout."""
+    plain = hand_model()
+    cost = hand_model()
+    cost.step_base = 0.002
+    cost.step_draft = {"draft": PiecewiseLinear([1.0, 4.0], [0.001, 0.004])}
+    cost.draft_batch = {"draft": PiecewiseLinear([1.0, 4.0], [1.0, 0.5])}
+    cost.batch = {4: cost.verify}
+    plain.batch = {4: plain.verify}
+    assert cost.verify_time(0, 0) == pytest.approx(plain.verify_time(0, 0) + 0.002)
+    assert cost.verify_time(3, 100, batch=4) == pytest.approx(plain.verify_time(3, 100, batch=4) + 4 * 0.002)
+    assert cost.verify_table(2, 100) == pytest.approx([t + 0.002 for t in plain.verify_table(2, 100)])
+    assert cost.draft_time("draft", 0, 100) == 0.0
+    assert cost.draft_time("draft", 2, 100) == pytest.approx(plain.draft_time("draft", 2, 100) + 0.002)
+    assert cost.draft_time("draft", 2, 100, rows=4) == pytest.approx(0.5 * plain.draft_time("draft", 2, 100) + 0.002)
+    assert cost.draft_time("ngram", 3, 100) == plain.draft_time("ngram", 3, 100)  # no curve: nothing added
+    assert 1 / cost.expected_tokens_per_s(None, 0, 100, ()) == pytest.approx(plain.verify_time(0, 100) + 0.002)
+    cost.to_json(tmp_path / "cost.json")
+    assert CostModel.from_json(tmp_path / "cost.json") == cost
+    assert "step_base" not in plain.to_dict() and "step_draft" not in plain.to_dict()
+    with pytest.raises(ValueError, match=r"step_draft names drafters \['eagle'\]"):
+        CostModel("cpu", cost.verify, cost.draft, cost.per_token_draft,
+                  step_draft={"eagle": PiecewiseLinear([1.0], [0.001])})
+
+
+def test_step_overhead_is_fitted_on_medians():
+    """``fit_step_overhead``: the autoregressive steps' median, and per drafter the median per tokens drafted less
+    it, as a line: a step the machine interrupted moves neither. A drafter that never drafted gets no curve."""
+    from sacpolicy.profiling import fit_step_overhead
+
+    cost = fit_step_overhead(hand_model(), [0.001, 0.001, 0.5],
+                             {"draft": [(1, 0.003), (1, 0.003), (3, 0.007), (3, 0.007), (3, 9.0)], "ngram": []},
+                             {"temperature": 0.7})
+    assert cost.step_base == pytest.approx(0.001)
+    assert cost.step_draft["draft"].xs == [1.0, 3.0]
+    assert cost.step_draft["draft"].ys == pytest.approx([0.002, 0.006])
+    assert set(cost.step_draft) == {"draft"}
+    assert cost.meta["overhead_sampling"] == {"temperature": 0.7}
+    assert cost.meta["overhead_steps"] == {"autoregressive": 3, "draft": 5, "ngram": 0}
+    with pytest.raises(ValueError, match="at least one autoregressive step"):
+        fit_step_overhead(hand_model(), [], {}, {})
+
+
 def test_prefill_is_its_profiled_curve_or_the_verify_curve_of_older_files(tmp_path):
     """A prompt's prefill is priced by its own profiled line when there is one; an older file without it extends the
     verify curve to the prompt's length (what the simulator did before)."""
@@ -435,6 +480,31 @@ def test_profile_prices_rows_of_a_model_drafter_drafting_together(tiny_target, t
     assert share.xs == [1.0, 2.0, 4.0] and share.ys[0] == 1.0 and min(share.ys) > 0
     assert all(lo <= hi for lo, hi in zip(share.lo, share.hi))
     assert cost.draft_time("draft", 2, 24, rows=4) == pytest.approx(share.ys[2] * cost.draft_time("draft", 2, 24))
+
+
+def test_profile_times_the_decoders_own_work_at_the_sampling_settings(tiny_target, tiny_draft):
+    """With ``sampling``, the real decoder decodes each drafter and k: the cost model gets ``step_base`` and a
+    ``step_draft`` curve for each drafter that drafted, and records the settings they were timed at. The loop prompt
+    repeats, so the n-gram drafter finds a match at its end (a real target continues the repetition; this random
+    one does not, so only the model drafter is sure to draft here)."""
+    import torch
+
+    from sacpolicy.decoding.sampling import SamplingConfig
+    from sacpolicy.profiling.measure import _loop_prompt
+
+    prompt = _loop_prompt(1000, 64, torch.Generator().manual_seed(0))
+    assert prompt.shape == (64,) and NgramDrafter().peek(None, prompt) is not None
+
+    drafters = [ModelDrafter(tiny_draft.model, name="draft"), NgramDrafter()]
+    cost = profile(tiny_target.model, drafters, ks=(0, 2), context_lens=(16, 32), repeats=2, warmup=1,
+                   sampling=SamplingConfig(temperature=0.7, top_p=0.9), loop_tokens=6)
+    assert cost.meta["overhead_sampling"]["temperature"] == 0.7 and cost.meta["overhead_sampling"]["top_p"] == 0.9
+    assert cost.meta["overhead_steps"]["autoregressive"] > 0
+    assert "draft" in cost.step_draft and set(cost.step_draft) <= {"draft", "ngram"}
+    assert all(1.0 <= x <= 2.0 for curve in cost.step_draft.values() for x in curve.xs)
+    assert math.isfinite(cost.step_base) and all(math.isfinite(y) for c in cost.step_draft.values() for y in c.ys)
+    assert "step_base" not in profile(tiny_target.model, drafters, ks=(0, 2), context_lens=(16,), repeats=1,
+                                      warmup=0).to_dict()  # without sampling: not timed
 
 
 def test_profile_interleaves_cells_so_a_drifting_machine_tilts_no_curve(monkeypatch):

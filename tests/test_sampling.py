@@ -43,6 +43,24 @@ def test_residual_is_a_distribution_and_restores_p(pq):
     torch.testing.assert_close(torch.minimum(p, q) + (1 - beta) * r, p, atol=1e-5, rtol=0)
 
 
+def test_sample_draws_the_distribution_and_never_a_zero_probability_token():
+    """Inverse-CDF sampling: the counts of 40,000 draws match p (chi-square), a zero-probability token (first, inside,
+    last) is never drawn, unnormalized rows and leading batch dims are taken as they come."""
+    g = torch.Generator().manual_seed(7)
+    p = torch.tensor([0.0, 0.3, 0.0, 0.1, 0.25, 0.0, 0.35, 0.0])
+    x = sample((p * 3.0).expand(4, 10_000, V), g)  # unnormalized, [4, 10000] draws
+    assert x.shape == (4, 10_000) and x.dtype == torch.long
+    counts = np.bincount(x.flatten().numpy(), minlength=V).astype(float)
+    assert counts[p.numpy() == 0].sum() == 0
+    keep = p.numpy() > 0
+    _, pval = chisquare(counts[keep], p.numpy()[keep] * counts.sum())
+    assert pval > 1e-3
+    one = torch.zeros(V)
+    one[V - 1] = 1e-30  # a single tiny mass at the end: every draw is that token
+    assert (sample(one.expand(1000, V), g) == V - 1).all()
+    assert sample(p, g).dim() == 0
+
+
 @settings(max_examples=50, deadline=None)
 @given(dists(1))
 def test_residual_defined_when_p_equals_q(p):

@@ -28,12 +28,12 @@ def run(ctx: RunContext) -> dict:
         raise PipelineError("collect needs at least one drafter (draft=[ngram], or a distill stage); got none")
     chosen = {s: ctx.take(ctx.prompts(s), c.num_prompts[s]) for s in SPLITS}
     cost_path = ctx.out_dir / "cost.json"
-    if not cost_path.exists():
+    sampling = instantiate(cfg.sampling)
+    if not cost_path.exists():  # the decoder's own work is timed at the run's sampling settings
         logger.info("profiling the cost model on %s", target.device)
-        profile(target.model, drafters, **OmegaConf.to_container(c.profile)).to_json(cost_path)
+        profile(target.model, drafters, **OmegaConf.to_container(c.profile), sampling=sampling).to_json(cost_path)
     cost = CostModel.from_json(cost_path)
     meta = {"target": target.spec, "vocab_size": int(target.model.get_output_embeddings().out_features)}
-    sampling = instantiate(cfg.sampling)
     if not sampling.greedy:
         logger.info("collecting sampled traces (temperature %s, top_p %s): fit labels examples with beta, and replays "
                     "(rule tuning, best static, simulated rows) run in expectation over seeded draws",

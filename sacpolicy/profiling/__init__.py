@@ -1,7 +1,14 @@
-"""Profiling a device into a ``CostModel``: ``measure`` times the forwards (``profile``), ``fit`` fits the model's
+"""Profiling a device into a ``CostModel``: ``measure`` times the forwards and the decoder's own work per step (``profile``), ``fit`` fits the model's
 knots and intervals to those timings. The model itself lives in ``sacpolicy.runtime.cost`` (numpy only)."""
 
-from sacpolicy.profiling.fit import MIN_REPEATS, N_BOOT, fit_cost_model, monotone_knots, pool_adjacent_violators
+from sacpolicy.profiling.fit import (
+    MIN_REPEATS,
+    N_BOOT,
+    fit_cost_model,
+    fit_step_overhead,
+    monotone_knots,
+    pool_adjacent_violators,
+)
 from sacpolicy.profiling.measure import (
     COST_FORMAT,
     ROW_SPREAD,
@@ -13,4 +20,4 @@ from sacpolicy.profiling.measure import (
 )
 
 __all__ = ["COST_FORMAT", "MIN_REPEATS", "N_BOOT", "ROW_SPREAD", "CostModel", "PiecewiseLinear", "batch_row_lengths",
-           "fit_cost_model", "monotone_knots", "pool_adjacent_violators", "prefilled_batch", "profile"]
+           "fit_cost_model", "fit_step_overhead", "monotone_knots", "pool_adjacent_violators", "prefilled_batch", "profile"]

@@ -7,12 +7,13 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from sacpolicy.runtime.cost import CostModel, PiecewiseLinear, _hinge_basis
 
-__all__ = ["MIN_REPEATS", "N_BOOT", "fit_cost_model", "monotone_knots", "pool_adjacent_violators"]
+__all__ = ["MIN_REPEATS", "N_BOOT", "fit_cost_model", "fit_step_overhead", "monotone_knots", "pool_adjacent_violators"]
 
 logger = logging.getLogger("sacpolicy.profiling")
 
@@ -157,3 +158,30 @@ def _fit_shares(cells: Mapping[int, np.ndarray], n_boot: int, rng) -> PiecewiseL
     sizes = sorted(cells)
     ys, lo, hi = _bootstrap([np.asarray(cells[r], dtype=float) for r in sizes], lambda T: T, n_boot, rng)
     return PiecewiseLinear([1, *sizes], [1.0, *ys.tolist()], [1.0, *lo.tolist()], [1.0, *hi.tolist()])
+
+
+def fit_step_overhead(cost: CostModel, base: Sequence[float], drafted: Mapping[str, Sequence[tuple[int, float]]],
+                      sampling: Mapping) -> CostModel:
+    """``cost`` with the decoder's own work per step (``CostModel.step_base``, ``step_draft``) from the real
+    decoder's steps timed against it: ``base`` [seconds beyond the passes of each autoregressive step], ``drafted``
+    {drafter: [(tokens drafted, seconds beyond the passes)]}. Medians, robust to a step the machine interrupted:
+    ``step_base`` the autoregressive steps' median; a drafter's curve the median per number of tokens drafted, less
+    ``step_base``, as a line over them (a constant when one number was drafted); a drafter that never drafted gets
+    none. ``sampling``: the settings they were timed at, recorded in ``meta["overhead_sampling"]``."""
+    if not len(base):
+        raise ValueError("fit_step_overhead needs the seconds of at least one autoregressive step")
+    step_base = float(np.median(base))
+    step_draft = {}
+    for name, pairs in drafted.items():
+        by_k: dict[int, list[float]] = {}
+        for k, seconds in pairs:
+            by_k.setdefault(int(k), []).append(float(seconds))
+        if not by_k:
+            continue
+        ks = sorted(by_k)
+        ys = [float(np.median(by_k[k])) - step_base for k in ks]
+        step_draft[name] = (PiecewiseLinear([ks[0]], [ys[0]]) if len(ks) == 1
+                            else PiecewiseLinear.fit(ks, ys, [ks[0], ks[-1]]))
+    meta = {**cost.meta, "overhead_sampling": dict(sampling),
+            "overhead_steps": {"autoregressive": len(base), **{n: len(p) for n, p in drafted.items()}}}
+    return replace(cost, step_base=step_base, step_draft=step_draft, meta=meta)

@@ -24,6 +24,17 @@ draft with the same model drafter draft together (one forward per token over all
 less: where profiled (``draft_batch``), a row's draft time is its one-row time times g(r), the per-row share of r rows
 drafting together (g(1) = 1; interpolated between the profiled r, the last one's beyond them).
 
+The decoder's own work: where profiled with a sampling setting (``step_base``, ``step_draft``), the real decoder was
+run for a few steps of every drafter and k and timed against the passes above; what its steps took beyond them is
+    + step_base                             every step, per row: sampling or choosing the next token, committing it,
+                                            the loop's own work (``verify_time``, times the batch's rows)
+    + step_draft[drafter](k)                a step drafting k tokens with that drafter, per row: the draft tokens'
+                                            probabilities and draws, verification, the step's statistics, and what
+                                            the drafter's passes cost inside the loop beyond their isolated timing
+                                            (``draft_time``)
+Both depend on the sampling setting (``meta["overhead_sampling"]``: greedy verification reads argmaxes, sampled
+verification builds probabilities for every drafted and verified position).
+
 A profiled curve keeps each knot's 95% interval (``lo``, ``hi``) beside its value; ``profiling`` makes the verify curve
 non-decreasing in tokens fed unless the intervals show a decrease beyond noise. Files without intervals still load.
 """
@@ -43,7 +54,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 COST_FORMAT = 1  # intervals (lo, hi), per-batch-size curves (batch), per-proposal draft costs (draft_fixed), the
-# prefill curve (prefill) and batched drafting (draft_batch) are optional: older files load unchanged
+# prefill curve (prefill), batched drafting (draft_batch) and the decoder's own work (step_base, step_draft) are
+# optional: older files load unchanged
 # Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
 # finite and positive.
 _MIN_S = 1e-7
@@ -123,6 +135,9 @@ class CostModel:
     prefill: PiecewiseLinear | None = None  # seconds of a target forward over a prompt of n tokens, vs n
     # drafter -> g(r): its per-row draft time when r rows draft together, as a fraction of one row's (g(1) = 1)
     draft_batch: dict[str, PiecewiseLinear] = field(default_factory=dict)
+    step_base: float = 0.0  # seconds of the decoder's own work per step and row beyond the passes (module docstring)
+    # drafter -> seconds of the decoder's own work per step and row drafting k tokens, vs k (on top of step_base)
+    step_draft: dict[str, PiecewiseLinear] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for b, curves in [(1, self.verify), *self.batch.items()]:
@@ -147,6 +162,10 @@ class CostModel:
             if g.xs[0] != 1.0 or g.ys[0] != 1.0 or min(g.ys) <= 0.0:
                 raise ValueError(f"draft_batch[{name!r}] must start at 1 row with share 1 and stay positive, got xs "
                                  f"{g.xs} and ys {g.ys}. Fix: re-profile with sacpolicy.profiling.profile")
+        unknown = sorted(set(self.step_draft) - set(self.draft))
+        if unknown:
+            raise ValueError(f"step_draft names drafters {unknown} with no draft curve; profiled: {sorted(self.draft)}")
+        self.step_base = float(self.step_base)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -175,11 +194,12 @@ class CostModel:
 
     def _verify_at(self, segment: tuple, k: int, context_len: float) -> float:
         low, high, lo, hi, batch = segment
+        own = self.step_base * batch  # the decoder's per-row work of the step
         t_lo = self._verify(low, k, context_len)
         if high is None:
-            return t_lo
+            return max(_MIN_S, t_lo + own)
         t_hi = self._verify(high, k, context_len)
-        return max(_MIN_S, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
+        return max(_MIN_S, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo) + own)
 
     def check_batch(self, batch: int) -> None:
         """Raise unless this model can time a pass of ``batch`` rows."""
@@ -207,9 +227,14 @@ class CostModel:
         drafter together (its share of their batched drafting, where ``draft_batch`` has the drafter)."""
         if drafter is None or k <= 0:
             return 0.0
+        own = self.step_draft[drafter](k) if drafter in self.step_draft else 0.0  # the decoder's, per row
         if rows > 1 and drafter in self.draft_batch:
             g = self.draft_batch[drafter]
-            return g(min(rows, g.xs[-1])) * self.draft_time(drafter, k, context_len)
+            return max(_MIN_S, g(min(rows, g.xs[-1])) * self._draft_passes(drafter, k, context_len) + own)
+        return max(_MIN_S, self._draft_passes(drafter, k, context_len) + own)
+
+    def _draft_passes(self, drafter: str, k: int, context_len: int) -> float:
+        """One row's drafting of k tokens alone, as its passes were timed."""
         if drafter not in self.draft:
             raise ValueError(f"no draft cost for drafter {drafter!r}; profiled: {sorted(self.draft)}. "
                              "Fix: re-run profile() with this drafter, or pick a profiled one")
@@ -336,6 +361,9 @@ class CostModel:
             d["draft_fixed"] = {name: curve.to_dict() for name, curve in self.draft_fixed.items()}
         if self.draft_batch:
             d["draft_batch"] = {name: curve.to_dict() for name, curve in self.draft_batch.items()}
+        if self.step_base or self.step_draft:
+            d["step_base"] = self.step_base
+            d["step_draft"] = {name: curve.to_dict() for name, curve in self.step_draft.items()}
         return {**d, "batch": {str(b): _curves_to_dict(v) for b, v in self.batch.items()}} if self.batch else d
 
     @classmethod
@@ -358,7 +386,9 @@ class CostModel:
                    meta=dict(d.get("meta", {})), batch=batch,
                    draft_fixed={name: PiecewiseLinear(**c) for name, c in d.get("draft_fixed", {}).items()},
                    prefill=PiecewiseLinear(**d["prefill"]) if "prefill" in d else None,
-                   draft_batch={name: PiecewiseLinear(**c) for name, c in d.get("draft_batch", {}).items()})
+                   draft_batch={name: PiecewiseLinear(**c) for name, c in d.get("draft_batch", {}).items()},
+                   step_base=float(d.get("step_base", 0.0)),
+                   step_draft={name: PiecewiseLinear(**c) for name, c in d.get("step_draft", {}).items()})
 
     def to_json(self, path) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a file."""
