@@ -490,9 +490,9 @@ def test_profile_times_the_decoders_own_work_at_the_sampling_settings(tiny_targe
     import torch
 
     from sacpolicy.decoding.sampling import SamplingConfig
-    from sacpolicy.profiling.measure import _loop_prompt
+    from sacpolicy.profiling.loop import loop_prompt
 
-    prompt = _loop_prompt(1000, 64, torch.Generator().manual_seed(0))
+    prompt = loop_prompt(1000, 64, torch.Generator().manual_seed(0))
     assert prompt.shape == (64,) and NgramDrafter().peek(None, prompt) is not None
 
     drafters = [ModelDrafter(tiny_draft.model, name="draft"), NgramDrafter()]

@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from sacpolicy.runtime.cost import CostModel, PiecewiseLinear, _hinge_basis
+from sacpolicy.runtime.cost import CostModel
+from sacpolicy.runtime.curve import PiecewiseLinear, _hinge_basis
 
 __all__ = ["MIN_REPEATS", "N_BOOT", "fit_cost_model", "fit_step_overhead", "monotone_knots", "pool_adjacent_violators"]
 

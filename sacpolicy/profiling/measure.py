@@ -19,16 +19,16 @@ import logging
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from datetime import datetime, timezone
 
 import numpy as np
 import torch
 
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
+from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.sampling import SamplingConfig
 from sacpolicy.decoding.types import DraftRow
-from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.profiling.fit import (
     MIN_REPEATS,
     N_BOOT,
@@ -37,6 +37,7 @@ from sacpolicy.profiling.fit import (
     monotone_knots,
     pool_adjacent_violators,
 )
+from sacpolicy.profiling.loop import decoder_steps
 from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear
 
 __all__ = ["COST_FORMAT", "MIN_REPEATS", "N_BOOT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots",
@@ -291,43 +292,6 @@ def _batch_shares(target, drafter, c: int, k_max: int, batch_sizes: Sequence[int
     return {r: (t[(r, 1)] + t[(r, K)]) / r / one for r in sizes if r > 1}
 
 
-def _loop_prompt(vocab_size: int, context_len: int, gen) -> torch.Tensor:
-    """A prompt of context_len tokens: one random stretch (32 tokens, fewer in a short context) repeated, so that a
-    copying drafter (n-gram) finds matches and drafts as a model drafter does (the target tends to continue it)."""
-    period = max(2, min(32, context_len // 4))
-    stretch = torch.randint(vocab_size, (period,), generator=gen)
-    return stretch.repeat(context_len // period + 1)[:context_len]
-
-
-def _decoder_steps(target, named: dict, cost: CostModel, sampling: SamplingConfig, ks: Sequence[int],
-                   context_len: int, new_tokens: int, repeats: int, seed: int, gen) -> tuple[list, dict]:
-    """The real decoder (``SpeculativeDecoder``, one row, static k per drafter, and autoregressive) timed against
-    ``cost``'s passes: -> ([seconds per step beyond them, autoregressive steps], {drafter: [(tokens drafted, seconds
-    beyond them)]}), the loop's own time outside the timed phases spread evenly over each request's steps. Every
-    (drafter, k) decodes ``new_tokens`` from ``_loop_prompt`` once a round, each round starting one cell later."""
-    from sacpolicy.decoding.decoder import DecoderConfig, SpeculativeDecoder
-    from sacpolicy.policy.rules import Static
-
-    prompt = _loop_prompt(target.config.vocab_size, context_len, gen).to(next(target.parameters()).device)
-    cells = [(None, 0)] + [(name, k) for name in named for k in sorted(set(ks)) if k > 0]
-    base, drafted = [], {name: [] for name in named}
-    for r in range(repeats + 1):  # round 0 warms up
-        for i in range(len(cells)):
-            name, k = cells[(i + r) % len(cells)]
-            decoder = SpeculativeDecoder(target, named, Static(k, name), replace(sampling, seed=seed + r),
-                                         DecoderConfig(k_max=max(ks)), stop_token_ids=[])
-            result = decoder.generate(prompt, new_tokens)
-            if r == 0 or not result.steps:
-                continue
-            steps = result.steps
-            loop = (result.total_s - result.prefill_s - sum(s.draft_s + s.verify_s for s in steps)) / len(steps)
-            for s in steps:
-                beyond = s.draft_s + s.verify_s + loop - cost.step_time(s.drafter, s.drafted, s.context_len)
-                (drafted[s.drafter].append((s.drafted, beyond)) if s.drafter is not None and s.drafted
-                 else base.append(beyond))
-    return base, drafted
-
-
 @torch.inference_mode()
 def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 256, 1024), repeats: int = 5,
             device=None, warmup: int = 2, seed: int = 0, batch_sizes=(1,), sampling=None,
@@ -347,7 +311,7 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     ``sampling`` (a ``SamplingConfig`` or its fields; None: skipped): then the real decoder also decodes
     ``loop_tokens`` tokens per drafter and k in ``ks`` (and autoregressively) ``repeats`` times at the middle profiled
     context with these settings, and what its steps take beyond the passes timed above becomes ``step_base`` and
-    ``step_draft`` (``_decoder_steps``; the cost model's docstring says what they hold). Profile with the settings
+    ``step_draft`` (``sacpolicy.profiling.loop``; the cost model's docstring says what they hold). Profile with the settings
     the decoder will sample with: sampled verification costs more per drafted token than greedy.
     """
     from sacpolicy.models import LoadedModel
@@ -363,7 +327,7 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
         c = sorted(cost.meta["context_lens"])[len(cost.meta["context_lens"]) // 2]
         logger.info("timing the decoder's own work per step at context %d (%s)", c, sampling)
         gen = torch.Generator().manual_seed(seed + 1)
-        base, drafted = _decoder_steps(target, named, cost, sampling, ks, c, loop_tokens, repeats, seed, gen)
+        base, drafted = decoder_steps(target, named, cost, sampling, ks, c, loop_tokens, repeats, seed, gen)
         return fit_step_overhead(cost, base, drafted, {**asdict(sampling), "context": c, "tokens": loop_tokens})
 
 
