@@ -9,15 +9,8 @@ from sacpolicy.profiling.fit import (
     monotone_knots,
     pool_adjacent_violators,
 )
-from sacpolicy.profiling.measure import (
-    COST_FORMAT,
-    ROW_SPREAD,
-    CostModel,
-    PiecewiseLinear,
-    batch_row_lengths,
-    prefilled_batch,
-    profile,
-)
+from sacpolicy.profiling.measure import ROW_SPREAD, batch_row_lengths, prefilled_batch, profile
+from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear
 
 __all__ = ["COST_FORMAT", "MIN_REPEATS", "N_BOOT", "ROW_SPREAD", "CostModel", "PiecewiseLinear", "batch_row_lengths",
            "fit_cost_model", "fit_step_overhead", "monotone_knots", "pool_adjacent_violators", "prefilled_batch", "profile"]

@@ -29,19 +29,11 @@ from sacpolicy.decoding.compat import cpu_kernels, with_cache
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.sampling import SamplingConfig
 from sacpolicy.decoding.types import DraftRow
-from sacpolicy.profiling.fit import (
-    MIN_REPEATS,
-    N_BOOT,
-    fit_cost_model,
-    fit_step_overhead,
-    monotone_knots,
-    pool_adjacent_violators,
-)
+from sacpolicy.profiling.fit import MIN_REPEATS, fit_cost_model, fit_step_overhead
 from sacpolicy.profiling.loop import decoder_steps
-from sacpolicy.runtime.cost import COST_FORMAT, CostModel, PiecewiseLinear
+from sacpolicy.runtime.cost import CostModel
 
-__all__ = ["COST_FORMAT", "MIN_REPEATS", "N_BOOT", "CostModel", "PiecewiseLinear", "fit_cost_model", "monotone_knots",
-           "pool_adjacent_violators", "profile"]
+__all__ = ["ROW_SPREAD", "batch_row_lengths", "prefilled_batch", "profile"]
 
 logger = logging.getLogger(__name__)
 
