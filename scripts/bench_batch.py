@@ -39,6 +39,7 @@ import torch
 
 from sacpolicy import bench
 from sacpolicy.decoding import DecoderConfig, NgramDrafter, RequestInfo, SpeculativeDecoder
+from sacpolicy.decoding.sampling import SamplingConfig
 from sacpolicy.evaluation.evaluate import Timed, add_load_ratios
 from sacpolicy.export import build_drafters
 from sacpolicy.policy import Autoregressive, Heuristic, SeedRule, Static
@@ -204,7 +205,9 @@ def main(argv=None) -> int:
             # up to it as well as the sizes run, which interpolating between 1 and 16 rows alone would misprice
             profiled = sorted({*sizes, *(2 ** i for i in range(max(sizes).bit_length()))})  # 1, 2, 4, ... <= largest
             print(f"profiling the verify pass at batch sizes {profiled} -> {out_cost}", flush=True)
-            cost = profile(target, drafters, ks=tuple(range(9)), context_lens=(64, 256, 512), batch_sizes=profiled)
+            # greedy, as every row here decodes: the decoder's own work per step is timed at those settings
+            cost = profile(target, drafters, ks=tuple(range(9)), context_lens=(64, 256, 512), batch_sizes=profiled,
+                           sampling=SamplingConfig())
             cost.to_json(out_cost)
         rule = replace(rule, cost=cost)
     print(f"{len(prompts)} {args.run or args.source} test prompts, {args.max_tokens} new tokens, greedy, "

@@ -11,6 +11,7 @@ installs vLLM (make test).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -25,7 +26,7 @@ from sacpolicy.export.vllm_run import run_engine, vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, model_dir
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.policy.rules import Static
-from sacpolicy.runtime import save_policy
+from sacpolicy.runtime import PiecewiseLinear, save_policy
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS, K_HEAD = 40, 3
@@ -229,12 +230,15 @@ def test_vllm_cost_profile_times_steps_and_replaces_the_verify_curve():
     steps = profile_vllm_verify("dir", [[1, 2]], (0, 2), repeats=2, run=fake_run)
     assert calls == [0, 2, 0, 2]  # interleaved
     assert steps[0] == pytest.approx([1.01 / 20, 1.03 / 20]) and steps[2] == pytest.approx([1.22 / 20, 1.24 / 20])
-    base = ngram_rule("k").cost
+    base = dataclasses.replace(ngram_rule("k").cost, step_base=0.004,  # our decoder's own work: not vLLM's
+                               step_draft={"ngram": PiecewiseLinear([1.0], [0.002])},
+                               meta={"overhead_sampling": {"temperature": 0.0}})
     cost = vllm_cost_model(base, steps, mean_context=100.0)
     for k in (0, 2):  # the median step time at the profiled context, the context term kept
         assert cost.verify_time(k, 100.0) == pytest.approx(np.median(steps[k]))
     assert cost.verify["per_context"] == base.verify["per_context"] and cost.draft == base.draft
-    assert cost.meta["verify_profiled_in"] == "vllm"
+    assert cost.meta["verify_profiled_in"] == "vllm" and "overhead_sampling" not in cost.meta
+    assert cost.step_base == 0.0 and cost.step_draft == {}
     with pytest.raises(ValueError, match="needs k = 0"):
         vllm_cost_model(base, {2: steps[2]}, 100.0)
 

@@ -117,8 +117,11 @@ def vllm_cost_model(base: CostModel, steps: dict, mean_context: float, *, meta: 
         if int(b) > 1:
             per_b = base.batch[int(b)]["per_context"] if int(b) in base.batch else per_context * int(b)
             batch[int(b)] = curve(by_k, per_b)
-    info = {**base.meta, "verify_profiled_in": "vllm", "vllm_mean_context": mean_context,
+    # vLLM's step seconds are the whole engine step: our decoder's own per-step work (step_base, step_draft) is not
+    # vLLM's, so it is left out
+    kept = {k: v for k, v in base.meta.items() if not k.startswith("overhead_")}
+    info = {**kept, "verify_profiled_in": "vllm", "vllm_mean_context": mean_context,
             "vllm_step_s": {str(k): v for k, v in sorted(steps.items())},
             **({"vllm_batch_step_s": {str(b): {str(k): v for k, v in by_k.items()} for b, by_k in batch_steps.items()}}
                if batch_steps else {}), **(meta or {})}
-    return dataclasses.replace(base, verify=verify, batch=batch, meta=info)
+    return dataclasses.replace(base, verify=verify, batch=batch, meta=info, step_base=0.0, step_draft={})
