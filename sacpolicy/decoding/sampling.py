@@ -95,7 +95,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     ``torch.multinomial`` draws the same distribution but makes a random number per vocabulary entry on a CPU
     (0.85 ms for 49k tokens against 0.03 ms here; a sampled speculative step draws 2-4 tokens)."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    total = cdf[..., -1:]
+    total = cdf[..., -1:].contiguous()
     u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)
     index = torch.searchsorted(cdf, u * total, right=True)
     # u * total can round up to the total itself (u just below 1): the last token with mass, never one beyond it
