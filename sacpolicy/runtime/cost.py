@@ -25,15 +25,18 @@ less: where profiled (``draft_batch``), a row's draft time is its one-row time t
 drafting together (g(1) = 1; interpolated between the profiled r, the last one's beyond them).
 
 The decoder's own work: where profiled with a sampling setting (``step_base``, ``step_draft``), the real decoder was
-run for a few steps of every drafter and k and timed against the passes above; what its steps took beyond them is
-    + step_base                             every step, per row: sampling or choosing the next token, committing it,
-                                            the loop's own work (``verify_time``, times the batch's rows)
-    + step_draft[drafter](k)                a step drafting k tokens with that drafter, per row: the draft tokens'
+run for a few steps of every drafter and k, one row, and timed against the passes above; what its steps took beyond
+them is added to a one-row step:
+    + step_base                             every step: choosing or drawing the next token, committing it, the
+                                            loop's own work; less what the passes above over-price inside the loop
+                                            (it can be negative) (``verify_time`` at batch size 1)
+    + step_draft[drafter](k)                a step drafting k tokens with that drafter: the draft tokens'
                                             probabilities and draws, verification, the step's statistics, and what
                                             the drafter's passes cost inside the loop beyond their isolated timing
-                                            (``draft_time``)
+                                            (``draft_time`` of a row drafting alone)
 Both depend on the sampling setting (``meta["overhead_sampling"]``: greedy verification reads argmaxes, sampled
-verification builds probabilities for every drafted and verified position).
+verification builds probabilities for every drafted and verified position). Batches are priced by their passes
+alone: what one row's loop costs beyond its passes does not say what B rows' loop does.
 
 A profiled curve keeps each knot's 95% interval (``lo``, ``hi``) beside its value; ``profiling`` makes the verify curve
 non-decreasing in tokens fed unless the intervals show a decrease beyond noise. Files without intervals still load.
@@ -136,7 +139,7 @@ class CostModel:
 
     def _verify_at(self, segment: tuple, k: int, context_len: float) -> float:
         low, high, lo, hi, batch = segment
-        own = self.step_base * batch  # the decoder's per-row work of the step
+        own = self.step_base if batch == 1 else 0.0  # the decoder's own work, timed for one row (module docstring)
         t_lo = self._verify(low, k, context_len)
         if high is None:
             return max(_MIN_S, t_lo + own)
@@ -169,7 +172,8 @@ class CostModel:
         drafter together (its share of their batched drafting, where ``draft_batch`` has the drafter)."""
         if drafter is None or k <= 0:
             return 0.0
-        own = self.step_draft[drafter](k) if drafter in self.step_draft else 0.0  # the decoder's, per row
+        # the decoder's own work, timed for one row drafting alone (module docstring)
+        own = self.step_draft[drafter](k) if drafter in self.step_draft and rows == 1 else 0.0
         if rows > 1 and drafter in self.draft_batch:
             g = self.draft_batch[drafter]
             return max(_MIN_S, g(min(rows, g.xs[-1])) * self._draft_passes(drafter, k, context_len) + own)
