@@ -84,7 +84,9 @@ def use_masked_gqa(model) -> bool:
 # kernel inductor emits for CPU linears) wins at some row counts and shapes and serves long prefills. So ``CpuLinear``
 # times the candidates once per shape, row count and thread count on first use and keeps the fastest. Timings:
 # docs/benchmarks.md, "CPU kernels" (``scripts/bench_verify.py``).
-_GEMM_MAX_ROWS = 256  # the weight-on-left GEMM is a candidate up to here
+# the weight-on-left GEMM is a candidate up to here: timed alone it also looks faster at 16 rows, where a whole forward
+# of 16 rows on it ran 82 ms against torch's 77 (108 ms when its output was a transposed view)
+_GEMM_MAX_ROWS = 8
 _CALIBRATION_ROUNDS = 5  # timed calls of each candidate (after one untimed) when a shape is first seen
 # another kernel replaces torch's only when its median time is below this share of torch's: timed alone, a kernel
 # finds its weights in cache, which a forward through every layer does not (a GEMM at 0.7x torch's alone lost there)
@@ -159,7 +161,9 @@ class CpuLinear(torch.nn.Linear):
         if rows == 1:
             flat = torch.cat([flat, flat])  # contiguous: a stride-0 view is copied on every call and loses the gain
         y = (self.weight @ flat.t()).t()[:rows]
-        return y + self.bias if self.bias is not None else y
+        # contiguous, so its cost is timed here: a transposed view made every op after it copy or stride (a sum with
+        # the bias keeps the view's strides)
+        return (y + self.bias if self.bias is not None else y).contiguous()
 
     def _onednn(self, flat: torch.Tensor) -> torch.Tensor:
         return self.onednn(flat.contiguous(), self.weight, self.bias, "none", [], "")
