@@ -26,7 +26,7 @@ def loop_prompt(vocab_size: int, context_len: int, gen) -> torch.Tensor:
 
 
 def decoder_steps(target, named: dict, cost: CostModel, sampling: SamplingConfig, ks: Sequence[int],
-                   context_len: int, new_tokens: int, repeats: int, seed: int, gen) -> tuple[list, dict]:
+                  context_len: int, new_tokens: int, repeats: int, seed: int, gen) -> tuple[list, dict]:
     """The real decoder (``SpeculativeDecoder``, one row, static k per drafter, and autoregressive) timed against
     ``cost``'s passes: -> ([seconds per step beyond them, autoregressive steps], {drafter: [(tokens drafted, seconds
     beyond them)]}), the loop's own time outside the timed phases spread evenly over each request's steps. Every

@@ -303,8 +303,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
     ``sampling`` (a ``SamplingConfig`` or its fields; None: skipped): then the real decoder also decodes
     ``loop_tokens`` tokens per drafter and k in ``ks`` (and autoregressively) ``repeats`` times at the middle profiled
     context with these settings, and what its steps take beyond the passes timed above becomes ``step_base`` and
-    ``step_draft`` (``sacpolicy.profiling.loop``; the cost model's docstring says what they hold). Profile with the settings
-    the decoder will sample with: sampled verification costs more per drafted token than greedy.
+    ``step_draft`` (``sacpolicy.profiling.loop``; the cost model's docstring says what they hold). Profile with the
+    settings the decoder will sample with: sampled verification costs more per drafted token than greedy.
     """
     from sacpolicy.models import LoadedModel
 
