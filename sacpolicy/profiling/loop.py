@@ -49,6 +49,8 @@ def decoder_steps(target, named: dict, cost: CostModel, sampling: SamplingConfig
             loop = (result.total_s - result.prefill_s - sum(s.draft_s + s.verify_s for s in steps)) / len(steps)
             for s in steps:
                 beyond = s.draft_s + s.verify_s + loop - cost.step_time(s.drafter, s.drafted, s.context_len)
-                (drafted[s.drafter].append((s.drafted, beyond)) if s.drafter is not None and s.drafted
-                 else base.append(beyond))
+                if s.drafter is not None and s.drafted:
+                    drafted[s.drafter].append((s.drafted, beyond))
+                else:  # nothing drafted (an n-gram lookup may find nothing): priced as an autoregressive step
+                    base.append(beyond)
     return base, drafted
