@@ -10,7 +10,8 @@ serve``) over held-out chat prompts at Poisson rates relative to the no-speculat
 
 Steps: (1) capacity: the no-speculation server takes every request at once (rate inf); its completed requests per
 second are the capacity C, and its outputs the reference; (2) every configuration (``--configs``: none, vLLM's
-n-gram at its documented example, the export's static setting, its learned rule, the EAGLE-3 head) gets its own
+n-gram at its documented example, the export's static setting, its learned rule, the EAGLE-3 head at a fixed k,
+the learned rule's head under its k-by-batch-size map: ``--head-export``) gets its own
 server, started once per repeat in alternating order (ABC CBA ...), and runs every rate (``--rates``, multiples of
 C) in turn. Greedy. Every completion is compared with the reference's for the same request (lossless over HTTP,
 under concurrent load). A server that dies mid-run is reported (failed requests, the run kept) and restarted for the
@@ -90,7 +91,8 @@ def configs_of(args, tmp: Path, target_dir: Path) -> dict:
     out = {}
     for n in names:
         try:
-            out[n] = serve_config(n, export=args.export, head=head, served_model=str(target_dir))
+            out[n] = serve_config(n, export=args.export, head=head, head_export=args.head_export,
+                                  served_model=str(target_dir))
         except ServeError as e:
             raise SystemExit(f"bench_serve: {e}") from None
     return out
@@ -101,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--export", help="a vLLM export (scripts/export.py format=vllm): the learned and static configs")
     ap.add_argument("--head", default="shipped", help="an EAGLE-3 head in speculators format, or 'shipped'")
     ap.add_argument("--head-k", type=int, default=3)
+    ap.add_argument("--head-export", help="the learned rule's EAGLE-3 head for vLLM (scripts/export.py format=vllm "
+                    "drafter=feature): the learned-head config")
     ap.add_argument("--configs", default="none,vllm-ngram,static,learned,head")
     bench.add_prompt_set(ap, split="test", prompts=32, max_tokens=128, prompts_help="held-out test prompts")
     ap.set_defaults(source="sharegpt")  # ShareGPT's held-out first turns: real chat traffic
@@ -258,27 +262,32 @@ def markdown(results: dict, rates: list[float], capacity: float) -> str:
     v = verdict(results, rates)
     if v:
         out.append("Learned rule vs the others:\n\n" + bench.table(
-            ["rate", "mean TPOT vs none", "mean TPOT vs vLLM n-gram", "throughput vs best other",
+            ["config", "rate", "mean TPOT vs none", "mean TPOT vs vLLM n-gram", "throughput vs best other",
              "P99 e2e vs best other", "best other"],
-            [[f"{x['rate_x']}x", bench.cell(x.get("tpot_vs_none"), ".2f"), bench.cell(x.get("tpot_vs_ngram"), ".2f"),
+            [[x["policy"], f"{x['rate_x']}x", bench.cell(x.get("tpot_vs_none"), ".2f"), bench.cell(x.get("tpot_vs_ngram"), ".2f"),
               bench.cell(x.get("throughput_vs_best"), ".2f"), bench.cell(x.get("p99_e2el_vs_best"), ".2f"),
               x.get("best_other", "-")] for x in v]))
     return "\n\n".join(out)
 
 
+LEARNED = ("learned", "learned-head")  # the learned rule served with n-gram drafts / with the EAGLE-3 head
+
+
 def verdict(results: dict, rates: list[float]) -> list[dict]:
-    """Per rate, the learned rule's ratios: mean TPOT to none's and vLLM n-gram's; output throughput and P99
-    end-to-end latency to the best of {none, vLLM n-gram, static} at that rate (throughput: the highest; P99: the
-    lowest)."""
-    if "learned" not in results:
-        return []
+    """Per learned configuration (``LEARNED``) and rate, its ratios: mean TPOT to none's and vLLM n-gram's; output
+    throughput and P99 end-to-end latency to the best of {none, vLLM n-gram, static} at that rate (throughput: the
+    highest; P99: the lowest)."""
+    return [x for name in LEARNED if name in results for x in _verdict(results, rates, name)]
+
+
+def _verdict(results: dict, rates: list[float], name: str) -> list[dict]:
     out = []
     for r in rates:
-        mine = results["learned"][str(r)]
+        mine = results[name][str(r)]
         others = {n: results[n][str(r)] for n in ("none", "vllm-ngram", "static") if n in results and results[n][str(r)]}
         if not others or _mean(mine, "output_throughput") is None:  # no learned run, or every request failed
             continue
-        x = {"rate_x": r}
+        x = {"policy": name, "rate_x": r}
         for n, key in (("none", "tpot_vs_none"), ("vllm-ngram", "tpot_vs_ngram")):
             if n in others and _mean(others[n], "mean_tpot_ms"):
                 x[key] = _mean(mine, "mean_tpot_ms") / _mean(others[n], "mean_tpot_ms")

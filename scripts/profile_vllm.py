@@ -8,6 +8,10 @@ holds it, so that the learned rule is tuned for vLLM (sacpolicy.export.vllm_cost
         hydra.run.dir=runs/vllm_ngram_vcost                                                 # the rule, retuned
     python scripts/bench_vllm.py --policy runs/vllm_ngram_vcost/policies/hgb                # measured in vLLM
 
+With ``--head <speculators dir | shipped>`` it also times vLLM's ``eagle3`` method with that head at every k >= 1
+and B, and prices the run's feature drafter (``--head-name``, default ``feature``) by those steps, so the rule's
+k-by-batch-size map for the head is vLLM's (export it with ``scripts/export.py ... format=vllm drafter=feature``).
+
 Profiles on held-out validation prompts (never the test prompts the benchmark uses), one request at a time and, with
 ``--batch-sizes``, in waves of B requests, so the rule (and the custom proposer, which passes vLLM's live batch size)
 prices a step at the load it runs under and stops drafting where a wide batch makes it lose. Prints a Markdown table
@@ -17,13 +21,14 @@ of the step seconds per k and B next to what the run's own cost model predicts a
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import sys
 from pathlib import Path
 
 from sacpolicy import bench
-from sacpolicy.export.vllm_cost import profile_vllm_steps, vllm_cost_model
+from sacpolicy.export.vllm_cost import eagle3_config, profile_vllm_steps, vllm_cost_model
 from sacpolicy.export.vllm_run import vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
 from sacpolicy.runtime.cost import CostModel
@@ -38,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default="1", help="batch sizes to time (1: one request at a time; B > 1: waves "
                     "of B requests)")
     ap.add_argument("--repeats", type=int, default=2, help="engines per k, interleaved over k")
+    ap.add_argument("--head", default=None, help="also time vLLM's eagle3 with this EAGLE-3 head (speculators "
+                    "format, or 'shipped': the embedded target's shipped head)")
+    ap.add_argument("--head-name", default="feature", help="the run's drafter that head is (its cost is replaced)")
     args = ap.parse_args(argv)
 
     base_path = Path(args.run) / "cost.json"
@@ -53,29 +61,60 @@ def main(argv=None) -> int:
     ks, sizes = bench.int_list(args.ks), bench.int_list(args.batch_sizes) or [1]
     print(f"vLLM {why}; {len(prompts)} {args.source} validation prompts, {args.max_tokens} tokens, k in {ks}, "
           f"batch sizes {sizes}, {args.repeats} engine(s) per k", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head = None
+    if args.head:
+        if args.head_name not in base.draft:
+            raise SystemExit(f"profile_vllm: the run's cost model has no drafter {args.head_name!r} (it has "
+                             f"{sorted(base.draft)}); pass --head-name <the run's feature drafter>")
+        head = shipped_speculators(out / "head") if args.head == "shipped" else Path(args.head)
     by_batch = profile_vllm_steps(model_dir(), prompts, ks, sizes, max_tokens=args.max_tokens, repeats=args.repeats)
+    head_steps = None
+    if head is not None:
+        print(f"vLLM eagle3 with the head at {head}", flush=True)
+        head_steps = profile_vllm_steps(model_dir(), prompts, [k for k in ks if k >= 1], sizes,
+                                        max_tokens=args.max_tokens, repeats=args.repeats,
+                                        config=functools.partial(eagle3_config, head))
     steps = by_batch[1]
     mean_context = statistics.fmean(len(p) for p in prompts) + args.max_tokens / 2
     cost = vllm_cost_model(base, steps, mean_context, meta={"vllm": why, "vllm_prompts": len(prompts)},
-                           batch_steps={b: v for b, v in by_batch.items() if b > 1})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+                           batch_steps={b: v for b, v in by_batch.items() if b > 1}, head=args.head_name,
+                           head_steps=head_steps)
     cost.to_json(out / "cost.json")
-    md = "\n\n".join(markdown(by_batch[b], ks, base, mean_context, b) for b in sorted(by_batch))
+    md = "\n\n".join(markdown(by_batch[b], ks, base, mean_context, b, None if head_steps is None else head_steps[b])
+                      for b in sorted(by_batch))
     print(md)
+    if head_steps is not None:
+        print(f"the head's drafting in vLLM: {cost.meta['vllm_head_draft']}")
     bench.write_results(out / "vllm_profile.json", {"mean_context": mean_context,
                                                     "step_s": {str(k): v for k, v in steps.items()},
                                                     "batch_step_s": {str(b): {str(k): v for k, v in s.items()}
-                                                                     for b, s in by_batch.items()}, "markdown": md},
+                                                                     for b, s in by_batch.items()},
+                                                    "head_step_s": None if head_steps is None else
+                                                    {str(b): {str(k): v for k, v in s.items()}
+                                                     for b, s in head_steps.items()}, "markdown": md},
                         args)
     print(f"wrote {out / 'cost.json'}; next: python scripts/train.py experiment=vllm_ngram \"stages=[fit,export]\" "
           f"from_run={args.run} hydra.run.dir={out}")
     return 0
 
 
-def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float, batch: int = 1) -> str:
+def shipped_speculators(out: Path) -> Path:
+    """The embedded target's shipped EAGLE-3 head, written in the speculators format at ``out`` (float32)."""
+    import torch
+
+    from sacpolicy.export.speculators import export_speculators
+    from sacpolicy.heads import shipped_head
+
+    return export_speculators(shipped_head(EMBEDDED_TARGET), out, str(model_dir()), dtype=torch.float32)
+
+
+def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float, batch: int = 1,
+             head: dict | None = None) -> str:
     """vLLM's step seconds per k at ``batch`` rows (median and each engine's) beside what ``base`` predicts at the same
-    context (- where ``base`` was not profiled at that batch size)."""
+    context (- where ``base`` was not profiled at that batch size); ``head``: {k: [seconds]} of vLLM's eagle3 steps
+    at this batch size, a column of their own."""
     one = statistics.median(steps[0])
     try:
         base.check_batch(batch)
@@ -88,12 +127,14 @@ def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float, b
         ours = ours_at(k)
         each = ", ".join(f"{1e3 * s:.1f}" for s in steps[k])
         mine = ["-", "-"] if math.isnan(ours) else [f"{1e3 * ours:.1f}", bench.ratio(ours / ours1)]
+        eagle = ([] if head is None else
+                 [f"{1e3 * statistics.median(head[k]):.1f}" if head.get(k) else "-"])
         return [k, k + 1, f"{1e3 * statistics.median(steps[k]):.1f} ({each})",
-                bench.ratio(statistics.median(steps[k]) / one), *mine]
+                bench.ratio(statistics.median(steps[k]) / one), *mine, *eagle]
 
     return f"Batch size {batch}:\n\n" + bench.table(
         ["k", "tokens fed per row", "vLLM step ms (median; each engine)", "vs k = 0", "our decoder's model, ms",
-         "vs k = 0"], map(line, ks))
+         "vs k = 0", *([] if head is None else ["vLLM eagle3 step ms (median)"])], map(line, ks))
 
 
 if __name__ == "__main__":

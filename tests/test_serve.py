@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from toys import ngram_batch_rule, ngram_rule
 
-from sacpolicy.export.vllm import STATS_ENV, PolicyNgramProposer, export_vllm
+from sacpolicy.export.vllm import STATS_ENV, PolicyNgramProposer, export_vllm, speculative_config
 from sacpolicy.export.vllm_serve import (
     ServeError,
     VllmServer,
@@ -26,7 +26,7 @@ from sacpolicy.export.vllm_serve import (
     serve_config,
 )
 from sacpolicy.models import EMBEDDED_TARGET
-from sacpolicy.runtime import save_policy
+from sacpolicy.runtime import ArtifactError, save_policy
 
 NGRAM = {"ngram": {"kind": "ngram", "max_ngram": 3}}
 
@@ -65,6 +65,48 @@ def test_broken_or_mismatched_exports_are_refused_before_a_server_starts(tmp_pat
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(ServeError, match="checksum mismatch"):
         serve_config("learned", export=out)
+
+
+def _head_rule():
+    """``ngram_batch_rule``'s predictor and costs with the EAGLE-3 head as its drafter (a small per-token cost): its
+    k-by-batch-size map is [(1, 1, 4), (2, 4, 0)]."""
+    from dataclasses import replace
+
+    from sacpolicy.runtime import PiecewiseLinear
+
+    rule = ngram_batch_rule()
+    cost = replace(rule.cost, draft={"feature": PiecewiseLinear([0], [1e-6])}, per_token_draft={"feature": True})
+    return replace(rule, cost=cost, drafters=("feature",), fallback=("feature", 4))
+
+
+def test_the_rules_head_is_exported_as_eagle3_under_its_k_by_batch_size_map(tmp_path, embedded):
+    """drafter=feature: the head written in the speculators format for the policy's target, served as vLLM's eagle3
+    with the rule's k-by-batch-size map (vLLM's dynamic speculative decoding), as configuration learned-head."""
+    from sacpolicy.heads import shipped_head
+    from sacpolicy.models import model_dir
+
+    drafters = {"feature": {"kind": "feature", "path": str(shipped_head(EMBEDDED_TARGET))}, **NGRAM}
+    rule = _head_rule()
+    policy = save_policy(tmp_path / "policy", rule, drafters={"feature": drafters["feature"]},
+                         provenance={"target": EMBEDDED_TARGET}, metrics={})
+    out = export_vllm(policy, tmp_path / "deploy_head", drafter="feature")
+    spec = json.loads((out / "speculative_config.json").read_text())
+    assert spec == {"method": "eagle3", "model": str((out / "head").resolve()), "num_speculative_tokens": 4,
+                    "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 4, 0]]}
+    assert json.loads((out / "static_speculative_config.json").read_text()) == spec
+    head = json.loads((out / "head" / "config.json").read_text())
+    assert head["speculators_config"]["verifier"]["name_or_path"] == str(model_dir())
+    served = serve_config("learned-head", head_export=out)
+    assert served.speculative_config == spec and served.env == {}
+    # the export moved: its own head copy is served
+    moved = out.rename(tmp_path / "moved")
+    assert serve_config("learned-head", head_export=moved).speculative_config["model"] == str((moved / "head").resolve())
+    with pytest.raises(ServeError, match="needs --head-export"):
+        serve_config("learned-head")
+    with pytest.raises(ServeError, match="not the rule's EAGLE-3 head"):
+        serve_config("learned-head", head_export=_export(tmp_path))
+    with pytest.raises(ArtifactError, match="speculators format"):  # no head export to point vLLM at
+        speculative_config(policy, drafter="feature")
 
 
 def test_a_head_for_another_verifier_is_refused(tmp_path):

@@ -280,6 +280,49 @@ def test_vllm_profile_over_batch_sizes_prices_a_wide_step():
     assert cost.best_k("ngram", 100, probs, 2, batch=4)[0] == 0
 
 
+def test_vllm_profile_of_a_head_prices_its_drafting_by_vllms_steps():
+    """An EAGLE-3 head: eagle3 engines at each k >= 1 beside the fixed-block ones; the difference is the head's
+    drafting (a per-proposal plus a per-token cost at one row, a per-row share at each wider batch), which replaces
+    the head's draft costs, so the rule's map for the head is priced by vLLM."""
+    import functools
+
+    from sacpolicy.export.vllm_cost import eagle3_config, head_draft_costs, profile_vllm_steps, vllm_cost_model
+
+    assert eagle3_config("/h", 2) == {"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="k >= 1"):
+        eagle3_config("/h", 0)
+
+    def fake_run(model_dir, prompts, *, max_tokens, speculative_config, phases, ignore_eos):
+        k = 0 if speculative_config is None else speculative_config["num_speculative_tokens"]
+        eagle = speculative_config is not None and speculative_config["method"] == "eagle3"
+        out = {"tokens": {}, "seconds": {}, "spec": {}}
+        # fixed blocks: 0.05 s a step alone, 0.06 + 0.01 k in waves of 4; the head adds 0.002 + 0.004 k a row alone
+        # and half of that per row in waves of 4
+        for phase, rows, step, head in (("serial", 1, 0.05, 1.0), ("concurrent:4", 4, 0.06 + 0.01 * k, 2.0)):
+            step += (0.002 + 0.004 * k) * head if eagle else 0.0
+            out["tokens"][phase], out["seconds"][phase] = 10 * len(prompts), 10 * len(prompts) / rows * step
+            out["spec"][phase] = {"num_accepted_tokens": 0, "num_drafts": 0}
+        return out
+
+    fixed = profile_vllm_steps("dir", [[1]], (0, 1, 2, 4), (1, 4), run=fake_run)
+    head = profile_vllm_steps("dir", [[1]], (1, 2, 4), (1, 4), run=fake_run,
+                              config=functools.partial(eagle3_config, "/h"))
+    h = head_draft_costs({1: fixed[1], 4: fixed[4]}, head)
+    assert h["per_token_s"] == pytest.approx(0.004) and h["fixed_s"] == pytest.approx(0.002)
+    assert h["share"] == {4: pytest.approx(0.5)}
+    base = dataclasses.replace(ngram_rule("k").cost, draft={"ngram": PiecewiseLinear([0], [2e-4]),
+                                                            "feature": PiecewiseLinear([0], [0.03])},
+                               per_token_draft={"ngram": False, "feature": True})
+    cost = vllm_cost_model(base, fixed[1], 100.0, batch_steps={4: fixed[4]}, head="feature", head_steps=head)
+    for k in (1, 2, 4):  # one row: the head's steps; four rows: each row's share of the wave's head passes
+        assert cost.step_time("feature", k, 100, 1) == pytest.approx(np.median(head[1][k]))
+        assert cost.draft_time("feature", k, 100, rows=4) * 4 == pytest.approx(
+            np.median(head[4][k]) - np.median(fixed[4][k]))
+    assert cost.draft["ngram"] == base.draft["ngram"] and cost.meta["vllm_head"] == "feature"
+    with pytest.raises(ValueError, match="head="):
+        vllm_cost_model(base, fixed[1], 100.0, head_steps=head)
+
+
 @pytest.mark.vllm
 def test_the_exported_policy_samples_the_targets_distribution_in_vllm(vllm_ok, target, tmp_path):
     """Temperature 0.7 in vLLM with our learned proposer: the first two tokens of 600 samples of one prompt follow the

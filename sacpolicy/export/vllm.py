@@ -12,6 +12,12 @@ Static: ``speculative_config(artifact)`` is the rule's static choice (``sacpolic
 ``{"method": "draft_model", "model": <draft dir>, "num_speculative_tokens": k}`` or
 ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": .., "prompt_lookup_min": ..}``; model
 drafters in vLLM keep a static k (no per-step hook). ``export_vllm`` writes both with the policy and its environment.
+
+A feature drafter (the EAGLE-3 head) is served as vLLM's ``eagle3`` method, the head written beside the policy in the
+speculators format (``head/``), with the rule's k-by-batch-size map (vLLM's dynamic speculative decoding,
+``num_speculative_tokens_per_batch_size``; k = 0 where drafting loses) when the policy's cost model was profiled over
+batch sizes, best inside vLLM itself (``scripts/profile_vllm.py --head``): that is how the learned rule runs the head
+in vLLM, which has no per-step hook for it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from sacpolicy.runtime.features import next_accept_history
 
 logger = logging.getLogger(__name__)
 
-VLLM_KINDS = ("model", "ngram")
+VLLM_KINDS = ("model", "ngram")  # the kinds picked when no drafter is named; a "feature" head when named
 POLICY_ENV = "SACPOLICY_POLICY_DIR"
 DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's n-gram drafters the proposer runs
 STATS_ENV = "SACPOLICY_PROPOSER_STATS"  # optional: a JSON file where the proposer reports its calls and seconds
@@ -49,7 +55,7 @@ def speculative_config(artifact, draft_dir=None, *, drafter: str | None = None) 
     drafters have no vLLM method). ``draft_dir`` overrides the model drafter's path (e.g. where the draft lives on
     the serving machine)."""
     art = artifact if isinstance(artifact, PolicyArtifact) else load_artifact(artifact)
-    name = pick_drafter(art.rule, art.drafters, drafter, VLLM_KINDS)
+    name = pick_drafter(art.rule, art.drafters, drafter, VLLM_KINDS if drafter is None else (*VLLM_KINDS, "feature"))
     spec, k = art.drafters[name], static_k(art.rule, name)
     if k < 1:
         logger.warning("the policy at %s expects no speedup from drafter %r at any k; exporting the minimum k=1 "
@@ -58,6 +64,12 @@ def speculative_config(artifact, draft_dir=None, *, drafter: str | None = None) 
     if spec.kind == "ngram":
         out = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.max_ngram,
                "prompt_lookup_min": spec.min_ngram}
+    elif spec.kind == "feature":
+        if draft_dir is None:
+            raise ArtifactError(f"drafter {name!r} is an EAGLE-3 head ({spec.path}), which vLLM reads in the "
+                                "speculators format: pass draft_dir=<its speculators export> (scripts/export.py "
+                                "head_dir=... format=speculators), or export with export_vllm, which writes one")
+        out = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
     else:
         out = {"method": "draft_model", "model": str(draft_dir or spec.path), "num_speculative_tokens": k}
     schedule = k_by_batch(art.rule, name)
@@ -108,11 +120,14 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
 
         env $(cat out/vllm.env) vllm serve <target> --speculative-config "$(cat out/speculative_config.json)"
 
-    Refuses, naming them, drafters vLLM cannot run (layer-skip, a feature head: export the head itself)."""
+    ``drafter=`` a feature drafter (the EAGLE-3 head): ``_export_head``. Refuses, naming them, drafters vLLM cannot run
+    (layer-skip)."""
     from sacpolicy.runtime.artifact import save_policy
 
     art = artifact if isinstance(artifact, PolicyArtifact) else load_artifact(artifact)
     kinds = {n: s.kind for n, s in art.drafters.items()}
+    if drafter is not None and kinds.get(drafter) == "feature":
+        return _export_head(art, drafter, Path(out_dir), draft_dir)
     if drafter is None:
         if set(kinds.values()) - set(VLLM_KINDS) or len(kinds) > 1:
             raise ArtifactError(f"the policy at {art.path} chooses among drafters {kinds}; {VLLM_SUPPORT}. Pass "
@@ -129,6 +144,33 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
                          metrics=art.metrics)
     write_json(out / "speculative_config.json", learned)
     write_json(out / "static_speculative_config.json", static)
+    env = {POLICY_ENV: Path(policy).resolve(), DRAFTER_ENV: drafter}
+    write_text(out / "vllm.env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    return out
+
+
+def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -> Path:
+    """The vLLM export of the rule's EAGLE-3 head: ``head/`` (the head in the speculators format, for the target the
+    policy was trained for; ``draft_dir``: an existing speculators export to point at instead), and in both
+    ``speculative_config.json`` and ``static_speculative_config.json`` vLLM's ``eagle3`` method with the rule's static
+    k and, where its cost model has batch sizes, its k-by-batch-size map (vLLM runs the head under that map: the
+    learned rule's choice by load), plus ``policy/`` and ``vllm.env`` as for the other drafters."""
+    from sacpolicy.export.speculators import export_speculators
+    from sacpolicy.models import EMBEDDED_TARGET, model_dir
+    from sacpolicy.runtime.artifact import save_policy
+
+    spec = art.drafters[drafter]
+    out.mkdir(parents=True, exist_ok=True)
+    config = speculative_config(art, "<head>", drafter=drafter)  # checks the drafter before anything is written
+    if draft_dir is None:
+        target = (art.provenance or {}).get("target") or EMBEDDED_TARGET
+        draft_dir = export_speculators(spec.path, out / "head", str(model_dir(target)),
+                                       num_speculative_tokens=config["num_speculative_tokens"], dtype=torch.float32)
+    config["model"] = str(Path(draft_dir).resolve())
+    policy = save_policy(out / "policy", art.rule, drafters=art.drafters, provenance=art.provenance,
+                         metrics=art.metrics)
+    write_json(out / "speculative_config.json", config)
+    write_json(out / "static_speculative_config.json", config)
     env = {POLICY_ENV: Path(policy).resolve(), DRAFTER_ENV: drafter}
     write_text(out / "vllm.env", "".join(f"{k}={v}\n" for k, v in env.items()))
     return out

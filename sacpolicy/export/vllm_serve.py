@@ -14,7 +14,10 @@ Configurations (``CONFIGS``):
   ``custom_class`` proposer) with ``vllm.env`` (the policy directory it reads);
 - ``static``: the same export's ``static_speculative_config.json`` (the rule's static k, with its k-by-batch-size
   map where the policy's cost model was profiled over batch sizes);
-- ``head``: an EAGLE-3 head in vLLM's speculators format (``scripts/export.py format=speculators``).
+- ``head``: an EAGLE-3 head in vLLM's speculators format (``scripts/export.py format=speculators``), at a fixed k;
+- ``learned-head``: the learned rule's EAGLE-3 head (``scripts/export.py format=vllm drafter=feature``): vLLM's
+  ``eagle3`` method under the rule's k-by-batch-size map (vLLM's dynamic speculative decoding; k = 0 where the rule
+  finds drafting loses at that load).
 
 A broken or mismatched export is refused before any server starts (``ServeError``, naming the file and the fix): a
 missing file, a policy whose checksums fail, a policy trained for another target, a head made for another verifier.
@@ -46,7 +49,7 @@ from sacpolicy.export.vllm_run import cpu_openmp_env
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("none", "vllm-ngram", "learned", "static", "head")
+CONFIGS = ("none", "vllm-ngram", "learned", "static", "head", "learned-head")
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
@@ -144,12 +147,12 @@ def check_head_export(head, served_model: str) -> dict:
     return {"method": "eagle3", "model": str(head.resolve()), "num_speculative_tokens": k}
 
 
-def serve_config(name: str, *, export=None, head=None, target: str | None = None,
+def serve_config(name: str, *, export=None, head=None, head_export=None, target: str | None = None,
                  served_model: str | None = None) -> ServeConfig:
     """The checked ``ServeConfig`` of configuration ``name`` (one of ``CONFIGS``). ``export``: a ``scripts/export.py
-    format=vllm`` directory (learned, static); ``head``: a speculators-format head (head); ``target``: the sacpolicy
-    model spec served (default: the embedded target); ``served_model``: the directory vLLM loads (default: the
-    target's)."""
+    format=vllm`` directory (learned, static); ``head``: a speculators-format head (head); ``head_export``: a
+    ``format=vllm drafter=feature`` directory (learned-head); ``target``: the sacpolicy model spec served (default:
+    the embedded target); ``served_model``: the directory vLLM loads (default: the target's)."""
     from sacpolicy.models import EMBEDDED_TARGET, model_dir
 
     target = target or EMBEDDED_TARGET
@@ -164,13 +167,27 @@ def serve_config(name: str, *, export=None, head=None, target: str | None = None
             raise ServeError("configuration 'head' needs --head <dir>: an EAGLE-3 head in the speculators format "
                              "(python scripts/export.py head_dir=<run>/head/head format=speculators out=<dir>)")
         return ServeConfig(name, check_head_export(head, served_model or str(model_dir(target))))
+    if name == "learned-head":
+        if head_export is None:
+            raise ServeError("configuration 'learned-head' needs --head-export <dir>: the learned rule's EAGLE-3 head "
+                             "for vLLM (python scripts/export.py policy_dir=<run>/policies/<predictor> format=vllm "
+                             "drafter=feature out=<dir>)")
+        export = head_export
     if export is None:
         raise ServeError(f"configuration {name!r} needs --export <dir>: a vLLM export (python scripts/export.py "
                          "policy_dir=<run>/policies/<predictor> format=vllm out=<dir>)")
     policy, env = check_vllm_export(export, target)
-    file = "speculative_config.json" if name == "learned" else "static_speculative_config.json"
+    file = "static_speculative_config.json" if name == "static" else "speculative_config.json"
     spec = _read_json(Path(export) / file, "re-export it with scripts/export.py format=vllm")
-    if name == "learned" and spec.get("method") != "custom_class":
+    if spec.get("method") == "eagle3":  # the rule's head: its files there and made for the served model
+        head_dir = Path(spec.get("model", ""))
+        head_dir = head_dir if head_dir.is_dir() else Path(export) / "head"  # the export moved: its own copy
+        checked = check_head_export(head_dir, served_model or str(model_dir(target)))
+        spec = {**spec, "model": checked["model"]}
+    elif name == "learned-head":
+        raise ServeError(f"{Path(export) / file} runs {spec.get('method')!r}, not the rule's EAGLE-3 head; export "
+                         "it with drafter=<the policy's feature drafter>")
+    if name == "learned" and spec.get("method") not in ("custom_class", "eagle3"):
         logger.warning("%s holds a static setting (%s), not the learned rule: vLLM runs a model drafter with a "
                        "static k", Path(export) / file, spec.get("method"))
     return ServeConfig(name, spec, env if name == "learned" else {}, policy)
