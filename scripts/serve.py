@@ -5,6 +5,8 @@ URL, and stop the server cleanly on Ctrl-C or SIGTERM.
     python scripts/serve.py --config learned --export deploy/vllm                 # the learned rule (custom proposer)
     python scripts/serve.py --config static --export deploy/vllm                  # its static k (k-by-batch-size map)
     python scripts/serve.py --config head --head deploy/eagle3                    # an EAGLE-3 head (speculators format)
+    python scripts/export.py policy_dir=<run>/policies/hgb format=vllm drafter=feature out=deploy/head
+    python scripts/serve.py --config learned-head --head-export deploy/head       # the rule's head, k by batch size
     python scripts/serve.py --config none                                         # no speculation
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "<printed model>", "prompt": "Hello", "max_tokens": 32, "temperature": 0}'
@@ -32,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", choices=CONFIGS, default="learned")
     ap.add_argument("--export", help="a vLLM export directory (scripts/export.py format=vllm): learned, static")
     ap.add_argument("--head", help="an EAGLE-3 head in the speculators format (scripts/export.py format=speculators)")
+    ap.add_argument("--head-export", help="the rule's EAGLE-3 head for vLLM (scripts/export.py format=vllm "
+                    "drafter=feature): learned-head")
     ap.add_argument("--target", default=None, help="sacpolicy model spec of the target (default: the embedded one)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -47,7 +51,8 @@ def main(argv=None) -> int:
     target = args.target or EMBEDDED_TARGET
     try:
         served = str(model_dir(target)) if not target.startswith("hf:") else target.removeprefix("hf:")
-        config = serve_config(args.config, export=args.export, head=args.head, target=target, served_model=served)
+        config = serve_config(args.config, export=args.export, head=args.head, head_export=args.head_export,
+                              target=target, served_model=served)
     except ServeError as e:
         raise SystemExit(f"serve: {e}") from None
     if config.policy_dir is not None:  # the sampling the policy was fitted for: vLLM's hook does not see a request's

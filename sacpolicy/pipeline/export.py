@@ -1,7 +1,8 @@
 """Stage ``export``: per policy (``export/<predictor>``), vLLM's static speculative_config (``vllm.json``), the
 vLLM serving directory of ``sacpolicy.export.vllm.export_vllm`` (``vllm/``: the learned rule as vLLM's custom
-proposer) for its n-gram drafter, and, when the policy has a model drafter, the transformers generation_config
-settings for stock assisted generation."""
+proposer) for its n-gram drafter, ``vllm_head/`` (its EAGLE-3 head as vLLM's eagle3 under the rule's k-by-batch-size
+map) when the cost model priced the head inside vLLM (``scripts/profile_vllm.py --head``), and, when the policy has a
+model drafter, the transformers generation_config settings for stock assisted generation."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def run(ctx: RunContext) -> dict:
         ngram = [n for n, spec in art.drafters.items() if spec.kind == "ngram"]
         if ngram:  # the learned rule in vLLM runs with its n-gram drafter (vLLM has no per-step hook for others)
             out[name]["vllm_dir"] = str(export_vllm(art, dest / "vllm", drafter=ngram[0]))
+        head = art.rule.cost.meta.get("vllm_head")
+        if head in art.drafters:  # the head's costs are vLLM's own: its k-by-batch-size map is worth serving
+            out[name]["vllm_head_dir"] = str(export_vllm(art, dest / "vllm_head", drafter=head))
         draft_dir = ctx.find("distill/draft")
         if draft_dir is not None and (draft_dir / "generation_config.json").is_file():
             shutil.copyfile(draft_dir / "generation_config.json", dest / "generation_config.json")
