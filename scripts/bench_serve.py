@@ -8,6 +8,12 @@ serve``) over held-out chat prompts at Poisson rates relative to the no-speculat
     python scripts/export.py policy_dir=runs/vllm_ngram_vcost/policies/hgb format=vllm out=runs/deploy
     python scripts/bench_serve.py --export runs/deploy --prompts 32 --max-tokens 128 --out runs/bench_serve.json
 
+The rule's EAGLE-3 head as well (conf/experiment/vllm_head.yaml: both drafters, priced by vLLM with ``--head``; the
+export stage writes ``export/<predictor>/vllm`` and ``vllm_head``):
+
+    python scripts/bench_serve.py --export <run>/export/hgb/vllm --head-export <run>/export/hgb/vllm_head \
+        --configs none,vllm-ngram,static,learned,head,learned-head --prompts 12 --max-tokens 64 --repeats 2
+
 Steps: (1) capacity: the no-speculation server takes every request at once (rate inf); its completed requests per
 second are the capacity C, and its outputs the reference; (2) every configuration (``--configs``: none, vLLM's
 n-gram at its documented example, the export's static setting, its learned rule, the EAGLE-3 head at a fixed k,

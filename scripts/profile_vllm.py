@@ -95,8 +95,8 @@ def main(argv=None) -> int:
                                                     {str(b): {str(k): v for k, v in s.items()}
                                                      for b, s in head_steps.items()}, "markdown": md},
                         args)
-    print(f"wrote {out / 'cost.json'}; next: python scripts/train.py experiment=vllm_ngram \"stages=[fit,export]\" "
-          f"from_run={args.run} hydra.run.dir={out}")
+    print(f"wrote {out / 'cost.json'}; next: python scripts/train.py experiment=<the run's, e.g. vllm_ngram or "
+          f"vllm_head> \"stages=[fit,export]\" from_run={args.run} hydra.run.dir={out}")
     return 0
 
 

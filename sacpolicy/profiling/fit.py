@@ -161,17 +161,30 @@ def _fit_shares(cells: Mapping[int, np.ndarray], n_boot: int, rng) -> PiecewiseL
     return PiecewiseLinear([1, *sizes], [1.0, *ys.tolist()], [1.0, *lo.tolist()], [1.0, *hi.tolist()])
 
 
+# an autoregressive step's own work below minus this share of its pass: the passes were timed on a busier machine
+# than the decoder then ran on (a profile taken beside another heavy job), and every price in the model is off
+CONTENDED_SHARE = 0.2
+
+
 def fit_step_overhead(cost: CostModel, base: Sequence[float], drafted: Mapping[str, Sequence[tuple[int, float]]],
-                      sampling: Mapping) -> CostModel:
+                      sampling: Mapping, context_len: float = 0.0) -> CostModel:
     """``cost`` with the decoder's own work per step (``CostModel.step_base``, ``step_draft``) from the real
     decoder's steps timed against it: ``base`` [seconds beyond the passes of each autoregressive step], ``drafted``
     {drafter: [(tokens drafted, seconds beyond the passes)]}. Medians, robust to a step the machine interrupted:
     ``step_base`` the autoregressive steps' median; a drafter's curve the median per number of tokens drafted, less
     ``step_base``, as a line over them (a constant when one number was drafted); a drafter that never drafted gets
-    none. ``sampling``: the settings they were timed at, recorded in ``meta["overhead_sampling"]``."""
+    none. ``sampling``: the settings they were timed at, recorded in ``meta["overhead_sampling"]``. Refuses a profile
+    whose autoregressive steps ran well below their pass as timed alone (at ``context_len``): the machine was busier
+    while the passes were timed, and a model so priced misleads every decision."""
     if not len(base):
         raise ValueError("fit_step_overhead needs the seconds of at least one autoregressive step")
     step_base = float(np.median(base))
+    one = cost.verify_time(0, context_len)
+    if step_base < -CONTENDED_SHARE * one:
+        raise ValueError(f"the decoder's autoregressive steps took {1e3 * (one + step_base):.1f} ms, but their pass "
+                         f"alone was timed at {1e3 * one:.1f} ms: the machine was busier while the passes were timed "
+                         "(another heavy job running?), so every cost in this profile is off. Fix: profile again "
+                         "with nothing else running")
     step_draft = {}
     for name, pairs in drafted.items():
         by_k: dict[int, list[float]] = {}

@@ -320,7 +320,8 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
         logger.info("timing the decoder's own work per step at context %d (%s)", c, sampling)
         gen = torch.Generator().manual_seed(seed + 1)
         base, drafted = decoder_steps(target, named, cost, sampling, ks, c, loop_tokens, repeats, seed, gen)
-        return fit_step_overhead(cost, base, drafted, {**asdict(sampling), "context": c, "tokens": loop_tokens})
+        return fit_step_overhead(cost, base, drafted, {**asdict(sampling), "context": c, "tokens": loop_tokens},
+                                 context_len=c)
 
 
 def _profile(target, named: dict, ks, context_lens, repeats: int, device, warmup: int, seed: int,
