@@ -122,8 +122,6 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
 
     ``drafter=`` a feature drafter (the EAGLE-3 head): ``_export_head``. Refuses, naming them, drafters vLLM cannot run
     (layer-skip)."""
-    from sacpolicy.runtime.artifact import save_policy
-
     art = artifact if isinstance(artifact, PolicyArtifact) else load_artifact(artifact)
     kinds = {n: s.kind for n, s in art.drafters.items()}
     if drafter is not None and kinds.get(drafter) == "feature":
@@ -138,7 +136,13 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
         raise ArtifactError(f"drafter {drafter!r} is a {kinds[drafter]} drafter; {VLLM_SUPPORT}")
     static = speculative_config(art, draft_dir, drafter=drafter)
     learned = learned_config(art, drafter=drafter) if kinds[drafter] == "ngram" else static
-    out = Path(out_dir)
+    return _write_export(art, Path(out_dir), drafter, learned, static)
+
+
+def _write_export(art: PolicyArtifact, out: Path, drafter: str, learned: dict, static: dict) -> Path:
+    """An export directory: ``policy/``, both speculative configs and ``vllm.env``."""
+    from sacpolicy.runtime.artifact import save_policy
+
     out.mkdir(parents=True, exist_ok=True)
     policy = save_policy(out / "policy", art.rule, drafters=art.drafters, provenance=art.provenance,
                          metrics=art.metrics)
@@ -157,7 +161,6 @@ def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -
     learned rule's choice by load), plus ``policy/`` and ``vllm.env`` as for the other drafters."""
     from sacpolicy.export.speculators import export_speculators
     from sacpolicy.models import EMBEDDED_TARGET, model_dir
-    from sacpolicy.runtime.artifact import save_policy
 
     spec = art.drafters[drafter]
     out.mkdir(parents=True, exist_ok=True)
@@ -167,13 +170,7 @@ def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -
         draft_dir = export_speculators(spec.path, out / "head", str(model_dir(target)),
                                        num_speculative_tokens=config["num_speculative_tokens"], dtype=torch.float32)
     config["model"] = str(Path(draft_dir).resolve())
-    policy = save_policy(out / "policy", art.rule, drafters=art.drafters, provenance=art.provenance,
-                         metrics=art.metrics)
-    write_json(out / "speculative_config.json", config)
-    write_json(out / "static_speculative_config.json", config)
-    env = {POLICY_ENV: Path(policy).resolve(), DRAFTER_ENV: drafter}
-    write_text(out / "vllm.env", "".join(f"{k}={v}\n" for k, v in env.items()))
-    return out
+    return _write_export(art, out, drafter, config, config)
 
 
 class _History:
