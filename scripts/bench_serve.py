@@ -87,13 +87,9 @@ def configs_of(args, tmp: Path, target_dir: Path) -> dict:
         raise SystemExit(f"bench_serve: unknown configurations {unknown}; choose from {list(CONFIGS)}")
     head = args.head
     if "head" in names and head in (None, "shipped"):
-        import torch
+        from sacpolicy.export.speculators import export_shipped_head
 
-        from sacpolicy.export.speculators import export_speculators
-        from sacpolicy.heads import shipped_head
-
-        head = export_speculators(shipped_head(EMBEDDED_TARGET), tmp / "eagle3", str(target_dir), args.head_k,
-                                  dtype=torch.float32)
+        head = export_shipped_head(tmp / "eagle3", str(target_dir), args.head_k)
     out = {}
     for n in names:
         try:

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from sacpolicy import bench
+from sacpolicy.export.speculators import export_shipped_head
 from sacpolicy.export.vllm_cost import eagle3_config, profile_vllm_steps, vllm_cost_model
 from sacpolicy.export.vllm_run import vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
         if args.head_name not in base.draft:
             raise SystemExit(f"profile_vllm: the run's cost model has no drafter {args.head_name!r} (it has "
                              f"{sorted(base.draft)}); pass --head-name <the run's feature drafter>")
-        head = shipped_speculators(out / "head") if args.head == "shipped" else Path(args.head)
+        head = (export_shipped_head(out / "head", str(model_dir())) if args.head == "shipped"
+                else Path(args.head))
     by_batch = profile_vllm_steps(model_dir(), prompts, ks, sizes, max_tokens=args.max_tokens, repeats=args.repeats)
     head_steps = None
     if head is not None:
@@ -98,16 +100,6 @@ def main(argv=None) -> int:
     print(f"wrote {out / 'cost.json'}; next: python scripts/train.py experiment=<the run's, e.g. vllm_ngram or "
           f"vllm_head> \"stages=[fit,export]\" from_run={args.run} hydra.run.dir={out}")
     return 0
-
-
-def shipped_speculators(out: Path) -> Path:
-    """The embedded target's shipped EAGLE-3 head, written in the speculators format at ``out`` (float32)."""
-    import torch
-
-    from sacpolicy.export.speculators import export_speculators
-    from sacpolicy.heads import shipped_head
-
-    return export_speculators(shipped_head(EMBEDDED_TARGET), out, str(model_dir()), dtype=torch.float32)
 
 
 def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float, batch: int = 1,

@@ -140,6 +140,16 @@ def export_speculators(head_dir, out_dir, verifier_path: str, num_speculative_to
                       head_dir)
 
 
+def export_shipped_head(out_dir, verifier_path: str, num_speculative_tokens: int = 3) -> Path:
+    """The embedded target's shipped EAGLE-3 head in the speculators format at ``out_dir``, in float32 (what vLLM runs
+    on a CPU): ``export_speculators`` of ``sacpolicy.heads.shipped_head``."""
+    from sacpolicy.heads import shipped_head
+    from sacpolicy.models import EMBEDDED_TARGET
+
+    return export_speculators(shipped_head(EMBEDDED_TARGET), out_dir, verifier_path, num_speculative_tokens,
+                              dtype=torch.float32)
+
+
 def sglang_config(config: Eagle3Config, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json SGLang's ``LlamaForCausalLMEagle3`` (as SpecForge exports it) reads."""
     if len(config.aux_layer_ids) != 3 or min(config.aux_layer_ids) < 1:
