@@ -307,8 +307,10 @@ def test_rows_drafted_together_propose_what_each_proposes_alone(tiny_target, seq
 def test_a_drafted_tokens_confidence_is_its_distribution_over_the_target_vocabulary(tiny_target, sequences):
     """The rows' draft logits are read over the draft vocabulary (the head's trimmed one): each token is the argmax of
     the block's full-vocabulary logits, and the confidence a stop callback gets is ``draft_stats`` of them (q = 0
-    outside the draft vocabulary); a sampled token is one the draft can propose."""
-    from sacpolicy.decoding.sampling import draft_stats
+    outside the draft vocabulary); a sampled token is one the draft can propose, drawn from q made over the draft
+    vocabulary, which the block hands to verification: the processed distribution of its full-vocabulary logits,
+    with its confidence."""
+    from sacpolicy.decoding.sampling import draft_stats, probs_from_logits
 
     head = random_head(tiny_target, seed=4)
     assert head.config.draft_vocab_size < head.config.target_vocab_size
@@ -327,8 +329,16 @@ def test_a_drafted_tokens_confidence_is_its_distribution_over_the_target_vocabul
         torch.testing.assert_close(torch.stack(stats), draft_stats(b.logits[:-1]), atol=1e-6, rtol=1e-5)
     st = proto.new_state()
     proto.extend_features(st, features(tiny_target, ids[1])[: ids[1].numel() - 1])
-    sampled = propose_one(proto, ids[1], 4, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0), state=st)
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9)
+    sampled = propose_one(proto, ids[1], 4, cfg, torch.Generator().manual_seed(0), state=st)
     assert sampled.k == 4 and bool(head.t2d[sampled.tokens].all())
+    assert sampled.probs.shape == (4, head.config.target_vocab_size)
+    torch.testing.assert_close(sampled.probs, probs_from_logits(sampled.logits, cfg), atol=1e-6, rtol=1e-5)
+    assert bool((sampled.probs.gather(-1, sampled.tokens.view(-1, 1)) > 0).all())
+    torch.testing.assert_close(sampled.confidence, draft_stats(sampled.logits), atol=1e-6, rtol=1e-5)
+    greedy = proto.new_state()
+    proto.extend_features(greedy, features(tiny_target, ids[1])[: ids[1].numel() - 1])
+    assert propose_one(proto, ids[1], 2, state=greedy).probs is None  # greedy: the decoder needs no q
 
 
 def trainer(tmp, **kw):
@@ -514,16 +524,22 @@ def test_decoder_with_a_feature_drafter_is_greedy_exact(tiny_target, sequences):
 
 
 @pytest.mark.slow  # 2,500 draws a case (13-22 s each): make test runs them, the quick loop does not
-@pytest.mark.parametrize("rows, fmt", [(1, "sacpolicy"), (5, "sacpolicy"), (1, "speculators"), (2, "sglang")])
-def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows, fmt, tmp_path):
+@pytest.mark.parametrize("rows, fmt, cfg", [(1, "sacpolicy", SamplingConfig(temperature=1.0)),
+                                             (5, "sacpolicy", SamplingConfig(temperature=1.0)),
+                                             (1, "speculators", SamplingConfig(temperature=1.0)),
+                                             (2, "sglang", SamplingConfig(temperature=1.0)),
+                                             (2, "sacpolicy", SamplingConfig(temperature=0.7, top_p=0.9))])
+def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows, fmt, cfg, tmp_path):
     """Sampled speculative decoding with a feature head reproduces the target's joint distribution of two tokens
-    drawn after verification blocks (chi-square against the exact joint, enumerated from the target), one request at
-    a time and in batches of rows (each its own seed), whose draft logits come from one projection over the rows;
-    also with the head written in vLLM's speculators format and in SGLang's layout, then loaded back."""
+    drawn after verification blocks (chi-square against the exact joint, enumerated from the target's processed
+    distributions: temperature and top-p included), one request at a time and in batches of rows (each its own
+    seed), whose draft logits come from one projection over the rows; also with the head written in vLLM's
+    speculators format and in SGLang's layout, then loaded back."""
     from scipy.stats import chisquare
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sacpolicy.decoding import DecoderConfig, RequestInfo, SpeculativeDecoder
+    from sacpolicy.decoding.sampling import probs_from_logits
     from sacpolicy.models import LoadedModel, load_tokenizer
     from sacpolicy.policy import Static
 
@@ -540,13 +556,13 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows, f
         from test_byo_heads import write_format
 
         head = load_feature_drafter(target, write_format(fmt, head, target, tmp_path)).head
-    dec = SpeculativeDecoder(model, [FeatureDrafter(head)], Static(2), sampling=SamplingConfig(temperature=1.0),
+    dec = SpeculativeDecoder(model, [FeatureDrafter(head)], Static(2), sampling=cfg,
                              config=DecoderConfig(timing=False, max_batch=rows), stop_token_ids=[])
     widths = []
     hook = head.lm_head.register_forward_pre_hook(lambda m, a: widths.append(a[0].numel() // a[0].shape[-1]))
     with torch.no_grad():
         def p(prefix):
-            return torch.softmax(model(torch.tensor([prefix])).logits[0, -1].double(), -1)
+            return probs_from_logits(model(torch.tensor([prefix])).logits[0, -1], cfg).double()
         prompt = [1, 2]
         p1 = p(prompt)
         expected = sum(p1[a] * torch.outer(p(prompt + [a]), torch.ones(v, dtype=torch.float64))
@@ -561,7 +577,10 @@ def test_decoder_with_a_feature_drafter_samples_the_targets_distribution(rows, f
     hook.remove()
     assert 0.05 * draws < accepted < 0.95 * draws  # both branches of verification were exercised
     assert max(widths) == rows  # batched: the rows' draft logits came from one projection
-    _, pval = chisquare(counts.ravel(), expected.numpy().ravel() / expected.sum().item() * draws)
+    expected = expected.numpy().ravel()
+    possible = expected > 0  # top-p leaves some pairs impossible: never drawn, and out of the test
+    assert counts.ravel()[~possible].sum() == 0
+    _, pval = chisquare(counts.ravel()[possible], expected[possible] / expected.sum() * draws)
     assert pval > 1e-3, pval
 
 

@@ -341,6 +341,8 @@ class SpeculativeDecoder:
                              f"{list(self.drafters)}")
 
     def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
+        if block.probs is not None:  # the drafter's own q, the very one its tokens were drawn from
+            return block.probs
         if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
             return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
         return probs_from_logits(block.logits, cfg)
@@ -502,7 +504,10 @@ class SpeculativeDecoder:
             q = probs_from_logits(block.logits, _T1)
             return torch.cat([probs_stats(q), acceptance_stats(p, q, block.tokens)], dim=-1)
         p, q = pq
-        conf = draft_stats(block.logits) if block.logits is not None else self._copy_confidence(block)
+        if block.logits is None:
+            conf = self._copy_confidence(block)
+        else:
+            conf = block.confidence if block.confidence is not None else draft_stats(block.logits)
         return torch.cat([conf, acceptance_stats(p, q, block.tokens)], dim=-1)
 
     def _copy_confidence(self, block: DraftBlock) -> torch.Tensor:

@@ -284,6 +284,11 @@ class Eagle3Head(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_ids, logits)
 
+    def full_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """Draft probabilities [..., Vd] -> [..., V] over the target's ids, 0 outside the draft vocabulary."""
+        full = probs.new_zeros((*probs.shape[:-1], self.config.target_vocab_size))
+        return full.index_copy_(-1, self.draft_ids, probs)
+
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache, logits_to_keep: int = 0):
         """Inference over one row's m new entries after its cached ones: hidden [1, m, H] (projected target features or
         the head's own outputs), input_ids [1, m] -> (outputs [1, m, H] as ``chain`` feeds them back, draft logits

@@ -180,9 +180,13 @@ StopFn = Callable[[int, torch.Tensor], bool]
 class DraftBlock:
     tokens: torch.Tensor  # [k] long, on the target's device
     logits: torch.Tensor | None  # [k, V] raw draft logits the tokens were chosen from; None = deterministic proposal
-    # deterministic proposals only: [k, 3] confidence in the draft_stats layout (top-1, entropy, margin) the drafter
-    # assigns its tokens; None = certain ([1, 0, 1])
+    # [k, 3] confidence in the draft_stats layout (top-1, entropy, margin) the drafter assigns its tokens: a
+    # deterministic proposal's own (None = certain, [1, 0, 1]), or a model draft's draft_stats of ``logits`` made
+    # by the drafter over its own vocabulary (None = the decoder makes them)
     confidence: torch.Tensor | None = None
+    # sampled model drafts only: [k, V] the processed distribution q each token was drawn from (sampling.
+    # probs_from_logits of ``logits`` at the row's settings), handed to verification as is; None = the decoder makes it
+    probs: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
