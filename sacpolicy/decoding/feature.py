@@ -131,9 +131,10 @@ class FeatureDrafter(Drafter):
                     tails[i] = (h[:, r : r + 1], logits[0, r])
             live = going
         for i, drafted in tokens.items():
-            trimmed = torch.stack(block_logits[i])
-            out[i] = DraftBlock(torch.stack(drafted), self.head.full_logits(trimmed), *(
-                (draft_stats(trimmed), self.head.full_probs(torch.stack(block_probs[i]))) if block_probs[i] else ()))
+            trimmed, sampled = torch.stack(block_logits[i]), bool(block_probs[i])
+            out[i] = DraftBlock(torch.stack(drafted), self.head.full_logits(trimmed),
+                                confidence=draft_stats(trimmed) if sampled else None,
+                                probs=self.head.full_probs(torch.stack(block_probs[i])) if sampled else None)
         return out
 
     def accept(self, state: FeatureDraftState, n_accepted: int) -> None:
