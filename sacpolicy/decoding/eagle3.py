@@ -281,13 +281,15 @@ class Eagle3Head(nn.Module):
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., Vd] -> [..., V] over the target's ids, -inf outside the draft vocabulary (q(x) = 0)."""
-        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_ids, logits)
+        return self._to_target_vocab(logits, float("-inf"))
 
     def full_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """Draft probabilities [..., Vd] -> [..., V] over the target's ids, 0 outside the draft vocabulary."""
-        full = probs.new_zeros((*probs.shape[:-1], self.config.target_vocab_size))
-        return full.index_copy_(-1, self.draft_ids, probs)
+        return self._to_target_vocab(probs, 0.0)
+
+    def _to_target_vocab(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        full = x.new_full((*x.shape[:-1], self.config.target_vocab_size), fill)
+        return full.index_copy_(-1, self.draft_ids, x)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache, logits_to_keep: int = 0):
         """Inference over one row's m new entries after its cached ones: hidden [1, m, H] (projected target features or
