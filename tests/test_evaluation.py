@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from sacpolicy.decoding.drafters import NgramDrafter
 from sacpolicy.decoding.types import GenerationResult, StepRecord
 from sacpolicy.evaluation import (
     add_intervals,
@@ -23,7 +24,7 @@ from sacpolicy.evaluation import (
     write_eval,
     write_report,
 )
-from sacpolicy.evaluation.metrics import ARTEFACT
+from sacpolicy.evaluation.metrics import ARTEFACT, simulated_vs_live
 from sacpolicy.evaluation.report import MARK
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -277,6 +278,55 @@ def test_eval_markdown_explains_intervals_ceilings_flags_and_skipped_simulation(
     write_eval(tmp_path, [_row("ar", "live", 1, 0.01)], {"simulated_skipped": note})
     md = (tmp_path / "eval.md").read_text()
     assert f"- {note}" in md and "| simulated |" not in md and "Ceilings" not in md and MARK not in md
+
+
+def test_simulated_vs_live_and_at_the_machine_speed_the_probes_measured(tmp_path):
+    """Simulated rows at 20 ms a step against live ones at 10: simulated is half the live tokens/s (-50%); on a
+    machine the probes found 2x faster than profiled (ratio 0.5), the simulated rows at that speed match (0%)."""
+    rows = _rows()
+    errors = simulated_vs_live(rows, speed=0.5)
+    assert set(errors) == {"ar", "static-k1", "static-k3", "learned", "heuristic"}
+    for e in errors.values():
+        assert e["error"] == pytest.approx(-0.5) and e["error_at_live_speed"] == pytest.approx(0.0)
+        assert e["simulated"] == pytest.approx(e["live"] / 2)
+    assert simulated_vs_live(rows)["ar"]["error_at_live_speed"] is None
+    assert simulated_vs_live([r for r in rows if r["mode"] == "live"]) == {}  # no simulated row: nothing to set against
+
+    speed = {"context": 256, "reference": "probe", "reference_s": 0.05, "probes_s": [0.024, 0.026, 0.025],
+             "ratio": 0.5}
+    write_eval(tmp_path, rows, {"machine_speed": speed, "simulated_vs_live": errors})
+    md = (tmp_path / "eval.md").read_text()
+    assert "## Simulated vs live" in md and "| learned | 130.0 | 260.0 | -50% | +0% |" in md
+    assert "took 24.0-26.0 ms over 3 probes between the live prompts (median 0.50x) against 50.0 ms" in md
+    assert "simulated_vs_live:" not in md  # the table, not a dict in the setup list
+
+
+def test_speed_probe_times_the_pass_against_the_profiles_probe(tiny_target, tiny_draft, caplog):
+    """The profile records its probe of the one-token pass; a probe timed again on the same idle machine lands near
+    it (the ratio is a timing, so only bounded loosely); a cost model without a probe is set against its priced
+    pass; a ratio far off 1 is warned of."""
+    from dataclasses import replace
+
+    from sacpolicy.profiling import profile
+    from sacpolicy.profiling.drift import SpeedProbe
+
+    cost = profile(tiny_target.model, [NgramDrafter()], ks=(0, 2), context_lens=(16, 32), repeats=2, warmup=1)
+    assert cost.meta["speed_probe"]["context"] == 32 and cost.meta["speed_probe"]["seconds"] > 0
+    probe = SpeedProbe(tiny_target.model, cost)
+    with pytest.raises(ValueError, match="before any probe"):
+        probe.summary()
+    assert probe() > 0 and probe() > 0
+    summary = probe.summary()
+    assert summary["reference"] == "probe" and len(summary["probes_s"]) == 2 and 0.1 < summary["ratio"] < 10
+
+    old = SpeedProbe(tiny_target.model, replace(cost, meta={"context_lens": [16, 32]}))
+    assert old.reference == "cost model" and old.context == 32
+    assert old.reference_s == pytest.approx(cost.verify_time(0, 32) - cost.step_base)
+    slow = SpeedProbe(tiny_target.model, replace(cost, meta={"speed_probe": {"context": 32, "seconds": 1e-9}}))
+    slow()
+    with caplog.at_level("WARNING"):
+        assert slow.summary()["ratio"] > 1.05
+    assert "priced at the profile's speed" in caplog.text
 
 
 # ---------------------------------------------------------------------- plots

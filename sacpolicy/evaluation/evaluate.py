@@ -22,6 +22,7 @@ from sacpolicy.evaluation.metrics import (
     flag_artefacts,
     gain_captured,
     row_from_results,
+    simulated_vs_live,
 )
 from sacpolicy.policy import (
     Autoregressive,
@@ -33,6 +34,7 @@ from sacpolicy.policy import (
     Static,
 )
 from sacpolicy.policy.learned import LearnedPolicy
+from sacpolicy.profiling.drift import SpeedProbe
 from sacpolicy.progress import progress_iter
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ class EvalSettings:
     warmup_tokens: int = 8  # tokens each live decoder decodes once before timing (lazy initialisation)
     resamples: int = 2000  # bootstrap resamples of the prompts behind each ratio's 95% interval
     bootstrap_seed: int = 0
+    speed_probe_every: int = 8  # live prompts between probes of the machine's speed against its profile's
+    # (profiling.drift; also before the first and after the last); 0: no probe
     extra: dict = field(default_factory=dict)
 
 
@@ -164,9 +168,10 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
                                       config=decoder_config, in_sample=in_sample, progress=progress)
     load = load_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab, config=decoder_config)
     n_live = len(test_prompts) if settings.live_prompts is None else min(settings.live_prompts, len(test_prompts))
+    probe = SpeedProbe(target.model, cost) if n_live and settings.speed_probe_every > 0 else None
     if n_live:
         rows += live_rows(settings, chosen, cost, rules, target, drafters, test_prompts[:n_live], sampling=sampling,
-                          config=decoder_config, headline=headline, progress=progress)
+                          config=decoder_config, headline=headline, progress=progress, probe=probe)
     add_speedups(rows)
     add_intervals(rows, resamples=settings.resamples, seed=settings.bootstrap_seed)
     flag_artefacts(rows)
@@ -178,6 +183,10 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
             **targets(rows, list(rules)),
             **({"in_sample_skipped": no_ceiling} if no_ceiling else {}),
             **({"learned_policy": f"learned-{headline}"} if headline else {}), **settings.extra}
+    if probe is not None:
+        meta["machine_speed"] = probe.summary()
+    if n_live:
+        meta["simulated_vs_live"] = simulated_vs_live(rows, meta.get("machine_speed", {}).get("ratio"))
     if load:
         meta["load"] = load
     return rows, meta
@@ -238,9 +247,11 @@ def live_factories(settings: EvalSettings, make: dict, headline: str | None = No
 
 
 def live_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, target, drafters: list, prompts: list, *,
-              sampling=None, config=None, headline: str | None = None, progress: bool = True) -> list[dict]:
+              sampling=None, config=None, headline: str | None = None, progress: bool = True,
+              probe=None) -> list[dict]:
     """Every policy decoding the prompts live, prompt by prompt with each policy in turn (machine noise hits all
-    alike), after a warm-up generation each."""
+    alike), after a warm-up generation each. ``probe`` (a ``profiling.drift.SpeedProbe``): timed before the first
+    prompt, every ``settings.speed_probe_every`` prompts and after the last."""
     from sacpolicy.decoding import SpeculativeDecoder
 
     factories = live_factories(settings, policy_factories(settings, chosen, cost, rules, live=True), headline)
@@ -251,10 +262,14 @@ def live_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, target, d
         dec.generate(prompts[0]["input_ids"], settings.warmup_tokens)
         dec.policy.seconds = 0.0
     results = {name: [] for name in decoders}
-    for row in progress_iter(prompts, "live rows (prompt by prompt)", unit="prompt", enabled=progress):
+    for i, row in enumerate(progress_iter(prompts, "live rows (prompt by prompt)", unit="prompt", enabled=progress)):
+        if probe is not None and i % settings.speed_probe_every == 0:
+            probe()
         for name, dec in decoders.items():
             res = dec.generate(row["input_ids"], settings.max_new_tokens, request=RequestInfo(category=row["category"]))
             results[name].append((row["category"], res))
+    if probe is not None:
+        probe()
     return [row_from_results(name, "live", results[name], price_per_hour=settings.price_per_hour,
                              policy_s=dec.policy.seconds, extra={"fallbacks": getattr(dec.policy.inner, "fallbacks", 0)})
             for name, dec in decoders.items()]

@@ -81,7 +81,7 @@ def load_table(rows: list[dict]) -> str:
 
 def _eval_markdown(eval: dict) -> str:
     meta, rows = eval.get("meta", {}), eval["rows"]
-    setup = "\n".join(f"- {k}: {v}" for k, v in meta.items() if k != "load")
+    setup = "\n".join(f"- {k}: {v}" for k, v in meta.items() if k not in ("load", "simulated_vs_live"))
     notes = [meta["simulated_skipped"]] if meta.get("simulated_skipped") else []
     notes.append("Ratios compare tokens/s with the row of the same mode; [a, b]: 95% paired bootstrap interval over "
                  f"prompts ({meta.get('bootstrap_resamples', 2000)} resamples); no interval under {MIN_PROMPTS} "
@@ -90,6 +90,8 @@ def _eval_markdown(eval: dict) -> str:
         notes.append(f"{MARK} {ARTEFACT}.")
     parts = [f"## Setup\n\n{setup}"] if setup else []
     parts.append(f"## Results\n\n{markdown_table(rows)}\n\n" + "\n".join(f"- {n}" for n in notes))
+    if meta.get("simulated_vs_live"):
+        parts.append(f"## Simulated vs live\n\n{_sim_vs_live(meta['simulated_vs_live'], meta.get('machine_speed'))}")
     ceilings = _ceilings(rows, meta.get("in_sample_skipped", {}))
     if ceilings:
         parts.append(f"## Ceilings (simulated on the test traces)\n\n{ceilings}")
@@ -101,6 +103,21 @@ def _eval_markdown(eval: dict) -> str:
     if any("speedup_vs_best_static" in r for r in rows):
         parts.append(f"## Speedup vs best static by category\n\n{category_table(rows, 'speedup_vs_best_static')}")
     return "\n\n".join(parts)
+
+
+def _sim_vs_live(errors: dict, speed: dict | None) -> str:
+    """Each live row's simulated and live tokens/s, and the error again at the machine speed the probes measured."""
+    body = [[name, f"{e['simulated']:.1f}", f"{e['live']:.1f}", f"{e['error']:+.0%}",
+             "-" if e["error_at_live_speed"] is None else f"{e['error_at_live_speed']:+.0%}"] for name, e in errors.items()]
+    table = _table(["row", "simulated tokens/s", "live tokens/s", "simulated vs live", "at the live machine speed"], body)
+    if not speed:
+        return table + "\n\n- No probe of the machine's speed (eval.speed_probe_every = 0)."
+    probes = speed["probes_s"]
+    return table + (f"\n\n- Machine speed: the target's one-token pass at context {speed['context']} took "
+                    f"{1e3 * min(probes):.1f}-{1e3 * max(probes):.1f} ms over {len(probes)} probes between the live "
+                    f"prompts (median {speed['ratio']:.2f}x) against {1e3 * speed['reference_s']:.1f} ms when profiled "
+                    f"({'its probe' if speed['reference'] == 'probe' else 'the cost model priced: an older profile has no probe'}). "
+                    "The last column divides the simulated tokens/s by that ratio.")
 
 
 def _ceilings(rows: list[dict], skipped: dict) -> str:

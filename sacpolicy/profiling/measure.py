@@ -33,7 +33,7 @@ from sacpolicy.profiling.fit import MIN_REPEATS, fit_cost_model, fit_step_overhe
 from sacpolicy.profiling.loop import decoder_steps
 from sacpolicy.runtime.cost import CostModel
 
-__all__ = ["ROW_SPREAD", "batch_row_lengths", "prefilled_batch", "profile"]
+__all__ = ["ROW_SPREAD", "SPEED_PROBE_REPEATS", "batch_row_lengths", "prefilled_batch", "probe_pass", "profile"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,20 @@ def _fits(model, context_len: int, new_tokens: int) -> bool:
                        context_len, new_tokens, type(model).__name__, limit)
         return False
     return True
+
+
+SPEED_PROBE_REPEATS = 7
+
+
+@torch.inference_mode()
+def probe_pass(target, context_len: int, *, repeats: int = SPEED_PROBE_REPEATS, seed: int = 0) -> float:
+    """Median seconds of the target's one-token pass on a KV cache of ``context_len`` random tokens, with the kernels
+    the decoder runs (after one untimed call): the machine's speed in one number, timed in about a second. ``profile``
+    records it (``meta["speed_probe"]``); the evaluation times it again between live prompts (``profiling.drift``)."""
+    device = next(target.parameters()).device
+    with cpu_kernels(target):
+        cells = _forward_cells(target, context_len, [1], device, torch.Generator().manual_seed(seed))
+        return float(np.median(_interleaved_times(cells, device, repeats, warmup=1)[1]))
 
 
 # ---------------------------------------------------------------------- measuring
@@ -370,5 +384,8 @@ def _profile(target, named: dict, ks, context_lens, repeats: int, device, warmup
             "target": getattr(target.config, "name_or_path", "") or type(target).__name__,
             "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats,
             "batch_sizes": sorted(set(batch_sizes)), "batch_row_spread": list(ROW_SPREAD)}
+    c = meta["context_lens"][len(meta["context_lens"]) // 2]  # timed as the evaluation times it (profiling.drift)
+    meta["speed_probe"] = {"context": c, "seconds": probe_pass(target, c, repeats=max(repeats, SPEED_PROBE_REPEATS),
+                                                               seed=seed)}
     return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, batch_cells=batch_rows,
                           fixed_cells=fixed_rows, prefill_cells=prefill_rows, share_cells=shares, seed=seed)
