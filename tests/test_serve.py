@@ -45,6 +45,10 @@ def test_serve_config_reads_an_export(tmp_path):
     static = serve_config("static", export=out)
     assert static.speculative_config["method"] == "ngram" and static.env == {}
     assert serve_config("none").speculative_config is None
+    sync = serve_config("none-sync")  # no speculation, scheduled as vLLM schedules n-gram and custom_class ones
+    assert sync.speculative_config is None and sync.args == ("--no-async-scheduling",)
+    assert "--no-async-scheduling" in VllmServer("m", sync, port=1).command()
+    assert "--no-async-scheduling" not in VllmServer("m", serve_config("none"), port=1).command()
     assert serve_config("vllm-ngram").speculative_config["num_speculative_tokens"] == 5
 
 
@@ -266,3 +270,29 @@ def test_a_served_learned_policy_is_lossless_over_http_under_concurrent_load(ser
         assert server.healthy()
         assert completions(server.url, prompts[:1], max_tokens=n) == got[:1]
     assert json.loads(stats.read_text())["failures"] == 0  # written every 20 steps from vLLM's engine
+
+
+def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync():
+    """The verdict: TPOT against none, vLLM n-gram and (where it ran) none-sync; throughput against the highest of
+    {none, vLLM n-gram, static} and P99 against the lowest; none-sync is a diagnostic, never the best other."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+
+    def run(tpot, tp, p99):
+        return [{"mean_tpot_ms": tpot, "output_throughput": tp, "p99_e2el_ms": p99, "identical": 4, "compared": 4,
+                 "failed": 0}]
+
+    results = {"none": {"1.0": run(80, 100, 900)}, "none-sync": {"1.0": run(120, 200, 100)},
+               "vllm-ngram": {"1.0": run(100, 90, 1000)}, "static": {"1.0": run(90, 95, 800)},
+               "learned": {"1.0": run(60, 98, 840)}}
+    (x,) = cli.verdict(results, [1.0])
+    assert x["tpot_vs_none"] == pytest.approx(0.75) and x["tpot_vs_ngram"] == pytest.approx(0.6)
+    assert x["tpot_vs_none_sync"] == pytest.approx(0.5)
+    assert x["best_other"] == "none" and x["throughput_vs_best"] == pytest.approx(0.98)
+    assert x["p99_e2el_vs_best"] == pytest.approx(840 / 800)
+    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | none | 0.50 |" in cli.markdown(results, [1.0], 2.0)

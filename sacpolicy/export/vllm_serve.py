@@ -9,6 +9,9 @@ against it. ``scripts/serve.py`` and ``scripts/bench_serve.py`` are the command 
 Configurations (``CONFIGS``):
 
 - ``none``: no speculation;
+- ``none-sync``: no speculation with vLLM's asynchronous scheduling off (``--no-async-scheduling``), as vLLM runs
+  every n-gram and ``custom_class`` configuration (it turns async scheduling off for them; ``eagle3`` keeps it): a
+  diagnostic baseline that tells what speculation costs from what the synchronous scheduler costs;
 - ``vllm-ngram``: vLLM's own n-gram lookup at its documented example (k = 5, ``prompt_lookup_max`` 4);
 - ``learned``: the learned rule of an export (``scripts/export.py format=vllm``): ``speculative_config.json`` (our
   ``custom_class`` proposer) with ``vllm.env`` (the policy directory it reads);
@@ -49,7 +52,7 @@ from sacpolicy.export.vllm_run import cpu_openmp_env
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("none", "vllm-ngram", "learned", "static", "head", "learned-head")
+CONFIGS = ("none", "none-sync", "vllm-ngram", "learned", "static", "head", "learned-head")
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
@@ -63,17 +66,18 @@ class ServeError(RuntimeError):
 
 @dataclass
 class ServeConfig:
-    """What one server runs: vLLM's ``speculative_config`` (None: no speculation) and the environment our proposer
-    reads (``SACPOLICY_POLICY_DIR`` ...)."""
+    """What one server runs: vLLM's ``speculative_config`` (None: no speculation), the environment our proposer
+    reads (``SACPOLICY_POLICY_DIR`` ...) and extra server arguments."""
 
     name: str
     speculative_config: dict | None = None
     env: dict[str, str] = field(default_factory=dict)
     policy_dir: Path | None = None
+    args: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"{self.name}: " + ("no speculation" if self.speculative_config is None
-                                   else json.dumps(self.speculative_config))
+                                   else json.dumps(self.speculative_config)) + "".join(f" {a}" for a in self.args)
 
 
 def _read_json(path: Path, fix: str) -> dict:
@@ -160,6 +164,8 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
         raise ServeError(f"unknown configuration {name!r}; choose one of {list(CONFIGS)}")
     if name == "none":
         return ServeConfig(name)
+    if name == "none-sync":
+        return ServeConfig(name, args=("--no-async-scheduling",))
     if name == "vllm-ngram":
         return ServeConfig(name, dict(VLLM_NGRAM_DOCS))
     if name == "head":
@@ -212,7 +218,8 @@ class VllmServer:
         self.log_path = Path(log) if log else None
         self.args = ["--model", self.model, "--dtype", dtype, "--max-model-len", str(max_model_len),
                      "--max-num-seqs", str(max_num_seqs), "--seed", str(seed), "--host", host, "--port",
-                     str(self.port), *(["--enforce-eager"] if enforce_eager else []), *map(str, extra_args)]
+                     str(self.port), *(["--enforce-eager"] if enforce_eager else []), *self.config.args,
+                     *map(str, extra_args)]
         if self.config.speculative_config is not None:
             self.args += ["--speculative-config", json.dumps(self.config.speculative_config)]
         self.env = {**SERVER_ENV, **cpu_openmp_env(), **os.environ, **self.config.env, **(env or {})}
