@@ -186,7 +186,7 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
     if probe is not None:
         meta["machine_speed"] = probe.summary()
     if n_live:
-        meta["simulated_vs_live"] = simulated_vs_live(rows, meta.get("machine_speed", {}).get("ratio"))
+        meta["simulated_vs_live"] = simulated_vs_live(rows)
     if load:
         meta["load"] = load
     return rows, meta

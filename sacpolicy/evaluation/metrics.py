@@ -121,17 +121,9 @@ def _hist(values) -> dict[str, int]:
     return {str(v): n for v, n in sorted(Counter(values).items())}
 
 
-def simulated_vs_live(rows: list[dict], speed: float | None = None) -> dict:
-    """{row name: {"simulated", "live" (tokens/s), "error" (simulated / live - 1), "error_at_live_speed"}} for every
-    row with both modes. ``speed``: the machine's pass time during the live rows over the profile's
-    (``profiling.drift.SpeedProbe``); ``error_at_live_speed`` divides the simulated tokens/s by it (every priced
-    second scaled alike), the error the cost model would show on the machine as it ran (None without ``speed``)."""
+def simulated_vs_live(rows: list[dict]) -> dict:
+    """{row name: {"simulated", "live" (tokens/s), "error" (simulated / live - 1)}} for every row with both modes."""
     by = {(r["name"], r["mode"]): r["tokens_per_s"] for r in rows}
-    out = {}
-    for name in dict.fromkeys(r["name"] for r in rows if r["mode"] == "live"):
-        if (name, "simulated") not in by:
-            continue
-        sim, live = by[name, "simulated"], by[name, "live"]
-        out[name] = {"simulated": sim, "live": live, "error": sim / live - 1.0,
-                     "error_at_live_speed": sim / speed / live - 1.0 if speed else None}
-    return out
+    return {name: {"simulated": by[name, "simulated"], "live": by[name, "live"],
+                   "error": by[name, "simulated"] / by[name, "live"] - 1.0}
+            for name in dict.fromkeys(r["name"] for r in rows if r["mode"] == "live") if (name, "simulated") in by}
