@@ -16,7 +16,8 @@ export stage writes ``export/<predictor>/vllm`` and ``vllm_head``):
 
 Steps: (1) capacity: the no-speculation server takes every request at once (rate inf); its completed requests per
 second are the capacity C, and its outputs the reference; (2) every configuration (``--configs``: none, none-sync
-(no speculation with async scheduling off, as vLLM runs n-gram and custom_class speculation), vLLM's
+(no speculation with async scheduling off, as vLLM runs n-gram and custom_class speculation), spec-idle
+(speculation on, a proposer that never drafts), vLLM's
 n-gram at its documented example, the export's static setting, its learned rule, the EAGLE-3 head at a fixed k,
 the learned rule's head under its k-by-batch-size map: ``--head-export``) gets its own
 server, started once per repeat in alternating order (ABC CBA ...), and runs every rate (``--rates``, multiples of
@@ -266,10 +267,11 @@ def markdown(results: dict, rates: list[float], capacity: float) -> str:
     if v:
         out.append("Learned rule vs the others:\n\n" + bench.table(
             ["config", "rate", "mean TPOT vs none", "mean TPOT vs vLLM n-gram", "throughput vs best other",
-             "P99 e2e vs best other", "best other", "mean TPOT vs none-sync"],
+             "P99 e2e vs best other", "best other", "mean TPOT vs none-sync", "mean TPOT vs spec-idle"],
             [[x["policy"], f"{x['rate_x']}x", bench.cell(x.get("tpot_vs_none"), ".2f"), bench.cell(x.get("tpot_vs_ngram"), ".2f"),
               bench.cell(x.get("throughput_vs_best"), ".2f"), bench.cell(x.get("p99_e2el_vs_best"), ".2f"),
-              x.get("best_other", "-"), bench.cell(x.get("tpot_vs_none_sync"), ".2f")] for x in v]))
+              x.get("best_other", "-"), bench.cell(x.get("tpot_vs_none_sync"), ".2f"),
+              bench.cell(x.get("tpot_vs_spec_idle"), ".2f")] for x in v]))
     return "\n\n".join(out)
 
 
@@ -279,8 +281,9 @@ LEARNED = ("learned", "learned-head")  # the learned rule served with n-gram dra
 def verdict(results: dict, rates: list[float]) -> list[dict]:
     """Per learned configuration (``LEARNED``) and rate, its ratios: mean TPOT to none's and vLLM n-gram's; output
     throughput and P99 end-to-end latency to the best of {none, vLLM n-gram, static} at that rate (throughput: the
-    highest; P99: the lowest); mean TPOT to none-sync's where it ran (no speculation, synchronous scheduling: what
-    vLLM gives an n-gram or ``custom_class`` configuration before any drafting)."""
+    highest; P99: the lowest); mean TPOT to the diagnostic baselines' where they ran: none-sync (no speculation,
+    synchronous scheduling, as vLLM runs n-gram and ``custom_class`` speculation) and spec-idle (speculation on,
+    nothing ever drafted)."""
     return [x for name in LEARNED if name in results for x in _verdict(results, rates, name)]
 
 
@@ -292,7 +295,8 @@ def _verdict(results: dict, rates: list[float], name: str) -> list[dict]:
         if not others or _mean(mine, "output_throughput") is None:  # no learned run, or every request failed
             continue
         x = {"policy": name, "rate_x": r}
-        for n, key in (("none", "tpot_vs_none"), ("vllm-ngram", "tpot_vs_ngram"), ("none-sync", "tpot_vs_none_sync")):
+        for n, key in (("none", "tpot_vs_none"), ("vllm-ngram", "tpot_vs_ngram"), ("none-sync", "tpot_vs_none_sync"),
+                       ("spec-idle", "tpot_vs_spec_idle")):
             rows = results.get(n, {}).get(str(r))
             if rows and _mean(rows, "mean_tpot_ms"):
                 x[key] = _mean(mine, "mean_tpot_ms") / _mean(rows, "mean_tpot_ms")

@@ -49,6 +49,12 @@ def test_serve_config_reads_an_export(tmp_path):
     assert sync.speculative_config is None and sync.args == ("--no-async-scheduling",)
     assert "--no-async-scheduling" in VllmServer("m", sync, port=1).command()
     assert "--no-async-scheduling" not in VllmServer("m", serve_config("none"), port=1).command()
+    idle = serve_config("spec-idle")  # speculation on, nothing ever proposed
+    assert idle.speculative_config["method"] == "custom_class" and idle.speculative_config["num_speculative_tokens"] == 8
+    from sacpolicy.export.vllm_cost import IdleProposer
+
+    assert idle.speculative_config["model"].endswith(IdleProposer.__name__)
+    assert IdleProposer(None).propose([[5], [7, 8], []], [3, 4, 5], None) == [[], [], []]
     assert serve_config("vllm-ngram").speculative_config["num_speculative_tokens"] == 5
 
 
@@ -274,7 +280,8 @@ def test_a_served_learned_policy_is_lossless_over_http_under_concurrent_load(ser
 
 def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync():
     """The verdict: TPOT against none, vLLM n-gram and (where it ran) none-sync; throughput against the highest of
-    {none, vLLM n-gram, static} and P99 against the lowest; none-sync is a diagnostic, never the best other."""
+    {none, vLLM n-gram, static} and P99 against the lowest; none-sync and spec-idle are diagnostics, never the best
+    other."""
     import importlib.util
     from pathlib import Path
 
@@ -289,10 +296,10 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
 
     results = {"none": {"1.0": run(80, 100, 900)}, "none-sync": {"1.0": run(120, 200, 100)},
                "vllm-ngram": {"1.0": run(100, 90, 1000)}, "static": {"1.0": run(90, 95, 800)},
-               "learned": {"1.0": run(60, 98, 840)}}
+               "spec-idle": {"1.0": run(30, 10, 5000)}, "learned": {"1.0": run(60, 98, 840)}}
     (x,) = cli.verdict(results, [1.0])
     assert x["tpot_vs_none"] == pytest.approx(0.75) and x["tpot_vs_ngram"] == pytest.approx(0.6)
-    assert x["tpot_vs_none_sync"] == pytest.approx(0.5)
+    assert x["tpot_vs_none_sync"] == pytest.approx(0.5) and x["tpot_vs_spec_idle"] == pytest.approx(2.0)
     assert x["best_other"] == "none" and x["throughput_vs_best"] == pytest.approx(0.98)
     assert x["p99_e2el_vs_best"] == pytest.approx(840 / 800)
-    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | none | 0.50 |" in cli.markdown(results, [1.0], 2.0)
+    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | none | 0.50 | 2.00 |" in cli.markdown(results, [1.0], 2.0)

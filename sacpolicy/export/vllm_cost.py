@@ -31,7 +31,7 @@ import statistics
 
 from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
 
-__all__ = ["FixedBlockProposer", "eagle3_config", "fixed_block_config", "head_draft_costs", "profile_vllm_steps",
+__all__ = ["FixedBlockProposer", "IdleProposer", "eagle3_config", "fixed_block_config", "head_draft_costs", "profile_vllm_steps",
            "profile_vllm_verify", "step_seconds", "vllm_cost_model"]
 
 
@@ -46,6 +46,20 @@ class FixedBlockProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         return [[int(s[-1])] * self.k if len(s) and int(n) + self.k < self.max_model_len else []
                 for s, n in zip(sampled_token_ids, num_tokens_no_spec)]
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+
+class IdleProposer:
+    """vLLM ``custom_class`` proposer that never drafts: a server with speculation on and nothing proposed, to time
+    what vLLM's speculative path costs a step before any draft (``bench_serve.py --configs spec-idle``)."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        pass
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
 
     def load_model(self, *args, **kwargs) -> None:
         pass

@@ -12,6 +12,9 @@ Configurations (``CONFIGS``):
 - ``none-sync``: no speculation with vLLM's asynchronous scheduling off (``--no-async-scheduling``), as vLLM runs
   every n-gram and ``custom_class`` configuration (it turns async scheduling off for them; ``eagle3`` keeps it): a
   diagnostic baseline that tells what speculation costs from what the synchronous scheduler costs;
+- ``spec-idle``: speculation on as the learned rule runs it (``custom_class``, k up to 8) with a proposer that never
+  drafts (``vllm_cost.IdleProposer``): what vLLM's speculative path costs a step before any draft, which no policy
+  inside the server can avoid (a diagnostic baseline);
 - ``vllm-ngram``: vLLM's own n-gram lookup at its documented example (k = 5, ``prompt_lookup_max`` 4);
 - ``learned``: the learned rule of an export (``scripts/export.py format=vllm``): ``speculative_config.json`` (our
   ``custom_class`` proposer) with ``vllm.env`` (the policy directory it reads);
@@ -52,7 +55,8 @@ from sacpolicy.export.vllm_run import cpu_openmp_env
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("none", "none-sync", "vllm-ngram", "learned", "static", "head", "learned-head")
+CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "static", "head", "learned-head")
+SPEC_IDLE = {"method": "custom_class", "num_speculative_tokens": 8, "model": "sacpolicy.export.vllm_cost.IdleProposer"}
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
@@ -166,6 +170,8 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
         return ServeConfig(name)
     if name == "none-sync":
         return ServeConfig(name, args=("--no-async-scheduling",))
+    if name == "spec-idle":
+        return ServeConfig(name, dict(SPEC_IDLE))
     if name == "vllm-ngram":
         return ServeConfig(name, dict(VLLM_NGRAM_DOCS))
     if name == "head":
