@@ -9,12 +9,9 @@ against it. ``scripts/serve.py`` and ``scripts/bench_serve.py`` are the command 
 Configurations (``CONFIGS``):
 
 - ``none``: no speculation;
-- ``none-sync``: no speculation with vLLM's asynchronous scheduling off (``--no-async-scheduling``), as vLLM runs
-  every n-gram and ``custom_class`` configuration (it turns async scheduling off for them; ``eagle3`` keeps it): a
-  diagnostic baseline that tells what speculation costs from what the synchronous scheduler costs;
-- ``spec-idle``: speculation on as the learned rule runs it (``custom_class``, k up to 8) with a proposer that never
-  drafts (``vllm_cost.IdleProposer``): what vLLM's speculative path costs a step before any draft, which no policy
-  inside the server can avoid (a diagnostic baseline);
+- diagnostic baselines: ``none-sync``, no speculation with async scheduling off (vLLM turns it off for n-gram and
+  ``custom_class`` speculation); ``spec-idle``, speculation on as the learned rule runs it with a proposer that never
+  drafts (``vllm_cost.IdleProposer``): what vLLM's speculative path costs a step before any draft;
 - ``vllm-ngram``: vLLM's own n-gram lookup at its documented example (k = 5, ``prompt_lookup_max`` 4);
 - ``learned``: the learned rule of an export (``scripts/export.py format=vllm``): ``speculative_config.json`` (our
   ``custom_class`` proposer) with ``vllm.env`` (the policy directory it reads);
