@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import statistics
 from pathlib import Path
 
 from sacpolicy.evaluation.intervals import MIN_PROMPTS
@@ -113,7 +112,7 @@ def _sim_vs_live(errors: dict, speed: dict | None) -> str:
     if not speed:
         return table + "\n\n- No probe of the machine's speed (eval.speed_probe_every = 0)."
     probes = sorted(speed["probes_s"])
-    median = statistics.median(probes)
+    median = speed["ratio"] * speed["reference_s"]  # SpeedProbe.summary's: the probes' median over the reference
     return table + (f"\n\n- Machine speed while the live rows ran: the target's one-token pass at context "
                     f"{speed['context']} took {1e3 * probes[0]:.1f}-{1e3 * probes[-1]:.1f} ms over {len(probes)} "
                     f"probes (median {1e3 * median:.1f} ms, {speed['ratio']:.2f}x the "

@@ -31,8 +31,8 @@ import statistics
 
 from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
 
-__all__ = ["FixedBlockProposer", "IdleProposer", "eagle3_config", "fixed_block_config", "head_draft_costs", "profile_vllm_steps",
-           "profile_vllm_verify", "step_seconds", "vllm_cost_model"]
+__all__ = ["FixedBlockProposer", "IdleProposer", "eagle3_config", "fixed_block_config", "head_draft_costs",
+           "idle_config", "profile_vllm_steps", "profile_vllm_verify", "step_seconds", "vllm_cost_model"]
 
 
 class FixedBlockProposer:
@@ -63,6 +63,12 @@ class IdleProposer:
 
     def load_model(self, *args, **kwargs) -> None:
         pass
+
+
+def idle_config(k: int = 8) -> dict:
+    """vLLM's ``speculative_config`` with speculation on (up to k tokens, as the learned rule's export) and
+    ``IdleProposer``: nothing ever drafted."""
+    return {"method": "custom_class", "num_speculative_tokens": int(k), "model": f"{__name__}.{IdleProposer.__name__}"}
 
 
 def fixed_block_config(k: int) -> dict | None:

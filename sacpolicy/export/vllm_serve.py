@@ -48,12 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from sacpolicy.export.vllm_cost import idle_config
 from sacpolicy.export.vllm_run import cpu_openmp_env
 
 logger = logging.getLogger(__name__)
 
 CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "static", "head", "learned-head")
-SPEC_IDLE = {"method": "custom_class", "num_speculative_tokens": 8, "model": "sacpolicy.export.vllm_cost.IdleProposer"}
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
@@ -168,7 +168,7 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
     if name == "none-sync":
         return ServeConfig(name, args=("--no-async-scheduling",))
     if name == "spec-idle":
-        return ServeConfig(name, dict(SPEC_IDLE))
+        return ServeConfig(name, idle_config())
     if name == "vllm-ngram":
         return ServeConfig(name, dict(VLLM_NGRAM_DOCS))
     if name == "head":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import statistics
 
-from sacpolicy.profiling.measure import probe_pass
+from sacpolicy.profiling.measure import middle_context, probe_pass
 from sacpolicy.runtime.cost import CostModel
 
 __all__ = ["DRIFT_WARN", "SpeedProbe"]
@@ -36,8 +36,7 @@ class SpeedProbe:
         if probe:
             self.context, self.reference_s, self.reference = int(probe["context"]), float(probe["seconds"]), "probe"
         else:
-            contexts = sorted(cost.meta.get("context_lens") or [256])
-            self.context = int(contexts[len(contexts) // 2])
+            self.context = middle_context(cost.meta.get("context_lens") or [256])
             self.reference_s = cost.verify_time(0, self.context) - cost.step_base
             self.reference = "cost model"
 
@@ -52,10 +51,11 @@ class SpeedProbe:
         slower than profiled)}; warns when the ratio is off 1 by more than ``DRIFT_WARN``."""
         if not self.seconds:
             raise ValueError("SpeedProbe.summary() before any probe: call the probe first")
-        ratio = statistics.median(self.seconds) / self.reference_s
+        median = statistics.median(self.seconds)
+        ratio = median / self.reference_s
         if abs(ratio - 1.0) > DRIFT_WARN:
             logger.warning("the target's one-token pass took %.1f ms during the live rows against %.1f ms when the cost "
                            "model was profiled (%+.0f%%): the simulated rows are priced at the profile's speed",
-                           1e3 * statistics.median(self.seconds), 1e3 * self.reference_s, 100 * (ratio - 1))
+                           1e3 * median, 1e3 * self.reference_s, 100 * (ratio - 1))
         return {"context": self.context, "reference": self.reference, "reference_s": self.reference_s,
                 "probes_s": list(self.seconds), "ratio": ratio}

@@ -33,7 +33,8 @@ from sacpolicy.profiling.fit import MIN_REPEATS, fit_cost_model, fit_step_overhe
 from sacpolicy.profiling.loop import decoder_steps
 from sacpolicy.runtime.cost import CostModel
 
-__all__ = ["ROW_SPREAD", "SPEED_PROBE_REPEATS", "batch_row_lengths", "prefilled_batch", "probe_pass", "profile"]
+__all__ = ["ROW_SPREAD", "SPEED_PROBE_REPEATS", "batch_row_lengths", "middle_context", "prefilled_batch",
+           "probe_pass", "profile"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,13 @@ def _fits(model, context_len: int, new_tokens: int) -> bool:
 
 
 SPEED_PROBE_REPEATS = 7
+
+
+def middle_context(context_lens) -> int:
+    """The middle of the profiled contexts: where the decoder's own work, batched drafting and the speed probe are
+    timed."""
+    contexts = sorted(context_lens)
+    return int(contexts[len(contexts) // 2])
 
 
 @torch.inference_mode()
@@ -330,7 +338,7 @@ def profile(target_model, drafters=(), *, ks=(0, 1, 2, 4, 8), context_lens=(64, 
             return cost
         if not isinstance(sampling, SamplingConfig):
             sampling = SamplingConfig(**dict(sampling))
-        c = sorted(cost.meta["context_lens"])[len(cost.meta["context_lens"]) // 2]
+        c = middle_context(cost.meta["context_lens"])
         logger.info("timing the decoder's own work per step at context %d (%s)", c, sampling)
         gen = torch.Generator().manual_seed(seed + 1)
         base, drafted = decoder_steps(target, named, cost, sampling, ks, c, loop_tokens, repeats, seed, gen)
@@ -364,7 +372,7 @@ def _profile(target, named: dict, ks, context_lens, repeats: int, device, warmup
     batch_rows = by_batch
     shares = {}
     if len(set(batch_sizes)) > 1:
-        c, K = sorted(context_lens)[len(context_lens) // 2], max(max(ks), 2)  # K: the longest block _batch_shares times
+        c, K = middle_context(context_lens), max(max(ks), 2)  # K: the longest block _batch_shares times
         for name, drafter in named.items():
             fits = _fits(target, c, 2) if drafter.aux_layers else per_token[name] and _fits(drafter.model, c, K + 1)
             if fits:
@@ -384,7 +392,7 @@ def _profile(target, named: dict, ks, context_lens, repeats: int, device, warmup
             "target": getattr(target.config, "name_or_path", "") or type(target).__name__,
             "ks": list(ks), "context_lens": sorted({c for _, c, _ in verify_rows}), "repeats": repeats,
             "batch_sizes": sorted(set(batch_sizes)), "batch_row_spread": list(ROW_SPREAD)}
-    c = meta["context_lens"][len(meta["context_lens"]) // 2]  # timed as the evaluation times it (profiling.drift)
+    c = middle_context(meta["context_lens"])  # timed as the evaluation times it (profiling.drift)
     meta["speed_probe"] = {"context": c, "seconds": probe_pass(target, c, repeats=max(repeats, SPEED_PROBE_REPEATS),
                                                                seed=seed)}
     return fit_cost_model(str(device), verify_rows, draft_rows, per_token, meta, batch_cells=batch_rows,
