@@ -4,9 +4,8 @@ machine had when it was profiled, so a simulated row can miss its live one by th
 probe (``probe_pass``: the target's one-token pass on a cache of the middle profiled context) into
 ``meta["speed_probe"]``; the evaluation times the same probe between live prompts (``SpeedProbe``), and the ratio of the
 two says how much slower (> 1) or faster (< 1) the machine ran while the live rows were measured. A diagnostic, not a
-correction: one probe is one moment, and on a shared CPU probes minutes apart differ by up to a third (51-76 ms in one
-T = 0.7 evaluation, docs/benchmarks.md), so the probes' spread says how much of a simulated row's error the machine
-alone can make."""
+correction: one probe is one moment, and on a shared CPU probes minutes apart differ widely (docs/benchmarks.md,
+sampled decoding), so the probes' spread says how much of a simulated row's error the machine alone can make."""
 
 from __future__ import annotations
 
