@@ -11,6 +11,9 @@ holds it, so that the learned rule is tuned for vLLM (sacpolicy.export.vllm_cost
 With ``--head <speculators dir | shipped>`` it also times vLLM's ``eagle3`` method with that head at every k >= 1
 and B, and prices the run's feature drafter (``--head-name``, default ``feature``) by those steps, so the rule's
 k-by-batch-size map for the head is vLLM's (export it with ``scripts/export.py ... format=vllm drafter=feature``).
+With ``--idle K`` it also times, at each B, a step with speculation on (up to K tokens, as the learned rule's export
+runs it) and nothing drafted against one without speculation, engines interleaved: what vLLM's speculative path costs before any draft
+(``cost.meta["vllm_spec_idle"]``: the ratio per B).
 
 Profiles on held-out validation prompts (never the test prompts the benchmark uses), one request at a time and, with
 ``--batch-sizes``, in waves of B requests, so the rule (and the custom proposer, which passes vLLM's live batch size)
@@ -29,7 +32,7 @@ from pathlib import Path
 
 from sacpolicy import bench
 from sacpolicy.export.speculators import export_shipped_head
-from sacpolicy.export.vllm_cost import eagle3_config, profile_vllm_steps, vllm_cost_model
+from sacpolicy.export.vllm_cost import eagle3_config, profile_vllm_idle, profile_vllm_steps, vllm_cost_model
 from sacpolicy.export.vllm_run import vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
 from sacpolicy.runtime.cost import CostModel
@@ -46,6 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="engines per k, interleaved over k")
     ap.add_argument("--head", default=None, help="also time vLLM's eagle3 with this EAGLE-3 head (speculators "
                     "format, or 'shipped': the embedded target's shipped head)")
+    ap.add_argument("--idle", type=int, default=0, metavar="K", help="also time speculation on (up to K tokens) with "
+                    "nothing drafted (spec-idle) against no speculation at each batch size (0: not)")
     ap.add_argument("--head-name", default="feature", help="the run's drafter that head is (its cost is replaced)")
     args = ap.parse_args(argv)
 
@@ -78,14 +83,26 @@ def main(argv=None) -> int:
         head_steps = profile_vllm_steps(model_dir(), prompts, [k for k in ks if k >= 1], sizes,
                                         max_tokens=args.max_tokens, repeats=args.repeats,
                                         config=functools.partial(eagle3_config, head))
+    idle = None
+    if args.idle > 0:
+        print(f"vLLM with speculation on (up to {args.idle} tokens) and nothing drafted, against no speculation",
+              flush=True)
+        idle = profile_vllm_idle(model_dir(), prompts, sizes, k=args.idle, max_tokens=args.max_tokens,
+                                 repeats=args.repeats)
     steps = by_batch[1]
     mean_context = statistics.fmean(len(p) for p in prompts) + args.max_tokens / 2
-    cost = vllm_cost_model(base, steps, mean_context, meta={"vllm": why, "vllm_prompts": len(prompts)},
+    meta = {"vllm": why, "vllm_prompts": len(prompts)}
+    if idle is not None:
+        meta["vllm_spec_idle"] = {str(b): statistics.median(v["idle"]) / statistics.median(v["none"])
+                                  for b, v in idle.items()}
+    cost = vllm_cost_model(base, steps, mean_context, meta=meta,
                            batch_steps={b: v for b, v in by_batch.items() if b > 1}, head=args.head_name,
                            head_steps=head_steps)
     cost.to_json(out / "cost.json")
     md = "\n\n".join(markdown(by_batch[b], ks, base, mean_context, b, None if head_steps is None else head_steps[b])
                       for b in sorted(by_batch))
+    if idle is not None:
+        md += "\n\n" + idle_markdown(idle)
     print(md)
     if head_steps is not None:
         print(f"the head's drafting in vLLM: {cost.meta['vllm_head_draft']}")
@@ -95,7 +112,9 @@ def main(argv=None) -> int:
                                                                      for b, s in by_batch.items()},
                                                     "head_step_s": None if head_steps is None else
                                                     {str(b): {str(k): v for k, v in s.items()}
-                                                     for b, s in head_steps.items()}, "markdown": md},
+                                                     for b, s in head_steps.items()},
+                                                    "idle_step_s": None if idle is None else
+                                                    {str(b): v for b, v in idle.items()}, "markdown": md},
                         args)
     print(f"wrote {out / 'cost.json'}; next: python scripts/train.py experiment=<the run's, e.g. vllm_ngram or "
           f"vllm_head> \"stages=[fit,export]\" from_run={args.run} hydra.run.dir={out}")
@@ -127,6 +146,18 @@ def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float, b
     return f"Batch size {batch}:\n\n" + bench.table(
         ["k", "tokens fed per row", "vLLM step ms (median; each engine)", "vs k = 0", "our decoder's model, ms",
          "vs k = 0", *([] if head is None else ["vLLM eagle3 step ms (median)"])], map(line, ks))
+
+
+def idle_markdown(idle: dict) -> str:
+    """Speculation on with nothing drafted against no speculation, per batch size (medians and each engine's)."""
+    def line(b):
+        none, on = idle[b]["none"], idle[b]["idle"]
+        cell = lambda v: f"{1e3 * statistics.median(v):.1f} (" + ", ".join(f"{1e3 * s:.1f}" for s in v) + ")"
+        return [b, cell(none), cell(on), bench.ratio(statistics.median(on) / statistics.median(none))]
+
+    return "Speculation on, nothing drafted (spec-idle):\n\n" + bench.table(
+        ["B", "no speculation: step ms (median; each engine)", "spec-idle: step ms", "spec-idle vs none"],
+        map(line, sorted(idle)))
 
 
 if __name__ == "__main__":

@@ -286,6 +286,40 @@ def test_vllm_profile_over_batch_sizes_prices_a_wide_step():
     assert cost.best_k("ngram", 100, probs, 2, batch=4)[0] == 0
 
 
+def test_vllm_profile_of_spec_idle_interleaves_it_with_no_speculation():
+    """``profile_vllm_idle``: engines alternate no speculation and speculation on with nothing drafted (the idle
+    proposer, up to k tokens), at every batch size; ``profile_vllm.py --idle`` tables the ratio per B."""
+    import importlib.util
+    from pathlib import Path
+
+    from sacpolicy.export.vllm_cost import IdleProposer, profile_vllm_idle
+
+    seen = []
+
+    def fake_run(model_dir, prompts, *, max_tokens, speculative_config, phases, ignore_eos):
+        seen.append(speculative_config)
+        extra = 0.0 if speculative_config is None else 0.01  # speculation on costs 10 ms a step at B = 4
+        out = {"tokens": {}, "seconds": {}, "spec": {}}
+        for phase, rows, step in (("serial", 1, 0.05), ("concurrent:4", 4, 0.06 + extra)):
+            out["tokens"][phase], out["seconds"][phase] = 10 * len(prompts), 10 * len(prompts) / rows * step
+            out["spec"][phase] = {"num_accepted_tokens": 0, "num_drafts": 0}
+        return out
+
+    idle = profile_vllm_idle("dir", [[1], [2]], (1, 4), k=4, repeats=2, run=fake_run)
+    assert [c is None for c in seen] == [True, False, True, False]  # interleaved, two repeats
+    assert all(c["model"].endswith(IdleProposer.__name__) and c["num_speculative_tokens"] == 4 for c in seen[1::2])
+    assert idle[1] == {"none": [pytest.approx(0.05)] * 2, "idle": [pytest.approx(0.05)] * 2}
+    assert idle[4] == {"none": [pytest.approx(0.06)] * 2, "idle": [pytest.approx(0.07)] * 2}
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_vllm.py"
+    spec = importlib.util.spec_from_file_location("profile_vllm_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    md = cli.idle_markdown(idle)
+    assert "| 1 | 50.0 (50.0, 50.0) | 50.0 (50.0, 50.0) | 1.00x |" in md
+    assert "| 4 | 60.0 (60.0, 60.0) | 70.0 (70.0, 70.0) | 1.17x |" in md
+
+
 def test_vllm_profile_of_a_head_prices_its_drafting_by_vllms_steps():
     """An EAGLE-3 head: eagle3 engines at each k >= 1 beside the fixed-block ones; the difference is the head's
     drafting (a per-proposal plus a per-token cost at one row, a per-row share at each wider batch), which replaces

@@ -32,7 +32,7 @@ import statistics
 from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
 
 __all__ = ["FixedBlockProposer", "IdleProposer", "eagle3_config", "fixed_block_config", "head_draft_costs",
-           "idle_config", "profile_vllm_steps", "profile_vllm_verify", "step_seconds", "vllm_cost_model"]
+           "idle_config", "profile_vllm_idle", "profile_vllm_steps", "profile_vllm_verify", "step_seconds", "vllm_cost_model"]
 
 
 class FixedBlockProposer:
@@ -121,6 +121,16 @@ def profile_vllm_steps(model_dir, prompts: list[list[int]], ks=(0, 1, 2, 4, 8), 
             for b in wide:
                 out[b][k].append(step_seconds(res, f"concurrent:{b}", rows=b)["step_s"])
     return out
+
+
+def profile_vllm_idle(model_dir, prompts: list[list[int]], batch_sizes=(1,), *, k: int = 8, max_tokens: int = 48,
+                      repeats: int = 1, run=None) -> dict[int, dict[str, list[float]]]:
+    """{B: {"none": [step seconds per repeat], "idle": [...]}}: a step without speculation beside one with
+    speculation on (up to k tokens, as the learned rule's export) and nothing drafted (``idle_config``), engines
+    interleaved (none, idle, none, idle, ...): what vLLM's speculative path costs a step before any draft."""
+    by_b = profile_vllm_steps(model_dir, prompts, (0, 1), batch_sizes, max_tokens=max_tokens, repeats=repeats,
+                              run=run, config={0: None, 1: idle_config(k)}.get)
+    return {b: {"none": v[0], "idle": v[1]} for b, v in by_b.items()}
 
 
 def profile_vllm_verify(model_dir, prompts: list[list[int]], ks=(0, 1, 2, 4, 8), *, max_tokens: int = 48,
