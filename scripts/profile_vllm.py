@@ -12,8 +12,8 @@ With ``--head <speculators dir | shipped>`` it also times vLLM's ``eagle3`` meth
 and B, and prices the run's feature drafter (``--head-name``, default ``feature``) by those steps, so the rule's
 k-by-batch-size map for the head is vLLM's (export it with ``scripts/export.py ... format=vllm drafter=feature``).
 With ``--idle K`` it also times, at each B, a step with speculation on (up to K tokens, as the learned rule's export
-runs it) and nothing drafted against one without speculation, engines interleaved: what vLLM's speculative path costs before any draft
-(``cost.meta["vllm_spec_idle"]``: the ratio per B).
+runs it) and nothing drafted against one without speculation, engines interleaved: what vLLM's speculative path
+costs before any draft (``cost.meta["vllm_spec_idle"]``: the ratio per B).
 
 Profiles on held-out validation prompts (never the test prompts the benchmark uses), one request at a time and, with
 ``--batch-sizes``, in waves of B requests, so the rule (and the custom proposer, which passes vLLM's live batch size)

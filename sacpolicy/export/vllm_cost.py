@@ -32,7 +32,8 @@ import statistics
 from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
 
 __all__ = ["FixedBlockProposer", "IdleProposer", "eagle3_config", "fixed_block_config", "head_draft_costs",
-           "idle_config", "profile_vllm_idle", "profile_vllm_steps", "profile_vllm_verify", "step_seconds", "vllm_cost_model"]
+           "idle_config", "profile_vllm_idle", "profile_vllm_steps", "profile_vllm_verify", "step_seconds",
+           "vllm_cost_model"]
 
 
 class FixedBlockProposer:
