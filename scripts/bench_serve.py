@@ -214,9 +214,7 @@ def main(argv=None) -> int:
                           f"tok/s, mean TPOT {row.get('mean_tpot_ms') or float('nan'):.1f} ms, P99 e2e "
                           f"{row.get('p99_e2el_ms') or float('nan'):.0f} ms, identical {row['identical']}/"
                           f"{row['compared']}, failed {row['failed']}", flush=True)
-            stats = work / f"proposer-{rep}.json"
-            if name == "learned" and stats.is_file():
-                results[name]["proposer"] = json.loads(stats.read_text())
+            keep_proposer_stats(results, name, rep, work / f"proposer-{rep}.json")
             print(f"  [{rep}] {name}: {time.perf_counter() - t0:.0f} s with start-up", flush=True)
 
     md = markdown(results, rates, capacity)
@@ -235,6 +233,13 @@ def main(argv=None) -> int:
     lossless = all(r["identical"] == r["compared"] for n in results for k, rows in results[n].items()
                    if k != "proposer" for r in rows)
     return 0 if lossless else 1
+
+
+def keep_proposer_stats(results: dict, name: str, rep: int, path: Path) -> None:
+    """Append one repeat's stats file of the learned rule's proposer (calls, seconds, failures, live batch sizes) to
+    ``results[name]["proposer"]``, a list over repeats."""
+    if name == "learned" and Path(path).is_file():
+        results[name].setdefault("proposer", []).append({"repeat": rep, **json.loads(Path(path).read_text())})
 
 
 def _mean(rows: list[dict], key: str) -> float | None:

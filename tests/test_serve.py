@@ -303,3 +303,30 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
     assert x["best_other"] == "none" and x["throughput_vs_best"] == pytest.approx(0.98)
     assert x["p99_e2el_vs_best"] == pytest.approx(840 / 800)
     assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | none | 0.50 | 2.00 |" in cli.markdown(results, [1.0], 2.0)
+
+
+def test_bench_serve_keeps_every_repeats_proposer_stats(tmp_path):
+    """The learned rule's proposer writes its stats per server run; every repeat's are kept (a list over repeats,
+    not the last one's), only for the learned rule, and the tables and verdict read past them."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+
+    row = [{"mean_tpot_ms": 60, "output_throughput": 98, "p99_e2el_ms": 840, "identical": 4, "compared": 4,
+            "failed": 0}]
+    results = {"none": {"1.0": row}, "learned": {"1.0": row}}
+    for rep, calls in ((0, 10), (1, 12)):
+        (tmp_path / f"proposer-{rep}.json").write_text(json.dumps({"calls": calls, "failures": 0}))
+        cli.keep_proposer_stats(results, "learned", rep, tmp_path / f"proposer-{rep}.json")
+        cli.keep_proposer_stats(results, "none", rep, tmp_path / f"proposer-{rep}.json")
+    cli.keep_proposer_stats(results, "learned", 2, tmp_path / "missing.json")  # a run that wrote none
+    assert results["learned"]["proposer"] == [{"repeat": 0, "calls": 10, "failures": 0},
+                                              {"repeat": 1, "calls": 12, "failures": 0}]
+    assert "proposer" not in results["none"]
+    assert cli.verdict(results, [1.0])[0]["tpot_vs_none"] == pytest.approx(1.0)
+    assert "| learned |" in cli.markdown(results, [1.0], 2.0)
