@@ -3,13 +3,12 @@ configurations, option lists, the JSON they write, the held-out prompts they loa
 process on the tiny target (bench_decoder with the trace cost folded into it)."""
 
 import argparse
-import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from toys import load_script
 
 from sacpolicy import bench
 from sacpolicy.data import assign_split, load_prompts
@@ -90,13 +89,10 @@ def test_held_out_prompts_are_one_split_in_file_order(tiny_target):
     assert test and all(assign_split(r["prompt_id"]) == "test" for r in test)
 
 
-def test_bench_decoder_times_the_trace_pass_against_live_decoding(tmp_path, capsys, monkeypatch):
+def test_bench_decoder_times_the_trace_pass_against_live_decoding(tmp_path, capsys):
     """scripts/bench_decoder.py --trace-cost in this process on the tiny target: the rows' table and the trace cost
     per position (the fold of the former bench_traces.py)."""
-    spec = importlib.util.spec_from_file_location("bench_decoder", ROOT / "scripts" / "bench_decoder.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_decoder", script)  # its dataclasses look their module up
-    spec.loader.exec_module(script)
+    script = load_script("bench_decoder")
     report = script.main(["--target", "tiny:llama-4l", "--dtype", "float32", "--prompts", "2", "--warmup", "1",
                           "--max-new-tokens", "6", "--ks", "2", "--drafters", "ngram", "--layers", "2",
                           "--trace-cost", "--out", str(tmp_path / "d.json")])

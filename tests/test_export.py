@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_traces import cost_model
-from toys import PREDICTORS, Markov, propose_one, synthetic_traces
+from toys import PREDICTORS, Markov, load_script, propose_one, synthetic_traces
 
 from sacpolicy.data import assign_split
 from sacpolicy.decoding import (
@@ -496,12 +496,7 @@ def _cli(*args, env=None):
 def _main(capsys, *args):
     """scripts/export.py's ``main`` in this process (a process each costs ~3 s of imports): its exit code, what it
     printed and its error message, as ``_cli`` returns them."""
-    import importlib.util
-    from types import SimpleNamespace
-
-    spec = importlib.util.spec_from_file_location("export_cli", ROOT / "scripts" / "export.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("export")
     try:
         rc, err = cli.main(list(args)), ""
     except SystemExit as e:

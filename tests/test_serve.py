@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from toys import ngram_batch_rule, ngram_rule
+from toys import load_script, ngram_batch_rule, ngram_rule
 
 from sacpolicy.export.vllm import STATS_ENV, PolicyNgramProposer, export_vllm, speculative_config
 from sacpolicy.export.vllm_serve import (
@@ -282,13 +282,7 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
     """The verdict: TPOT against none, vLLM n-gram and (where it ran) none-sync; throughput against the highest of
     {none, vLLM n-gram, static} and P99 against the lowest; none-sync and spec-idle are diagnostics, never the best
     other."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("bench_serve")
 
     def run(tpot, tp, p99):
         return [{"mean_tpot_ms": tpot, "output_throughput": tp, "p99_e2el_ms": p99, "identical": 4, "compared": 4,
@@ -308,14 +302,7 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
 def test_bench_serve_keeps_every_repeats_proposer_stats(tmp_path):
     """The learned rule's proposer writes its stats per server run; every repeat's are kept (a list over repeats,
     not the last one's), only for the learned rule, and the tables and verdict read past them."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("bench_serve")
 
     row = [{"mean_tpot_ms": 60, "output_throughput": 98, "p99_e2el_ms": 840, "identical": 4, "compared": 4,
             "failed": 0}]

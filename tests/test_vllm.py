@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from toys import ngram_batch_rule, ngram_rule
+from toys import load_script, ngram_batch_rule, ngram_rule
 
 from sacpolicy.data import assign_split, load_prompt_mix
 from sacpolicy.decoding import NgramDrafter, SpeculativeDecoder
@@ -289,9 +289,6 @@ def test_vllm_profile_over_batch_sizes_prices_a_wide_step():
 def test_vllm_profile_of_spec_idle_interleaves_it_with_no_speculation():
     """``profile_vllm_idle``: engines alternate no speculation and speculation on with nothing drafted (the idle
     proposer, up to k tokens), at every batch size; ``profile_vllm.py --idle`` tables the ratio per B."""
-    import importlib.util
-    from pathlib import Path
-
     from sacpolicy.export.vllm_cost import IdleProposer, profile_vllm_idle
 
     seen = []
@@ -311,11 +308,7 @@ def test_vllm_profile_of_spec_idle_interleaves_it_with_no_speculation():
     assert idle[1] == {"none": [pytest.approx(0.05)] * 2, "idle": [pytest.approx(0.05)] * 2}
     assert idle[4] == {"none": [pytest.approx(0.06)] * 2, "idle": [pytest.approx(0.07)] * 2}
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_vllm.py"
-    spec = importlib.util.spec_from_file_location("profile_vllm_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    md = cli.idle_markdown(idle)
+    md = load_script("profile_vllm").idle_markdown(idle)
     assert "| 1 | 50.0 (50.0, 50.0) | 50.0 (50.0, 50.0) | 1.00x |" in md
     assert "| 4 | 60.0 (60.0, 60.0) | 70.0 (70.0, 70.0) | 1.17x |" in md
 

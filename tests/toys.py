@@ -1,6 +1,10 @@
-"""Toy models behind the causal-LM interface the decoder uses, for exact distribution tests."""
+"""Toy models behind the causal-LM interface the decoder uses, for exact distribution tests; and ``load_script``, the
+tests' one way to call a script's functions in-process."""
 
+import importlib.util
+import sys
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,6 +19,17 @@ from sacpolicy.runtime.features import feature_spec
 from sacpolicy.runtime.predictors import Predictor
 from sacpolicy.runtime.rule import DecisionRule
 from sacpolicy.training.predictor import fit_mlp, fit_sklearn
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (``<name>_cli``), to call its functions in this process (a subprocess costs
+    seconds of imports); registered in ``sys.modules``, where a script's dataclasses look their module up."""
+    spec = importlib.util.spec_from_file_location(f"{name}_cli", Path(__file__).resolve().parents[1] / "scripts"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def policy_rows(policy, states, memories=None) -> list:
