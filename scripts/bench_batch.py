@@ -41,6 +41,7 @@ from sacpolicy import bench
 from sacpolicy.decoding import DecoderConfig, NgramDrafter, RequestInfo, SpeculativeDecoder
 from sacpolicy.decoding.sampling import SamplingConfig
 from sacpolicy.evaluation.evaluate import Timed, add_load_ratios
+from sacpolicy.evaluation.plots import line_plot
 from sacpolicy.export import build_drafters
 from sacpolicy.policy import Autoregressive, Heuristic, SeedRule, Static
 from sacpolicy.policy.learned import LearnedPolicy
@@ -130,22 +131,10 @@ def table(rows: list[dict], key: str) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["policy"] == name)
-        ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size B")
-    ax.set_ylabel("total tokens/s")
-    ax.set_title("Embedded target, greedy, CPU: throughput vs batch size")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = {n: [(r["batch"], r["tokens_per_s"]) for r in rows if r["policy"] == n]
+              for n in dict.fromkeys(r["policy"] for r in rows)}
+    line_plot(path, [{"series": series, "log2_x": True, "xlabel": "batch size B", "ylabel": "total tokens/s",
+                      "title": "Embedded target, greedy, CPU: throughput vs batch size"}])
 
 
 def main(argv=None) -> int:

@@ -26,27 +26,28 @@ under concurrent load). A server that dies mid-run is reported (failed requests,
 next run.
 
 Prints a Markdown table per rate (output throughput, mean and P50/P90/P99 TPOT and end-to-end latency, vLLM's
-acceptance from ``/metrics``, identical outputs, failed requests) with the learned rule's ratios to the others, and
-writes JSON (``--out``) and a plot of TPOT and P99 latency against rate (``--plot``, default beside ``--out``).
+acceptance from ``/metrics``, identical outputs, failed requests) with the learned rule's ratios to the others (95%
+intervals from a paired bootstrap over repeats and requests: ``sacpolicy.bench.serve``), and
+writes JSON (``--out``, each run's per-request latencies included) and a plot of TPOT and P99 latency against rate
+(``--plot``, default beside ``--out``). ``--rescore A.json[,B.json] --workdir A_WORK[,B_WORK]`` re-tables earlier
+runs from their raw results, starting no server; several runs of the same rates are pooled, their repeats joined.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from sacpolicy import bench
+from sacpolicy.bench.serve import draw, markdown, per_request, same_as, summarize, verdict
 from sacpolicy.export.vllm_run import vllm_status
 from sacpolicy.export.vllm_serve import CONFIGS, ServeError, VllmServer, bench_serve, completions, serve_config
 from sacpolicy.io import write_text
 from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
-
-METRICS = ("tpot", "e2el", "ttft")
 
 
 def dataset(prompts: list[dict], tok, path: Path) -> list[str]:
@@ -54,32 +55,6 @@ def dataset(prompts: list[dict], tok, path: Path) -> list[str]:
     texts = [tok.decode(p["input_ids"]) for p in prompts]
     write_text(path, "".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     return texts
-
-
-def summarize(res: dict) -> dict:
-    """The figures of one ``vllm bench serve`` result that the table reads."""
-    row = {k: res.get(k) for k in ("duration", "completed", "failed", "request_throughput", "output_throughput",
-                                   "total_output_tokens")}
-    if not row["completed"]:  # every request failed (the server died): no figures, only the failures
-        return {**row, "output_throughput": None, "request_throughput": None}
-    for m in METRICS:
-        for stat in ("mean", "median", "p50", "p90", "p99"):
-            if f"{stat}_{m}_ms" in res:
-                row[f"{stat}_{m}_ms"] = res[f"{stat}_{m}_ms"]
-    row["p50_tpot_ms"] = row.get("p50_tpot_ms", row.get("median_tpot_ms"))
-    row["p50_e2el_ms"] = row.get("p50_e2el_ms", row.get("median_e2el_ms"))
-    for k in ("spec_decode_acceptance_length", "spec_decode_acceptance_rate", "spec_decode_num_drafts",
-              "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_per_position_acceptance_rates"):
-        if k in res:
-            row[k] = res[k]
-    return row
-
-
-def same_as(texts: list, errors: list, ref: list) -> tuple[int, int]:
-    """(identical, compared): completions equal to the reference's for the same request, over requests that both
-    completed."""
-    pairs = [(t, r) for t, e, r in zip(texts, errors, ref) if not e and r is not None]
-    return sum(t == r for t, r in pairs), len(pairs)
 
 
 def configs_of(args, tmp: Path, target_dir: Path) -> dict:
@@ -122,8 +97,12 @@ def main(argv=None) -> int:
                          "restarted for the next run)")
     ap.add_argument("--plot", default=None, help="PNG of TPOT and P99 latency against rate (default: beside --out)")
     ap.add_argument("--workdir", default=None, help="keep the servers' logs and raw results here")
+    ap.add_argument("--rescore", default=None, help="earlier runs' JSON, comma-separated: re-table (and pool) them "
+                    "from their raw results in --workdir (one per run), starting no server")
     bench.add_out(ap, "bench_serve.json")
     args = ap.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore.split(","), (args.workdir or "").split(","), Path(args.out))
 
     ok, why = vllm_status()
     if not ok:
@@ -205,7 +184,7 @@ def main(argv=None) -> int:
                 ref = cap["generated_texts"]
                 for r in rates:
                     res = run(server, name, r * capacity, f"{name}-{rep}-{r}")
-                    row = summarize(res)
+                    row = {**summarize(res), "per_request": per_request(res)}
                     row["identical"], row["compared"] = same_as(res["generated_texts"], res["errors"], ref)
                     row["rate"], row["rate_x"], row["repeat"] = r * capacity, r, rep
                     row["errors"] = sorted({e for e in res["errors"] if e})[:5]
@@ -235,106 +214,45 @@ def main(argv=None) -> int:
     return 0 if lossless else 1
 
 
+def rescore(paths: list[str], workdirs: list[str], out: Path) -> int:
+    """Re-table the runs in ``paths`` (this script's JSON) with the per-request latencies of their raw results in
+    ``workdirs`` (``<config>-<repeat>-<rate>.json``, as ``--workdir`` keeps them), pooled: the later runs' repeats
+    join the first's, for the configurations every run has; write it to ``out``."""
+    if len(workdirs) != len(paths) or not all(w and Path(w).is_dir() for w in workdirs):
+        raise SystemExit(f"bench_serve: --rescore needs --workdir, one directory of raw results per run (each run's "
+                         f"--workdir), got {workdirs} for {paths}; without them there are no per-request latencies")
+    payload: dict = {}
+    for path, workdir in zip(paths, workdirs):
+        run = json.loads(Path(path).read_text())
+        for name, by_rate in run["results"].items():
+            for r, rows in by_rate.items():
+                for row in rows if r != "proposer" else []:
+                    raw = Path(workdir) / f"{name}-{row['repeat']}-{r}.json"
+                    if not raw.is_file():
+                        raise SystemExit(f"bench_serve: {raw} is missing; --workdir must be the run's own workdir")
+                    row["per_request"] = per_request(json.loads(raw.read_text()))
+        if not payload:
+            payload = {**run, "pooled": paths}
+        elif run["rates_x"] != payload["rates_x"]:
+            raise SystemExit(f"bench_serve: {path} ran rates {run['rates_x']}, not {payload['rates_x']}; pool runs "
+                             "of the same rates")
+        else:
+            base = 1 + max(row["repeat"] for by in payload["results"].values() for r, rows in by.items()
+                           if r != "proposer" for row in rows)
+            payload["results"] = {n: {r: rows + [{**x, "repeat": x["repeat"] + base} for x in run["results"][n][r]]
+                                      for r, rows in by.items() if r != "proposer"}
+                                  for n, by in payload["results"].items() if n in run["results"]}
+    res, rates = payload["results"], payload["rates_x"]
+    payload.update(markdown=markdown(res, rates, payload["capacity_rps"]), verdict=verdict(res, rates))
+    print(f"{payload['markdown']}\n\nwrote {bench.write_results(out, payload)}")
+    return 0
+
+
 def keep_proposer_stats(results: dict, name: str, rep: int, path: Path) -> None:
     """Append one repeat's stats file of the learned rule's proposer (calls, seconds, failures, live batch sizes) to
     ``results[name]["proposer"]``, a list over repeats."""
     if name == "learned" and Path(path).is_file():
         results[name].setdefault("proposer", []).append({"repeat": rep, **json.loads(Path(path).read_text())})
-
-
-def _mean(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.fmean(vals) if vals else None
-
-
-def markdown(results: dict, rates: list[float], capacity: float) -> str:
-    """A table per rate: each configuration's means over repeats."""
-    out = []
-    for r in rates:
-        lines = []
-        for name, by_rate in results.items():
-            rows = by_rate[str(r)]
-            if not rows:
-                continue
-            g = lambda k, rows=rows: _mean(rows, k)
-            acc = g("spec_decode_acceptance_length")
-            lines.append([name, bench.cell(g("output_throughput"), ".1f"), bench.cell(g("mean_tpot_ms"), ".1f"),
-                          "/".join(bench.cell(g(f"p{p}_tpot_ms"), ".0f") for p in (50, 90, 99)),
-                          bench.cell(g("mean_e2el_ms") and g("mean_e2el_ms") / 1e3, ".2f"),
-                          "/".join(bench.cell(g(f"p{p}_e2el_ms") and g(f"p{p}_e2el_ms") / 1e3, ".1f")
-                                   for p in (50, 90, 99)),
-                          bench.cell(acc, ".2f"), f"{sum(x['identical'] for x in rows)}/{sum(x['compared'] for x in rows)}",
-                          sum(x["failed"] or 0 for x in rows)])
-        out.append(f"Rate {r}x capacity ({r * capacity:.3f} requests/s):\n\n" + bench.table(
-            ["config", "output tok/s", "mean TPOT ms", "TPOT P50/P90/P99 ms", "mean e2e s", "e2e P50/P90/P99 s",
-             "tokens/step", "identical", "failed"], lines))
-    v = verdict(results, rates)
-    if v:
-        out.append("Learned rule vs the others:\n\n" + bench.table(
-            ["config", "rate", "mean TPOT vs none", "mean TPOT vs vLLM n-gram", "throughput vs best other",
-             "P99 e2e vs best other", "best other", "mean TPOT vs none-sync", "mean TPOT vs spec-idle"],
-            [[x["policy"], f"{x['rate_x']}x", bench.cell(x.get("tpot_vs_none"), ".2f"), bench.cell(x.get("tpot_vs_ngram"), ".2f"),
-              bench.cell(x.get("throughput_vs_best"), ".2f"), bench.cell(x.get("p99_e2el_vs_best"), ".2f"),
-              x.get("best_other", "-"), bench.cell(x.get("tpot_vs_none_sync"), ".2f"),
-              bench.cell(x.get("tpot_vs_spec_idle"), ".2f")] for x in v]))
-    return "\n\n".join(out)
-
-
-LEARNED = ("learned", "learned-head")  # the learned rule served with n-gram drafts / with the EAGLE-3 head
-
-
-def verdict(results: dict, rates: list[float]) -> list[dict]:
-    """Per learned configuration (``LEARNED``) and rate, its ratios: mean TPOT to none's and vLLM n-gram's; output
-    throughput and P99 end-to-end latency to the best of {none, vLLM n-gram, static} at that rate (throughput: the
-    highest; P99: the lowest); mean TPOT to the diagnostic baselines' where they ran: none-sync (no speculation,
-    synchronous scheduling, as vLLM runs n-gram and ``custom_class`` speculation) and spec-idle (speculation on,
-    nothing ever drafted)."""
-    return [x for name in LEARNED if name in results for x in _verdict(results, rates, name)]
-
-
-def _verdict(results: dict, rates: list[float], name: str) -> list[dict]:
-    out = []
-    for r in rates:
-        mine = results[name][str(r)]
-        others = {n: results[n][str(r)] for n in ("none", "vllm-ngram", "static") if n in results and results[n][str(r)]}
-        if not others or _mean(mine, "output_throughput") is None:  # no learned run, or every request failed
-            continue
-        x = {"policy": name, "rate_x": r}
-        for n, key in (("none", "tpot_vs_none"), ("vllm-ngram", "tpot_vs_ngram"), ("none-sync", "tpot_vs_none_sync"),
-                       ("spec-idle", "tpot_vs_spec_idle")):
-            rows = results.get(n, {}).get(str(r))
-            if rows and _mean(rows, "mean_tpot_ms"):
-                x[key] = _mean(mine, "mean_tpot_ms") / _mean(rows, "mean_tpot_ms")
-        tp = {n: _mean(rows, "output_throughput") for n, rows in others.items()}
-        best = max(tp, key=lambda n: tp[n] or 0)
-        x["best_other"] = best
-        x["throughput_vs_best"] = (_mean(mine, "output_throughput") or 0) / tp[best] if tp[best] else None
-        p99 = {n: _mean(rows, "p99_e2el_ms") for n, rows in others.items() if _mean(rows, "p99_e2el_ms")}
-        if p99 and _mean(mine, "p99_e2el_ms"):
-            x["p99_e2el_vs_best"] = _mean(mine, "p99_e2el_ms") / min(p99.values())
-        out.append(x)
-    return out
-
-
-def draw(results: dict, rates: list[float], capacity: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, by_rate in results.items():
-        xs = [r * capacity for r in rates if by_rate[str(r)]]
-        for ax, key, scale in ((axes[0], "mean_tpot_ms", 1.0), (axes[1], "p99_e2el_ms", 1e-3)):
-            ys = [(_mean(by_rate[str(r)], key) or float("nan")) * scale for r in rates if by_rate[str(r)]]
-            ax.plot(xs, ys, marker="o", label=name)
-    axes[0].set(xlabel="requests/s (Poisson)", ylabel="mean TPOT (ms)", title="time per output token")
-    axes[1].set(xlabel="requests/s (Poisson)", ylabel="P99 end-to-end latency (s)", title="tail latency")
-    axes[0].legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from sacpolicy.evaluation import (
     gain_captured,
     make_plots,
     markdown_table,
+    nested_ratio_interval,
     paired_ratio_interval,
     row_from_results,
     speedup_vs_k_plot,
@@ -215,6 +216,32 @@ def test_bootstrap_interval_contains_the_estimate_and_narrows_with_more_prompts(
         pytest.approx((2.0, 2.0))
     with pytest.raises(ValueError, match="one value per prompt"):
         paired_ratio_interval(tokens, seconds, tokens[:2], seconds[:2], idx=bootstrap_indices(3))
+
+
+def test_nested_interval_pairs_repeats_and_requests_and_takes_the_best_other_per_resample():
+    """The load benchmark's interval: repeats, then requests, drawn with replacement, the same draw for every
+    configuration; the best other chosen afresh in each resample; failed requests (NaN) left out."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(1.0, 5.0, size=(3, 40))  # [repeats, requests], each repeat its own server run
+    p99 = lambda v: np.nanpercentile(v, 99, axis=-1)  # noqa: E731
+    mean = lambda v: np.nanmean(v, axis=-1)  # noqa: E731
+    # paired: a constant factor on every request has no width, however the requests vary; best other per resample
+    for stat in (p99, mean):
+        lo, hi = nested_ratio_interval(1.3 * base, {"a": base, "b": 2 * base}, stat)
+        assert (lo, hi) == pytest.approx((1.3, 1.3))
+    # the same server twice, each run with noise of its own per request: the interval holds 1 and is seeded
+    a, b = (base * rng.uniform(0.8, 1.25, size=base.shape) for _ in range(2))
+    lo, hi = nested_ratio_interval(a, {"b": b}, p99)
+    assert lo < 1.0 < hi and (lo, hi) == nested_ratio_interval(a, {"b": b}, p99)
+    # a configuration slower on every request by 1.5-2x: the interval excludes 1
+    lo, hi = nested_ratio_interval(base * rng.uniform(1.5, 2.0, size=base.shape), {"a": base}, mean)
+    assert 1.5 < lo < hi < 2.0
+    # a failed request is left out of its configuration's figure, not counted as zero
+    holed = base.copy()
+    holed[0, 0] = np.nan
+    assert np.isfinite(nested_ratio_interval(holed, {"a": base}, mean)).all()
+    with pytest.raises(ValueError, match="same \\[repeats, requests\\]"):
+        nested_ratio_interval(base, {"a": base[:2]}, mean)
 
 
 def test_rows_get_intervals_against_ar_and_best_static_overall_and_per_category():

@@ -296,7 +296,68 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
     assert x["tpot_vs_none_sync"] == pytest.approx(0.5) and x["tpot_vs_spec_idle"] == pytest.approx(2.0)
     assert x["best_other"] == "none" and x["throughput_vs_best"] == pytest.approx(0.98)
     assert x["p99_e2el_vs_best"] == pytest.approx(840 / 800)
-    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | none | 0.50 | 2.00 |" in cli.markdown(results, [1.0], 2.0)
+    assert x["p99_e2el_vs_none_sync"] == pytest.approx(8.4)
+    assert x["p99_e2el_vs_best_ci"] is None  # runs without per-request latencies: no interval, the ratio alone
+    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | 0.50 | 8.40 | 2.00 | none |" in cli.markdown(results, [1.0], 2.0)
+
+
+def _raw_run(latencies, errors=None):
+    """A ``vllm bench serve`` result of these per-request latencies (s): TTFT a tenth of each, 64 tokens each."""
+    lat = np.asarray(latencies, dtype=float)
+    errors = errors or [""] * len(lat)
+    return {"latencies": lat.tolist(), "ttfts": (lat / 10).tolist(), "output_lens": [64] * len(lat), "errors": errors}
+
+
+def test_bench_serve_rescores_a_run_from_its_raw_results_with_intervals(tmp_path):
+    """--rescore re-tables an earlier run from the raw results its --workdir kept: per-request TPOT and latency
+    (vLLM's definitions), and each ratio with a paired interval over repeats and requests. Every request of the
+    learned rule 1.3x slower than no speculation's (n-gram 1.5x): the ratio is 1.3 in every resample."""
+    cli = load_script("bench_serve")
+    rng = np.random.default_rng(0)
+    work, results = tmp_path / "work", {}
+    work.mkdir()
+    for rep in range(2):
+        base = rng.uniform(2.0, 6.0, 24)
+        for name, scale in (("none", 1.0), ("vllm-ngram", 1.5), ("learned", 1.3)):
+            raw = _raw_run(base * scale)
+            (work / f"{name}-{rep}-0.5.json").write_text(json.dumps(raw))
+            req = cli.per_request(raw)
+            results.setdefault(name, {"0.5": []})["0.5"].append({
+                "repeat": rep, "mean_tpot_ms": float(np.mean(req["tpot_ms"])), "output_throughput": 50.0 / scale,
+                "p99_e2el_ms": float(np.percentile(req["e2el_ms"], 99)), "identical": 24, "compared": 24, "failed": 0})
+    run = tmp_path / "old.json"
+    run.write_text(json.dumps({"results": results, "rates_x": [0.5], "capacity_rps": 2.0}))
+    assert cli.main(["--rescore", str(run), "--workdir", str(work), "--out", str(tmp_path / "new.json")]) == 0
+    (x,) = json.loads((tmp_path / "new.json").read_text())["verdict"]
+    for key in ("tpot_vs_none", "p99_e2el_vs_best"):
+        assert x[key] == pytest.approx(1.3) and x[f"{key}_ci"] == pytest.approx([1.3, 1.3])
+    assert x["tpot_vs_ngram_ci"] == pytest.approx([1.3 / 1.5, 1.3 / 1.5])
+    assert "1.30 [1.30, 1.30]" in json.loads((tmp_path / "new.json").read_text())["markdown"]
+    # two runs pooled: the second's repeats join the first's (renumbered), the same ratios
+    assert cli.main(["--rescore", f"{run},{run}", "--workdir", f"{work},{work}", "--out", str(tmp_path / "p.json")]) == 0
+    pooled = json.loads((tmp_path / "p.json").read_text())
+    assert [x["repeat"] for x in pooled["results"]["learned"]["0.5"]] == [0, 1, 2, 3]
+    assert pooled["verdict"][0]["p99_e2el_vs_best_ci"] == pytest.approx([1.3, 1.3])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"results": results, "rates_x": [1.0], "capacity_rps": 2.0}))
+    with pytest.raises(SystemExit, match="pool runs of the same rates"):
+        cli.main(["--rescore", f"{run},{other}", "--workdir", f"{work},{work}", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="needs --workdir"):
+        cli.main(["--rescore", str(run), "--out", str(tmp_path / "x.json")])
+    (work / "learned-1-0.5.json").unlink()
+    with pytest.raises(SystemExit, match="learned-1-0.5.json is missing"):
+        cli.main(["--rescore", str(run), "--workdir", str(work), "--out", str(tmp_path / "x.json")])
+
+
+def test_per_request_figures_follow_vllm_and_leave_out_failures():
+    cli = load_script("bench_serve")
+    raw = _raw_run([2.0, 3.0, 4.0], errors=["", "HTTP 500", ""])
+    raw["output_lens"] = [64, 64, 1]
+    req = cli.per_request(raw)
+    assert req["e2el_ms"][0] == pytest.approx(2000.0) and req["e2el_ms"][1] is None
+    assert req["e2el_ms"][2] == pytest.approx(4000.0)
+    assert req["tpot_ms"][0] == pytest.approx((2.0 - 0.2) / 63 * 1e3)
+    assert req["tpot_ms"][1] is None and req["tpot_ms"][2] is None  # failed; one token (no TPOT)
 
 
 def test_bench_serve_keeps_every_repeats_proposer_stats(tmp_path):

@@ -1,5 +1,6 @@
 """Every ratio with its uncertainty: paired bootstrap intervals over prompts, and the rows whose speedup the cost
-model invented.
+model invented; for runs under load (``scripts/bench_serve.py``), a two-level paired bootstrap over repeated server
+runs and their requests (``nested_ratio_interval``).
 
 A row's throughput is summed tokens over summed seconds. Its ratio against a baseline row of the same mode (``ar``,
 ``best-static``) is resampled over prompts: draw prompts with replacement, and take the ratio of both rows' summed
@@ -33,6 +34,31 @@ def paired_ratio_interval(tokens_a, seconds_a, tokens_b, seconds_b, *, idx: np.n
                          f"{tb.shape}, {sb.shape}")
     ratio = (ta[idx].sum(1) / sa[idx].sum(1)) / (tb[idx].sum(1) / sb[idx].sum(1))
     lo, hi = np.percentile(ratio, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+def nested_ratio_interval(mine, others: dict, stat, *, resamples: int = 2000, seed: int = 0,
+                          level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of ``stat`` of ``mine`` over the lowest ``stat`` of ``others`` (lower is better: a
+    latency), under a two-level paired bootstrap: repeats drawn with replacement, then requests within each drawn
+    repeat. The same draw serves every configuration, because repeat r of each ran the same requests at the same
+    arrival times (a seeded load client). A configuration's figure is the mean over its drawn repeats of ``stat`` over
+    the drawn requests, as a table averages per-repeat figures; a resample's best other is chosen afresh.
+
+    mine, others[name]: [repeats, requests] per-request values (NaN: a failed request, left out of ``stat``).
+    stat: maps [..., requests] to [...], NaN-aware (e.g. ``np.nanmean(v, axis=-1)``).
+    """
+    a = np.asarray(mine, dtype=float)
+    rest = {n: np.asarray(v, dtype=float) for n, v in others.items()}
+    if a.ndim != 2 or not rest or any(v.shape != a.shape for v in rest.values()):
+        raise ValueError(f"every configuration needs the same [repeats, requests] values, got {a.shape} and "
+                         f"{ {n: v.shape for n, v in rest.items()} }; pair runs of the same requests and repeats")
+    rng = np.random.default_rng(seed)
+    reps = rng.integers(0, a.shape[0], size=(resamples, a.shape[0]))[..., None]  # [R, repeats, 1]
+    reqs = rng.integers(0, a.shape[1], size=(resamples, *a.shape))  # [R, repeats, requests]
+    fig = lambda v: stat(v[reps, reqs]).mean(axis=1)  # [R]
+    ratio = fig(a) / np.min([fig(v) for v in rest.values()], axis=0)
+    lo, hi = np.nanpercentile(ratio, [50 * (1 - level), 50 * (1 + level)])
     return float(lo), float(hi)
 
 

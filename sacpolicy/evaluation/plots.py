@@ -118,6 +118,23 @@ def _bars(path: Path, groups: list[str], series: dict[str, list], ylabel: str, *
     return _save(fig, path)
 
 
+def line_plot(path, panels: list[dict]) -> Path:
+    """Side-by-side line panels, one marker per point. Each panel: ``series`` ({label: [(x, y), ...]}, points drawn
+    in x order), ``xlabel``, ``ylabel``, ``title``; ``log2_x``: a base-2 log x axis. Used by the load benchmarks."""
+    fig = Figure(figsize=(5.0 * len(panels), 4.0))
+    FigureCanvasAgg(fig)
+    for i, panel in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for label, pts in panel["series"].items():
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=label)
+        if panel.get("log2_x"):
+            ax.set_xscale("log", base=2)
+        ax.set(xlabel=panel.get("xlabel", ""), ylabel=panel.get("ylabel", ""), title=panel.get("title", ""))
+    fig.axes[0].legend(fontsize="small")
+    return _save(fig, path)
+
+
 def _label(row: dict) -> str:
     return f"{row['name']} ({row['mode']})"
 

@@ -1,6 +1,7 @@
 """What the benchmark scripts (``scripts/bench_*.py``, ``scripts/profile_vllm.py``) share: their common options, the
 target and held-out prompts they load, the order in which they alternate the configurations they time, live tokens/s
 of static k against autoregressive decoding, teacher-forced acceptance rows, Markdown tables and the JSON they write.
+``bench.serve``: the tables of ``scripts/bench_serve.py`` (vLLM's server under load).
 
 The top layer of the package: it may import any other room, and nothing in the package imports it. What only some
 scripts need (decoders, prompt sets, traces) is imported inside the functions that use it. Nothing here prints; the
