@@ -121,7 +121,8 @@ def verdict(results: dict, rates: list[float]) -> list[dict]:
     throughput and P99 end-to-end latency to the best of {none, vLLM n-gram, static} at that rate (throughput: the
     highest; P99: the lowest); mean TPOT to the diagnostic baselines' where they ran: none-sync (no speculation,
     synchronous scheduling, as vLLM runs n-gram and ``custom_class`` speculation) and spec-idle (speculation on,
-    nothing ever drafted)."""
+    nothing ever drafted). Each TPOT and P99 ratio ``key`` comes with ``key_ci``, its 95% interval (paired over
+    repeats and requests: ``nested_ratio_interval``), None for runs that kept no per-request latencies."""
     return [x for name in LEARNED if name in results for x in _verdict(results, rates, name)]
 
 
