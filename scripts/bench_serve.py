@@ -196,12 +196,12 @@ def main(argv=None) -> int:
             keep_proposer_stats(results, name, rep, work / f"proposer-{rep}.json")
             print(f"  [{rep}] {name}: {time.perf_counter() - t0:.0f} s with start-up", flush=True)
 
-    md = markdown(results, rates, capacity)
+    v = verdict(results, rates)
+    md = markdown(results, rates, capacity, v)
     print(md)
     payload = {"vllm": why, "ld_preload": preload,
                "source": args.source, "n_prompts": len(prompts), "capacity_rps": capacity,
-               "capacity_run": summarize(cap), "rates_x": rates, "results": results, "markdown": md,
-               "verdict": verdict(results, rates)}
+               "capacity_run": summarize(cap), "rates_x": rates, "results": results, "markdown": md, "verdict": v}
     bench.write_results(args.out, payload, args)
     plot = Path(args.plot or Path(args.out).with_suffix(".png"))
     try:
@@ -243,7 +243,8 @@ def rescore(paths: list[str], workdirs: list[str], out: Path) -> int:
                                       for r, rows in by.items() if r != "proposer"}
                                   for n, by in payload["results"].items() if n in run["results"]}
     res, rates = payload["results"], payload["rates_x"]
-    payload.update(markdown=markdown(res, rates, payload["capacity_rps"]), verdict=verdict(res, rates))
+    payload["verdict"] = verdict(res, rates)
+    payload["markdown"] = markdown(res, rates, payload["capacity_rps"], payload["verdict"])
     print(f"{payload['markdown']}\n\nwrote {bench.write_results(out, payload)}")
     return 0
 

@@ -60,8 +60,9 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def markdown(results: dict, rates: list[float], capacity: float) -> str:
-    """A table per rate: each configuration's means over repeats."""
+def markdown(results: dict, rates: list[float], capacity: float, v: list[dict] | None = None) -> str:
+    """A table per rate: each configuration's means over repeats; then the learned rule's ratios, ``v`` (``verdict``'s
+    rows, computed here when not given: pass them where the caller keeps them too, the intervals take seconds)."""
     out = []
     for r in rates:
         lines = []
@@ -81,16 +82,16 @@ def markdown(results: dict, rates: list[float], capacity: float) -> str:
         out.append(f"Rate {r}x capacity ({r * capacity:.3f} requests/s):\n\n" + table(
             ["config", "output tok/s", "mean TPOT ms", "TPOT P50/P90/P99 ms", "mean e2e s", "e2e P50/P90/P99 s",
              "tokens/step", "identical", "failed"], lines))
-    v = verdict(results, rates)
+    v = verdict(results, rates) if v is None else v
     if v:
         keys = ("tpot_vs_none", "tpot_vs_ngram", "throughput_vs_best", "p99_e2el_vs_best", "tpot_vs_none_sync",
                 "p99_e2el_vs_none_sync", "tpot_vs_spec_idle")
         out.append("Learned rule vs the others (95% intervals: paired bootstrap over repeats and requests):\n\n"
                    + table(["config", "rate", "mean TPOT vs none", "mean TPOT vs vLLM n-gram",
-                                  "throughput vs best other", "P99 e2e vs best other", "mean TPOT vs none-sync",
-                                  "P99 e2e vs none-sync", "mean TPOT vs spec-idle", "best other (throughput)"],
-                                 [[x["policy"], f"{x['rate_x']}x", *(_with_ci(x, k) for k in keys),
-                                   x.get("best_other", "-")] for x in v]))
+                            "throughput vs best other", "P99 e2e vs best other", "mean TPOT vs none-sync",
+                            "P99 e2e vs none-sync", "mean TPOT vs spec-idle", "best other (throughput)"],
+                           [[x["policy"], f"{x['rate_x']}x", *(_with_ci(x, k) for k in keys),
+                             x.get("best_other", "-")] for x in v]))
     return "\n\n".join(out)
 
 
