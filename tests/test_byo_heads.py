@@ -145,15 +145,15 @@ def test_greedy_decoding_with_each_loaded_format_is_the_targets_own(fmt, target,
     """Lossless through the real decoder, built the way ``draft=feature draft.feature.path=<dir>`` builds it; the loaded
     head's blocks and draft probabilities equal those of the head it was exported from."""
     from sacpolicy.build import build_drafter
-    from sacpolicy.decoding import RequestInfo, SpeculativeDecoder
+    from sacpolicy.decoding import DecoderConfig, RequestInfo, SpeculativeDecoder
     from sacpolicy.policy import Static
     from sacpolicy.runtime.spec import DrafterSpec
 
     head = random_head(target, vocab=200, seed=3)
     path = write_format(fmt, head, target, tmp_path)
     loaded = build_drafter(DrafterSpec(kind="feature", name="feature", path=str(path)), target)
-    decoders = [SpeculativeDecoder(target.model, [d], Static(3), stop_token_ids=[]) for d in (FeatureDrafter(head),
-                                                                                              loaded)]
+    decoders = [SpeculativeDecoder(target.model, [d], Static(3), config=DecoderConfig(step_stats=True),
+                                   stop_token_ids=[]) for d in (FeatureDrafter(head), loaded)]
     for ids in sequences[:2]:
         prompt = ids[:6].tolist()
         ref = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 6, dtype=torch.long),

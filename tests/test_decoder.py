@@ -70,7 +70,7 @@ def test_greedy_equals_target_for_every_drafter_and_policy(tiny_target, tiny_dra
 
 def test_self_draft_accepts_whole_blocks(tiny_target, tiny_prompts):
     dec = SpeculativeDecoder(tiny_target.model, [ModelDrafter(tiny_target.model, name="self")], Static(4),
-                             stop_token_ids=[])
+                             config=DecoderConfig(step_stats=True), stop_token_ids=[])
     res = dec.generate(tiny_prompts[0], 21)
     # 1 token from prefill, then 4 blocks of 4 accepted + 1 bonus
     assert [(s.drafted, s.accepted, s.emitted) for s in res.steps] == [(4, 4, 5)] * 4
@@ -114,7 +114,8 @@ def test_several_drafters_and_records(tiny_target, tiny_draft, tiny_prompts):
             return [Decision(r.state.drafters[r.state.step % len(r.state.drafters)], 3) for r in rows]
 
     prompt = tiny_prompts[-1]
-    res = SpeculativeDecoder(target, drafters, RoundRobin(3), stop_token_ids=[]).generate(prompt, 30)
+    res = SpeculativeDecoder(target, drafters, RoundRobin(3), config=DecoderConfig(step_stats=True),
+                             stop_token_ids=[]).generate(prompt, 30)
     assert res.tokens == hf_greedy(target, prompt, 30)
     assert {s.drafter for s in res.steps} == {d.name for d in drafters}
     for s in res.steps:
@@ -266,3 +267,62 @@ def test_kept_logits_are_the_targets_distributions_of_each_new_token(tiny_target
         torch.testing.assert_close(res.logits, ref, rtol=1e-4, atol=1e-4)
         assert res.logits.argmax(-1).tolist() == res.tokens  # greedy: each token is its row's argmax
     assert dec.generate(prompt, 5).logits is None  # off by default: nothing is kept
+
+
+def test_step_statistics_are_opt_in_and_change_nothing_else(tiny_target, tiny_draft, tiny_prompts):
+    """Without ``step_stats`` the records carry no per-token statistics; with them, the same tokens and the same
+    steps, greedy and sampled, one row and batched."""
+    drafters = tiny_drafters(tiny_target, tiny_draft)
+    fields = lambda r: (r.tokens, [(s.drafter, s.k, s.drafted, s.accepted, s.emitted) for s in r.steps])
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=0.8, seed=3)):
+        runs = {}
+        for stats in (False, True):
+            dec = SpeculativeDecoder(tiny_target.model, drafters, Heuristic(k0=3, drafter="draft"), sampling=sampling,
+                                     config=DecoderConfig(step_stats=stats, max_batch=3), stop_token_ids=[])
+            runs[stats] = [dec.generate(tiny_prompts[0], 20)] + dec.generate_batch(tiny_prompts[:4], 20)
+        assert [fields(r) for r in runs[False]] == [fields(r) for r in runs[True]]
+        assert all(not s.top1 and not s.beta for r in runs[False] for s in r.steps)
+        assert all(len(s.top1) == len(s.beta) == s.drafted for r in runs[True] for s in r.steps)
+        assert sum(s.drafted for r in runs[True] for s in r.steps) > 0
+
+
+class _RepeatLast:
+    """A drafter that proposes the last token k times without leaving the device."""
+
+    name, vocab_size, aux_layers, peekable = "repeat", None, (), False
+
+    def new_state(self):
+        return None
+
+    def propose(self, rows):
+        from sacpolicy.decoding import DraftBlock
+
+        return [DraftBlock(row.context[-1:].repeat(row.k), logits=None) for row in rows]
+
+    def accept(self, state, n):
+        pass
+
+
+def test_one_host_read_per_step_for_the_whole_batch(tiny_target, tiny_prompts, monkeypatch):
+    """A step reads the device back once for all its rows (not once per row), drafted or autoregressive."""
+    reads = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n),
+                                                                                            _o(self, *a, **k))[1])
+    for policy in (Static(3, "repeat"), Autoregressive()):
+        dec = SpeculativeDecoder(tiny_target.model, [_RepeatLast()], policy,
+                                 config=DecoderConfig(max_batch=4, cpu_kernels=False), stop_token_ids=[])
+        step, per_step = dec._step, []
+
+        def counted(batch, cache, _step=step):
+            reads.clear()
+            out = _step(batch, cache)
+            per_step.append((len(batch), len(reads)))
+            return out
+
+        dec._step = counted
+        results = dec.generate_batch(tiny_prompts[:4], 12)
+        assert all(len(r.tokens) == 12 for r in results)
+        assert per_step and all(n == 1 for _, n in per_step), per_step
+        assert max(b for b, _ in per_step) == 4

@@ -19,6 +19,7 @@ from toys import synthetic_traces
 
 from sacpolicy.data import load_prompts
 from sacpolicy.decoding import (
+    DecoderConfig,
     LayerSkipDrafter,
     ModelDrafter,
     NgramDrafter,
@@ -156,12 +157,12 @@ def test_ngram_confidence_is_the_match_length_live_and_replayed(tiny_target, set
     live and in replay alike."""
     prompts, drafters, _, traces = setup
     grouped = group_traces(traces)
-    drafted = 0
+    drafted, stats = 0, DecoderConfig(step_stats=True)
     for row in prompts:
-        live = SpeculativeDecoder(tiny_target.model, drafters, Static(4, "ngram"), stop_token_ids=[]).generate(
-            row["input_ids"], N_NEW)
+        live = SpeculativeDecoder(tiny_target.model, drafters, Static(4, "ngram"), config=stats,
+                                  stop_token_ids=[]).generate(row["input_ids"], N_NEW)
         sim = simulate(Static(4, "ngram"), {row["prompt_id"]: grouped[row["prompt_id"]]},
-                       cost_model(["skip2", "self", "ngram"]), vocab_size=V).results[0][1]
+                       cost_model(["skip2", "self", "ngram"]), vocab_size=V, config=stats).results[0][1]
         flat = lambda steps: [t for s in steps for t in s.top1]
         assert [s.drafted for s in live.steps] == [s.drafted for s in sim.steps]
         assert flat(live.steps) == pytest.approx(flat(sim.steps))

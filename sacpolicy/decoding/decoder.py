@@ -7,10 +7,14 @@ cache is ``sacpolicy.decoding.ragged``). The decoder never knows which policy it
 
 The decoder owns every request's state (``sacpolicy.decoding.rows.Row``: its tokens, the policy's memory of it, each
 drafter's state); the policy and the drafters are shared by all rows and called once per step with all of them
-(``Policy.decide(rows)``, ``Drafter.propose(rows)``). A step, in this module's second half: decide, draft, verify
-and commit, record, each a method with a typed result (``Drafted``, ``Verified``).
+(``Policy.decide(rows)``, ``Drafter.propose(rows)``). The step (``_step``, this module's second half) runs five
+phases in order, each a method whose typed, frozen result the later phases read: decide (``Planned``), draft
+(``Drafted``), verify (one target pass and one verification call over the padded blocks of all rows, one read back
+to the host: ``Verified``), commit (buffers, caches, drafters' acceptance), observe (the ``StepRecord``, the
+acceptance history and cooldown, ``Policy.observe``). Per drafted token statistics are made only on request
+(``DecoderConfig.step_stats``, ``sacpolicy.decoding.stats``).
 
-This module is over the project's 400-line cap on purpose: the batching loop and the step it runs are one concept,
+This module is over the project's 400-line guide on purpose: the batching loop and the step it runs are one concept,
 read together (``tests/test_layers.py`` names the exception).
 """
 
@@ -28,13 +32,11 @@ from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.rows import Clock, Row, WallClock, stop_callback
+from sacpolicy.decoding.stats import block_stats
 from sacpolicy.decoding.sampling import (
     SamplingConfig,
-    acceptance_stats,
-    copy_acceptance_stats,
-    draft_stats,
+    draw_uniforms,
     probs_from_logits,
-    probs_stats,
     select_token,
     verify,
     verify_greedy,
@@ -54,12 +56,12 @@ from sacpolicy.decoding.types import (
 )
 from sacpolicy.runtime.features import next_accept_history
 
-__all__ = ["BATCH_K", "DecoderConfig", "Drafted", "SpeculativeDecoder", "Verified", "WallClock", "stop_callback"]
+__all__ = ["BATCH_K", "DecoderConfig", "Drafted", "Planned", "SpeculativeDecoder", "Verified", "WallClock",
+           "stop_callback"]
 
 logger = logging.getLogger(__name__)
 
 BATCH_K = ("row", "shared")
-_T1 = SamplingConfig(temperature=1.0)  # distributions behind the records when decoding greedily
 
 
 @dataclass
@@ -72,6 +74,9 @@ class DecoderConfig:
     cooldown_steps: int = 8
     cooldown_min_steps: int = 3  # speculative steps observed before the floor applies
     timing: bool = True  # per-step wall times (synchronizes the device once more per step on GPUs)
+    # per drafted token statistics in the step records (StepRecord.top1 ... beta): full-vocabulary passes per step that
+    # decoding itself never reads; trace studies and tests ask for them
+    step_stats: bool = False
     max_batch: int = 1  # rows generate_batch decodes together by default; the live load is rows / max_batch
     batch_k: str = "row"  # "row": each row's own k (blocks padded to the longest); "shared": one k for the batch (vLLM)
     compact_slack: float = 0.25  # compact the batch's KV cache when rejected columns exceed this share of its width
@@ -94,7 +99,18 @@ class DecoderConfig:
             raise ValueError(f"cooldown_ema must be in (0, 1], got {self.cooldown_ema}")
 
 
-@dataclass
+@dataclass(frozen=True)
+class Planned:
+    """A row's plan for a step: the policy's decision, whether the decoder overrode it (cooldown: autoregressive),
+    and what the row drafts: a drafter still usable for the request (None: none) and k within the row's budget."""
+
+    decision: Decision
+    cooldown: bool
+    drafter: str | None
+    k: int
+
+
+@dataclass(frozen=True)
 class Drafted:
     """A row's draft for a step: the drafter used (None: no draft), its block and the row's seconds drafting it."""
 
@@ -103,14 +119,32 @@ class Drafted:
     seconds: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verified:
-    """A row's verification: drafted tokens accepted, the new tokens committed (accepted + the target's own, fewer
-    at a stop token or the length limit), and the block's [k, 6] statistics for the record (None without a block)."""
+    """A row's verification: drafted tokens accepted, the tokens it commits (the accepted ones and the target's own,
+    ending at a stop token, ``stopped``, and at the length limit), the target's own token on the device, and the
+    block's per-token statistics [k][6] when the decoder records them (``DecoderConfig.step_stats``)."""
 
     accepted: int
-    new: list
-    stats: torch.Tensor | None
+    new: tuple[int, ...]
+    stopped: bool
+    target_token: torch.Tensor
+    stats: list | None = None
+
+
+def _by_sampling(batch: list[Row]) -> list[tuple[SamplingConfig, list[int]]]:
+    """The batch's rows grouped by how their tokens are chosen (seeds aside): one group when all rows share it."""
+    groups: dict[tuple, tuple[SamplingConfig, list[int]]] = {}
+    for i, run in enumerate(batch):
+        cfg = run.sampling
+        key = ("greedy",) if cfg.greedy else (cfg.temperature, cfg.top_k, cfg.top_p)
+        groups.setdefault(key, (cfg, []))[1].append(i)
+    return list(groups.values())
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` [m, ...] with zero rows appended up to n."""
+    return x if x.shape[0] == n else torch.cat([x, x.new_zeros((n - x.shape[0], *x.shape[1:]))])
 
 
 class SpeculativeDecoder:
@@ -261,9 +295,7 @@ class SpeculativeDecoder:
                 if waiting:
                     self.clock.sleep(max(0.0, waiting[-1].arrival - (self._now() - t0)))
                 continue
-            for rec, run in zip(self._step(batch, cache), batch):
-                self._track_acceptance(run, rec)
-                self.policy.observe(run.policy, rec)
+            self._step(batch, cache)
             live = [i for i, r in enumerate(batch) if r.active]
             for r in batch:
                 if not r.active:
@@ -340,28 +372,25 @@ class SpeculativeDecoder:
             raise ValueError(f"policy {self.policy!r} chose unknown drafter {d.drafter!r}; known: "
                              f"{list(self.drafters)}")
 
-    def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
-        if block.probs is not None:  # the drafter's own q, the very one its tokens were drawn from
-            return block.probs
-        if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
-            return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
-        return probs_from_logits(block.logits, cfg)
-
-    # ------------------------------------------------------------------ one step
     def _step(self, batch: list[Row], cache: RaggedCache) -> list[StepRecord]:
-        """Decide, draft, verify every row in one target pass and commit each row's accepted tokens, record."""
-        decisions = self._decide(batch)
-        drafts = self._draft(batch, [d for d, _ in decisions])
-        t1 = self._now()
-        verified = self._verify_and_commit(batch, cache, drafts)
-        verify_s = self._now() - t1
-        return [self._record(run, decision, cooldown, drafted, v, verify_s, len(batch))
-                for run, (decision, cooldown), drafted, v in zip(batch, decisions, drafts, verified)]
+        """One step of every row, in order: decide, draft, verify (one target pass over every row's block, one
+        verification call per sampling setting, one read back to the host), commit, observe. Each phase returns
+        typed results that the later phases read and never change."""
+        plans = self._decide(batch)
+        drafts = self._draft(batch, plans)
+        t0 = self._now()
+        logits = self._score(batch, cache, drafts)
+        verified = self._verify(batch, drafts, logits)
+        self._commit(batch, cache, drafts, verified, logits)
+        verify_s = self._now() - t0
+        return [self._observe(run, plan, drafted, v, verify_s, len(batch))
+                for run, plan, drafted, v in zip(batch, plans, drafts, verified)]
 
-    def _decide(self, batch: list[Row]) -> list[tuple[Decision, bool]]:
-        """Each row's decision for this step and whether the row is cooling down (then autoregressive); the policy
-        decides for the rows that are not cooling down in one call, with the live batch size and load."""
-        out: list[tuple[Decision, bool] | None] = [None] * len(batch)
+    def _decide(self, batch: list[Row]) -> list[Planned]:
+        """Each row's plan: the policy decides for the rows that are not cooling down in one call, with the live
+        batch size and load; the plan's drafter is one still usable for the request and its k fits the budget. The
+        row's state names the drafter while it drafts (a policy's ``should_stop`` reads it)."""
+        decisions: list[tuple[Decision, bool] | None] = [None] * len(batch)
         asking = []
         for i, run in enumerate(batch):
             state = run.state
@@ -371,7 +400,7 @@ class SpeculativeDecoder:
                 state.load = min(1.0, len(batch) / self.config.max_batch)
             if run.cooldown > 0:
                 run.cooldown -= 1
-                out[i] = (Decision.autoregressive(), True)
+                decisions[i] = (Decision.autoregressive(), True)
                 continue
             if self.policy.uses_peeks:
                 state.peeks = {name: self.drafters[name].peek(run.drafts[name], run.context)
@@ -380,36 +409,41 @@ class SpeculativeDecoder:
         if asking:
             for i, decision in zip(asking, self.policy.decide([batch[i].policy for i in asking])):
                 self._check_decision(decision)
-                out[i] = (decision, False)
+                decisions[i] = (decision, False)
         if self.config.batch_k == "shared" and len(batch) > 1:  # one k for the batch, as vLLM drafts
-            k = max(d.k for d, _ in out)
-            out = [(Decision(d.drafter, k) if d.drafter is not None else d, c) for d, c in out]
-        return out
+            k = max(d.k for d, _ in decisions)
+            decisions = [(Decision(d.drafter, k) if d.drafter is not None else d, c) for d, c in decisions]
+        plans = []
+        for run, (decision, cooldown) in zip(batch, decisions):
+            name = decision.drafter if decision.drafter in run.state.drafters else None
+            k = max(0, min(decision.k, run.left - 1)) if name is not None else 0
+            run.state.drafter = name if k > 0 else None
+            plans.append(Planned(decision, cooldown, name, k))
+        return plans
 
-    def _draft(self, batch: list[Row], decisions: list[Decision]) -> list[Drafted]:
+    def _draft(self, batch: list[Row], plans: list[Planned]) -> list[Drafted]:
         """Each row's draft. Rows drafting with the same drafter draft together (one ``propose`` call; a model
         drafter runs one forward per drafted token for all of them) and share its time. A drafter that raises is
         dropped for the request of the row that made it raise (found by proposing its rows one by one); that row
         decodes on autoregressively and its output stays exact."""
-        drafts = []
-        groups: dict[str, list[tuple[int, DraftRow]]] = {}
-        for i, (run, decision) in enumerate(zip(batch, decisions)):
-            name = decision.drafter if decision.drafter in run.state.drafters else None
-            k = min(decision.k, run.left - 1) if name is not None else 0
-            drafts.append(Drafted(name, DraftBlock.empty(self.device)))  # the record names the drafter chosen
-            if k > 0:
-                run.state.drafter = name
-                groups.setdefault(name, []).append((i, DraftRow(
-                    run.drafts[name], run.context, k, run.sampling, run.generator,
-                    stop_callback(self.policy, run.policy))))
+        drafts = [Drafted(plan.drafter, DraftBlock.empty(self.device)) for plan in plans]  # the drafter chosen
+        groups: dict[str, list[int]] = {}
+        for i, plan in enumerate(plans):
+            if plan.k > 0:
+                groups.setdefault(plan.drafter, []).append(i)
         for name, rows in groups.items():
             t0 = self._now()
-            blocks = self._propose(name, [r for _, r in rows], [batch[i] for i, _ in rows])
+            blocks = self._propose(name, [self._draft_row(batch[i], name, plans[i].k) for i in rows],
+                                   [batch[i] for i in rows])
             seconds = (self._now() - t0) / len(rows)
-            for (i, _), block in zip(rows, blocks):
+            for i, block in zip(rows, blocks):
                 drafts[i] = Drafted(name, block, seconds) if block is not None else Drafted(None, drafts[i].block,
                                                                                             seconds)
         return drafts
+
+    def _draft_row(self, run: Row, name: str, k: int) -> DraftRow:
+        return DraftRow(run.drafts[name], run.context, k, run.sampling, run.generator,
+                        stop_callback(self.policy, run.policy))
 
     def _propose(self, name: str, rows: list[DraftRow], runs: list[Row]) -> list[DraftBlock | None]:
         """``rows``' blocks from drafter ``name``, None for a row whose request dropped it."""
@@ -424,55 +458,79 @@ class SpeculativeDecoder:
                            name, exc, len(rows))
         return [self._propose(name, [row], [run])[0] for row, run in zip(rows, runs)]
 
-    def _verify_and_commit(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted]) -> list[Verified]:
-        """One target pass over every row's [last committed token, block] (padded to the longest); each row commits
-        its accepted + 1 tokens, the caches keep what was committed."""
+    def _score(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted]) -> torch.Tensor:
+        """One target pass over every row's [last committed token, block] (padded to the longest) -> logits
+        [B, T, V]: row i's position j is the target's distribution after its j-th fed token."""
         T = max(d.block.k for d in drafts) + 1
         ids = torch.stack([torch.cat([run.buf[run.n - 1 : run.n], d.block.tokens,
                                       run.buf[run.n - 1 : run.n].expand(T - 1 - d.block.k)])
                            for run, d in zip(batch, drafts)])
         with self.features:
-            logits = self.target(input_ids=ids, **with_cache(self.target, cache.cache), use_cache=True,
-                                 logits_to_keep=T, **cache.inputs(T, self.dtype)).logits
+            return self.target(input_ids=ids, **with_cache(self.target, cache.cache), use_cache=True,
+                               logits_to_keep=T, **cache.inputs(T, self.dtype)).logits
+
+    def _verify(self, batch: list[Row], drafts: list[Drafted], logits: torch.Tensor) -> list[Verified]:
+        """Accept each row's longest drafted prefix the target agrees with (greedy) or that rejection sampling keeps,
+        then the target's own next token: the blocks padded to the longest and verified in one call per sampling
+        setting (rows of a batch mostly share one), the results read back to the host once for all rows. A row's
+        new tokens end at its first stop token and at its length limit."""
+        B, K = logits.shape[0], logits.shape[1] - 1
+        lengths = [d.block.k for d in drafts]
+        tokens = (torch.nn.utils.rnn.pad_sequence([d.block.tokens for d in drafts], batch_first=True)
+                  if K else logits.new_zeros((B, 0), dtype=torch.long))
+        # random numbers in row order, each from its row's generator: the draws a row-by-row verification makes
+        draws = [None if run.sampling.greedy else draw_uniforms(k, run.generator, self.device)
+                 for run, k in zip(batch, lengths)]
+        n = torch.empty(B, dtype=torch.long, device=self.device)
+        nxt = torch.empty_like(n)
+        stats: list[torch.Tensor | None] = [None] * B
+        for cfg, rows in _by_sampling(batch):
+            sel = slice(None) if len(rows) == B else torch.tensor(rows, device=self.device)
+            lens = torch.tensor([lengths[i] for i in rows], device=self.device)
+            if cfg.greedy:
+                n[sel], nxt[sel] = verify_greedy(logits[sel], tokens[sel], lens)
+            else:
+                p = probs_from_logits(logits[sel], cfg)
+                q = torch.stack([_pad_rows(self._draft_probs(drafts[i].block, cfg), K) for i in rows])
+                u = torch.stack([_pad_rows(draws[i][0], K) for i in rows])
+                n[sel], nxt[sel] = verify(p, q, tokens[sel], lengths=lens,
+                                          uniforms=(u, torch.stack([draws[i][1] for i in rows])))
+            if self.config.step_stats:
+                for j, i in enumerate(rows):
+                    if lengths[i]:
+                        row_pq = None if cfg.greedy else (p[j, : lengths[i] + 1], q[j, : lengths[i]])
+                        stats[i] = block_stats(drafts[i].block, logits[i, : lengths[i] + 1], row_pq)
+        head = torch.cat([n[:, None], nxt[:, None], tokens], dim=1).tolist()  # the step's one read to the host
         out = []
-        for i, (run, d) in enumerate(zip(batch, drafts)):
-            v = self._verify(run, d.block, logits[i, : d.block.k + 1])
+        for i, (run, (acc, target_token, *drafted)) in enumerate(zip(batch, head)):
+            new = drafted[:acc] + [target_token]
+            stop = next((j for j, t in enumerate(new) if t in run.stops), None)
+            if stop is not None:
+                new = new[: stop + 1]
+            new = new[: run.left]
+            out.append(Verified(acc, tuple(new), stop is not None and stop < len(new), nxt[i],
+                                None if stats[i] is None else stats[i].tolist()))
+        return out
+
+    def _commit(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted], verified: list[Verified],
+                logits: torch.Tensor) -> None:
+        """Each row keeps its verified tokens: its buffer, output and length, the target's logits of them (when
+        kept), its feature drafters' hidden states and its drafter's acceptance; the cache keeps the committed
+        columns of every row."""
+        for i, (run, d, v) in enumerate(zip(batch, drafts, verified)):
+            if d.block.k:
+                run.buf[run.n : run.n + d.block.k] = d.block.tokens
+            run.buf[run.n + v.accepted] = v.target_token  # a device-side copy: no sync
+            if run.logits is not None:  # row j of the verify pass is the distribution of the step's j-th new token
+                run.logits.append(logits[i, : len(v.new)])
             self._extend_features(run, i, v.accepted + 1)
             if d.drafter is not None:
                 self._settle(run, d.drafter, v.accepted)
-            self._commit(run, v, logits[i])
-            out.append(v)
-        cache.commit([v.accepted + 1 for v in out], T)
-        return out
-
-    def _verify(self, run: Row, block: DraftBlock, logits: torch.Tensor) -> Verified:
-        """Accept the longest prefix of ``block`` the target agrees with (greedy) or that rejection sampling keeps,
-        then the target's own next token. ``logits`` [k + 1, V]: the target's at the block's positions."""
-        n, kb = run.n, block.k
-        if run.sampling.greedy:
-            n_acc, nxt, pq = *verify_greedy(logits, block.tokens), None
-        else:
-            p, q = probs_from_logits(logits, run.sampling), self._draft_probs(block, run.sampling)
-            n_acc, nxt, pq = *verify(p, q, block.tokens, run.generator), (p, q)
-        run.buf[n : n + kb] = block.tokens
-        run.buf[n + n_acc] = nxt  # device-side index: no sync before the write
-        stats = self._block_stats(block, logits, pq) if kb else None
-        head = torch.cat([n_acc.view(1), nxt.view(1), block.tokens]).tolist()  # the row's one host sync
-        acc = head[0]
-        return Verified(acc, head[2 : 2 + acc] + [head[1]], stats)
-
-    def _commit(self, run: Row, v: Verified, logits: torch.Tensor) -> None:
-        """Append the row's new tokens, up to a stop token and the length limit (``v.new`` is cut to them)."""
-        new = v.new
-        for j, tok in enumerate(new):
-            if tok in run.stops:
-                new, run.finish = new[: j + 1], "eos"
-                break
-        v.new = new[: run.left]
-        if run.logits is not None:  # row j of the verify pass is the distribution of the step's j-th new token
-            run.logits.append(logits[: len(v.new)])
-        run.out.extend(v.new)
-        run.n += len(v.new)
+            run.out.extend(v.new)
+            run.n += len(v.new)
+            if v.stopped:
+                run.finish = "eos"
+        cache.commit([v.accepted + 1 for v in verified], logits.shape[1])
 
     def _settle(self, run: Row, name: str, accepted: int) -> None:
         """Tell the drafter how many of the row's drafted tokens were accepted."""
@@ -481,40 +539,27 @@ class SpeculativeDecoder:
         except Exception as exc:
             self._drop(run, name, exc)
 
-    def _record(self, run: Row, decision: Decision, cooldown: bool, drafted: Drafted, v: Verified, verify_s: float,
-                batch_size: int) -> StepRecord:
-        rec = StepRecord(step=run.state.step, drafter=drafted.drafter, k=decision.k, drafted=drafted.block.k,
+    def _observe(self, run: Row, plan: Planned, drafted: Drafted, v: Verified, verify_s: float,
+                 batch_size: int) -> StepRecord:
+        """The step's record for the row, its acceptance history and cooldown, and the policy's observation."""
+        rec = StepRecord(step=run.state.step, drafter=drafted.drafter, k=plan.decision.k, drafted=drafted.block.k,
                          accepted=v.accepted, emitted=len(v.new), context_len=run.state.context_len,
-                         draft_s=drafted.seconds, verify_s=verify_s, cooldown=cooldown, batch_size=batch_size)
+                         draft_s=drafted.seconds, verify_s=verify_s, cooldown=plan.cooldown, batch_size=batch_size)
         if v.stats is not None:
-            rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = v.stats.t().tolist()
+            rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = (list(c) for c in zip(*v.stats))
         run.records.append(rec)
         run.state.step += 1
         run.state.last = rec
+        self._track_acceptance(run, rec)
+        self.policy.observe(run.policy, rec)
         return rec
 
-    def _block_stats(self, block: DraftBlock, logits: torch.Tensor, pq) -> torch.Tensor:
-        """[k, 6] = draft (top1, entropy, margin) + (q(x), p(x), beta), on device. ``pq``: the processed (p, q)
-        verification used when sampling; None when greedy, where the records use temperature-1 distributions."""
-        k = block.k
-        if pq is None:  # greedy: temperature-1 softmax of the target and, for a model draft, of the draft, made once
-            p = probs_from_logits(logits[:k], _T1)
-            if block.logits is None:  # a copy: q is one-hot, nothing [k, V] to build
-                return torch.cat([self._copy_confidence(block), copy_acceptance_stats(p, block.tokens)], dim=-1)
-            q = probs_from_logits(block.logits, _T1)
-            return torch.cat([probs_stats(q), acceptance_stats(p, q, block.tokens)], dim=-1)
-        p, q = pq
-        if block.logits is None:
-            conf = self._copy_confidence(block)
-        else:
-            conf = block.confidence if block.confidence is not None else draft_stats(block.logits)
-        return torch.cat([conf, acceptance_stats(p, q, block.tokens)], dim=-1)
-
-    def _copy_confidence(self, block: DraftBlock) -> torch.Tensor:
-        """[k, 3] confidence of a deterministic proposal: the drafter's own, else certain."""
-        if block.confidence is not None:
-            return block.confidence.to(self.device, torch.float32)
-        return torch.tensor([[1.0, 0.0, 1.0]], device=self.device).expand(block.k, 3)
+    def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
+        if block.probs is not None:  # the drafter's own q, the very one its tokens were drawn from
+            return block.probs
+        if block.logits is None:  # deterministic proposal: q is the one-hot of the proposed token
+            return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
+        return probs_from_logits(block.logits, cfg)
 
     def _extend_features(self, run: Row, row: int, m: int) -> None:
         """Hand the row's feature drafters the target's hidden states of the first m positions of its row in the

@@ -86,17 +86,19 @@ def top_p_filter(probs: torch.Tensor, top_p: float, head: int = TOP_P_HEAD) -> t
     return probs / probs.sum(-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
     """probs [..., V] (non-negative, not necessarily normalized) -> one token id per row ([...], long), without
     leaving the device.
 
     Inverse CDF: one uniform u per row, scaled to the row's total mass, and the first token whose cumulative mass
     (float64) exceeds it. A token of zero probability adds nothing to the cumulative mass, so it is never drawn.
     ``torch.multinomial`` draws the same distribution but makes a random number per vocabulary entry on a CPU
-    (0.85 ms for 49k tokens against 0.03 ms here; a sampled speculative step draws 2-4 tokens)."""
+    (0.85 ms for 49k tokens against 0.03 ms here; a sampled speculative step draws 2-4 tokens). ``u`` [..., 1]
+    float64: uniforms drawn already (``draw_uniforms``), in place of drawing them from ``generator``."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
     total = cdf[..., -1:].contiguous()
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)
+    if u is None:
+        u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)
     index = torch.searchsorted(cdf, u * total, right=True)
     # u * total can round up to the total itself (u just below 1): the last token with mass, never one beyond it
     return torch.minimum(index, torch.searchsorted(cdf, total)).squeeze(-1)
@@ -121,46 +123,73 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total >= tiny, r / total.clamp_min(tiny), p)
 
 
+def draw_uniforms(k: int, generator: torch.Generator | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers ``verify`` uses for one block of k drafted tokens, in the order it draws them: [k] float32
+    acceptance uniforms (none when k = 0), then [1] float64 for the token sampled after the block. Drawing them per
+    row from the row's own generator lets rows with different generators (seeded requests) be verified together."""
+    u = torch.rand(k, generator=generator, device=device) if k else torch.empty(0, device=device)
+    return u, torch.rand(1, generator=generator, device=device, dtype=torch.float64)
+
+
 def verify(
     p: torch.Tensor,
     q: torch.Tensor,
     draft_tokens: torch.Tensor,
     generator: torch.Generator | None = None,
+    *,
+    lengths: torch.Tensor | None = None,
+    uniforms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of one block (or of a batch of blocks of equal length: leading dims ``...``).
+    """Speculative sampling of one block (or of a batch of blocks: leading dims ``...``).
 
     p: [..., k+1, V] target probs at each drafted position and the bonus position; q: [..., k, V] draft probs the
     tokens were drawn from; draft_tokens: [..., k]. Token i is accepted with probability min(1, p(x_i) / q(x_i)); at
     the first rejection the next token is drawn from residual(p, q); if all k are accepted it is drawn from p[k] (the
     bonus token). Returns (n_accepted, next_token), each [...] (0-d for one block), on the device: the emitted tokens
     are draft_tokens[:n] + [next_token].
+
+    Blocks of different lengths padded to k: ``lengths`` [...] each block's own length (no position past it is
+    accepted) and q zero past it (so the residual there is p: the bonus token). ``uniforms`` (u [..., k] float32,
+    v [..., 1] float64): the random numbers to use (``draw_uniforms`` per block), else drawn from ``generator``.
     """
     k = draft_tokens.shape[-1]
+    if uniforms is None:
+        uniforms = (torch.rand(draft_tokens.shape, generator=generator, device=p.device) if k else None,
+                    torch.rand((*p.shape[:-2], 1), generator=generator, device=p.device, dtype=torch.float64))
+    u, v = uniforms
     if k == 0:
-        return torch.zeros(p.shape[:-2], dtype=torch.long, device=p.device), sample(p[..., 0, :], generator)
+        return torch.zeros(p.shape[:-2], dtype=torch.long, device=p.device), sample(p[..., 0, :], u=v)
     idx = draft_tokens.unsqueeze(-1)
     px = p[..., :k, :].gather(-1, idx).squeeze(-1)
     qx = q[..., :k, :].gather(-1, idx).squeeze(-1)
-    u = torch.rand(draft_tokens.shape, generator=generator, device=p.device)
     accepted = u * qx < px  # u < p/q without dividing by q
+    if lengths is not None:
+        accepted &= torch.arange(k, device=p.device) < lengths.unsqueeze(-1)
     n = torch.cumprod(accepted.long(), -1).sum(-1)
     # Row k of q is zero, so the residual there is p[k] itself: the bonus token needs no branch.
     q_ext = torch.cat([q[..., :k, :], torch.zeros_like(q[..., :1, :])], dim=-2)
     at = n[..., None, None].expand(*n.shape, 1, p.shape[-1])
-    return n, sample(residual(p.gather(-2, at).squeeze(-2), q_ext.gather(-2, at).squeeze(-2)), generator)
+    return n, sample(residual(p.gather(-2, at).squeeze(-2), q_ext.gather(-2, at).squeeze(-2)), u=v)
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification: target_logits [k+1, V], draft_tokens [k].
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: target_logits [..., k+1, V], draft_tokens [..., k] (``lengths`` [...]: blocks padded to
+    k, as in ``verify``).
 
     Accept the longest prefix that equals the target's argmax; the next token is the target's argmax after it. This is
     ``verify`` with one-hot p and q, computed without building them.
     """
-    k = draft_tokens.shape[0]
+    k = draft_tokens.shape[-1]
     best = target_logits.argmax(-1)
-    n = torch.cumprod((best[:k] == draft_tokens).long(), 0).sum() if k else torch.zeros((), dtype=torch.long,
-                                                                                           device=best.device)
-    return n, best[n]
+    if k:
+        match = best[..., :k] == draft_tokens
+        if lengths is not None:
+            match &= torch.arange(k, device=best.device) < lengths.unsqueeze(-1)
+        n = torch.cumprod(match.long(), -1).sum(-1)
+    else:
+        n = torch.zeros(best.shape[:-1], dtype=torch.long, device=best.device)
+    return n, best.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
 def draft_stats(logits: torch.Tensor) -> torch.Tensor:
