@@ -1,7 +1,8 @@
 """The README's examples run as written: every ```python block, in order and in one namespace (a block may use what an
 earlier one defined), on the tiny target instead of the embedded one. Two substitutions only: ``load_model()``
 returns the tiny target, and the run's policy path (``outputs/<date>/<time>/policies/mlp``) names a real policy
-artifact saved here. The scripts the README's commands name exist, and the README stays a guide (<= 250 lines)."""
+artifact saved here. The scripts the README's commands name exist, its train.py commands compose the Hydra config
+and its export.py commands pass the script's argument check, and the README stays a guide (<= 250 lines)."""
 
 import re
 from pathlib import Path
@@ -49,3 +50,35 @@ def test_the_scripts_the_readme_names_exist_and_it_stays_a_guide():
     bash = "\n".join(blocks("bash"))
     assert all("--run " in line for line in bash.splitlines() if "profile_vllm.py" in line)  # --run is required
     assert len(README.splitlines()) <= 250, "README.md is a user guide of at most 250 lines; figures go to docs/"
+
+
+def commands(script: str) -> list[list[str]]:
+    """The arguments of every ``python scripts/<script>`` command in the README's bash blocks (continuation lines
+    joined, comments dropped, a placeholder such as ``<run>`` filled in as the reader would)."""
+    import shlex
+
+    lines = re.sub(r"<[\w ]+>", "run1", "\n".join(blocks("bash")).replace("\\\n", " ")).splitlines()
+    return [shlex.split(line, comments=True)[2:] for line in lines if line.startswith(f"python scripts/{script}")]
+
+
+def test_the_readmes_pipeline_and_export_commands_parse():
+    """Every train.py command composes the Hydra config (options and keys that exist); every export.py command passes
+    the script's own argument check. Sweeps (``-m``) and Hydra's own settings are left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from toys import load_script
+
+    import sacpolicy.pipeline  # noqa: F401  (registers the structured config nodes)
+
+    train = commands("train.py")
+    assert len(train) >= 8
+    for args in train:
+        if "-m" in args or "--cfg" in args:
+            continue
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            compose("train", overrides=[a for a in args if not a.startswith("hydra.")])
+    export = commands("export.py")
+    assert len(export) >= 5
+    for args in export:
+        load_script("export").parse(args)
