@@ -4,7 +4,8 @@ measure every snapshot (and optionally a token-level draft) on held-out prompts.
     python scripts/bench_eagle3.py train --workdir runs/eagle3 --budget-minutes 90 --curve 5,15,60
     python scripts/bench_eagle3.py eval --workdir runs/eagle3 --token-draft outputs/<run>/distill/draft
     python scripts/bench_eagle3.py eval --heads shipped=shipped new=<run>/head/head --live --live-set mt_bench
-    python scripts/bench_eagle3.py ship --head <run>/head/head --out sacpolicy/heads/<name> --curve-json ...
+    python scripts/bench_eagle3.py eval --split val --heads shipped=shipped new=<run>/head/head --out runs/gate.json
+    python scripts/bench_eagle3.py ship --head <run>/head/head --out sacpolicy/heads/<name> --curve-json runs/gate.json
 
 ``train`` uses the default pipeline's data (``conf/distill``: the target's continuations of the training prompts,
 cached under $SACPOLICY_CACHE/distill) and head settings (``conf/head/eagle3.yaml``); overrides after ``--`` go to
@@ -14,12 +15,16 @@ validation) and ``<workdir>/snapshots/<minutes>min``.
 Heads trained on ShareGPT's fixed answers come from the pipeline (``python scripts/train.py "stages=[head]"
 head_data=sharegpt ...``); ``eval --heads name=dir ...`` measures any heads side by side.
 
-``eval``, per draft, on held-out MT-Bench, ShareGPT and HumanEval first turns (test split; greedy continuations of
-the target, teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted
+``eval``, per draft, on held-out MT-Bench, ShareGPT and HumanEval first turns (``--split``: test, where the headline
+is measured, by default; val for the shipping gate; greedy continuations of the target, teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted
 run >= k), SpecForge's simulated acceptance length sum_k prod_{i<=k} acc_i for blocks of 3 and of k_max tokens, mean
 beta at temperature 1 (sum_x min(p, q) of the first token), the draft step's cost over a target step (timed side by
 side), and live tokens/s of our decoder at static k against autoregressive decoding on the same prompts.
 Prints a Markdown table and writes bench_eagle3.json.
+
+``ship`` copies a head into the package only when it beats the shipped head on the validation split (an ``eval
+--split val`` with both heads): choosing what ships on the test prompts would make the test figures a selection
+score, no longer a held-out measurement.
 """
 
 from __future__ import annotations
@@ -97,21 +102,24 @@ def train(args) -> None:
 
 # ---------------------------------------------------------------------- evaluation
 SETS = ("mt_bench", "sharegpt", "humaneval")
+SHIP_SPLIT = "val"  # the split the shipping gate compares heads on; the headline tables are measured on "test"
 
 
-def held_out(target, n_new: int, sharegpt_prompts: int = 32, sharegpt_max_prompt_tokens: int = 384):
-    """Held-out (test split) first turns of each set with the target's greedy continuations, generated once and
-    cached: MT-Bench and HumanEval whole, ShareGPT a fixed sample (the first ``sharegpt_prompts`` test conversations
-    in file order whose prompt fits ``sharegpt_max_prompt_tokens``)."""
+def held_out(target, n_new: int, split: str = "test", sharegpt_prompts: int = 32,
+             sharegpt_max_prompt_tokens: int = 384, names: tuple[str, ...] = SETS):
+    """First turns of ``split`` (``data.split_prompts``: by prompt id) of each set in ``names`` with the target's
+    greedy continuations, generated once and cached: MT-Bench and HumanEval whole, ShareGPT a fixed sample (the first
+    ``sharegpt_prompts`` conversations of the split in file order whose prompt fits ``sharegpt_max_prompt_tokens``)."""
     import datasets
 
     from sacpolicy.data import load_prompt_mix, split_prompts
     from sacpolicy.training.distill_data import cached_dataset, generate_continuations
 
     sets = {}
-    for name in SETS:
-        test = split_prompts(load_prompt_mix([name], tokenizer=None if name == "sharegpt" else target.tokenizer))
-        test, key = test["test"], f"{target.spec.replace(':', '_')}-{n_new}"
+    for name in names:
+        test = split_prompts(load_prompt_mix([name], tokenizer=None if name == "sharegpt" else target.tokenizer))[split]
+        # the test split's caches keep the key they had before other splits were measured
+        key = f"{target.spec.replace(':', '_')}-{n_new}" + ("" if split == "test" else f"-{split}")
         if name == "sharegpt":  # file order; tokenized one by one until enough fit
             from sacpolicy.data import apply_template
 
@@ -169,7 +177,7 @@ def evaluate(args) -> None:
     from sacpolicy.models import EMBEDDED_TARGET
 
     target = bench.load_target()
-    sets = held_out(target, args.max_new_tokens, args.sharegpt_prompts)
+    sets = held_out(target, args.max_new_tokens, args.split, args.sharegpt_prompts)
     drafts = []
     if args.workdir:
         workdir = Path(args.workdir)
@@ -198,7 +206,8 @@ def evaluate(args) -> None:
             row["live"] = bench.live_static_k(target, drafter, live_prompts, ks, args.max_new_tokens)
         rows.append(row)
         print(row, flush=True)
-    meta = {"target": EMBEDDED_TARGET, "k_max": args.k_max, "max_new_tokens": args.max_new_tokens,
+    meta = {"target": EMBEDDED_TARGET, "split": args.split, "k_max": args.k_max,
+            "max_new_tokens": args.max_new_tokens,
             "prompts": {n: len(s[0]) for n, s in sets.items()}, "live_prompts": len(live_prompts), "ks": ks,
             "live_set": args.live_set, "torch_threads": torch.get_num_threads(), "workdir": args.workdir,
             "command": " ".join(sys.argv)}
@@ -211,7 +220,8 @@ def markdown(rows, meta) -> str:
     sets = [n for n in SETS if n in meta["prompts"]]
     names = {"mt_bench": "MT-Bench", "sharegpt": "ShareGPT", "humaneval": "HumanEval"}
     counts = ", ".join(f"{names[n]} {meta['prompts'][n]}" for n in sets)
-    head = (f"held-out test first turns: {counts} prompts ({meta['max_new_tokens']} greedy tokens each, "
+    head = (f"held-out {meta.get('split', 'test')} first turns: {counts} prompts "
+            f"({meta['max_new_tokens']} greedy tokens each, "
             f"teacher-forced); live: {meta['live_prompts']} prompts of {meta.get('live_set', 'all')}")
     header = ["draft", *(f"step-1 acc {names[n]}" for n in sets), *(f"accept len (3) {names[n]}" for n in sets),
               f"accept len ({k}) MT-Bench", "mean beta T=1 MT-Bench", "draft step / target step", "live best k vs AR"]
@@ -227,20 +237,28 @@ def markdown(rows, meta) -> str:
 
 # ---------------------------------------------------------------------- shipping a head
 def check_beats_shipped(curve: dict | None, head: Path) -> None:
-    """A head ships only when it beats the shipped one on the held-out sets: ``curve`` (``eval`` with ``--heads
-    shipped=shipped new=<head>``) must hold both, and the new head's acceptance length (blocks of 3) must be higher on
-    every set (a gain on chat bought with a loss on code is not a better head for the mixed default workload)."""
+    """A head ships only when it beats the shipped one on the validation prompts: ``curve`` (``eval --split val`` with
+    ``--heads shipped=shipped new=<head>``) must hold both, measured on ``SHIP_SPLIT``, and the new head's acceptance
+    length (blocks of 3) must be higher on every set (a gain on chat bought with a loss on code is not a better head
+    for the mixed default workload). A curve of the test split is refused: the test split is what the headline
+    reports, and a head chosen on it would make that figure a selection score."""
+    command = f"bench_eagle3.py eval --split {SHIP_SPLIT} --heads shipped=shipped new={head}"
+    split = ((curve or {}).get("meta") or {}).get("split", "test")  # curves written before --split measured test
+    if curve is not None and split != SHIP_SPLIT:
+        raise SystemExit(f"--curve-json was measured on the {split} split; the shipping gate compares heads on the "
+                         f"{SHIP_SPLIT} split, never on the prompts the headline is measured on. Run {command}; "
+                         "or pass --force")
     rows = {Path(r["path"]).resolve(): r for r in (curve or {}).get("rows", [])}
     old = [r for r in (curve or {}).get("rows", []) if r["name"] == "shipped"]
     new = rows.get(head.resolve())
     if not old or new is None:
-        raise SystemExit(f"--curve-json must measure the shipped head and {head} side by side (bench_eagle3.py eval "
-                         f"--heads shipped=shipped new={head}); or pass --force")
+        raise SystemExit(f"--curve-json must measure the shipped head and {head} side by side ({command}); "
+                         "or pass --force")
     sets = [n for n in SETS if n in new and n in old[0]]
     worse = [f"{n} {new[n]['accept_len_3']:.3f} vs {old[0][n]['accept_len_3']:.3f}" for n in sets
              if new[n]["accept_len_3"] <= old[0][n]["accept_len_3"]]
     if worse or not sets:
-        raise SystemExit(f"{head} does not beat the shipped head on held-out {', '.join(worse) or 'sets'} "
+        raise SystemExit(f"{head} does not beat the shipped head on {SHIP_SPLIT} {', '.join(worse) or 'sets'} "
                          "(acceptance length, blocks of 3); not shipped (--force ships it anyway)")
 
 
@@ -258,14 +276,14 @@ def ship(args) -> None:
     from sacpolicy.runtime.artifact import file_sha256
 
     head, out = Path(args.head), Path(args.out)
+    curve = json.loads(Path(args.curve_json).read_text()) if args.curve_json else None
+    if not args.force:  # the gate first: nothing is read or written for a head that does not ship
+        check_beats_shipped(curve, head)
     state = load_file(str(head / WEIGHTS_FILE))
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
     trained = json.loads((head / PROVENANCE_FILE).read_text())
     # legs: train.json files of bench_eagle3 `train`, or the legs the pipeline's head stage recorded in the head
     legs = [json.loads(Path(p).read_text()) for p in args.train_json] if args.train_json else trained.get("legs", [])
-    curve = json.loads(Path(args.curve_json).read_text()) if args.curve_json else None
-    if not args.force:
-        check_beats_shipped(curve, head)
 
     # the curves measured for the head this one replaces stay in the record
     old_prov = out / PROVENANCE_FILE
@@ -302,6 +320,8 @@ def main(argv=None):
     e = sub.add_parser("eval")
     e.add_argument("--workdir", default=None, help="a `train` workdir: its snapshots and its final head")
     e.add_argument("--heads", nargs="*", help="heads to measure as name=dir ('shipped': the head that ships)")
+    e.add_argument("--split", default="test", choices=["test", SHIP_SPLIT],
+                   help=f"test: the held-out headline; {SHIP_SPLIT}: the prompts `ship` compares heads on")
     e.add_argument("--sharegpt-prompts", type=int, default=32)
     e.add_argument("--live-set", default="all", choices=["all", *SETS], help="the prompts decoded live")
     e.add_argument("--token-draft", default=None, help="a distilled token-level draft dir to measure alike")
@@ -316,7 +336,8 @@ def main(argv=None):
     s.add_argument("--out", required=True)
     s.add_argument("--train-json", nargs="+", default=None,
                    help="train.json of every leg, in order (default: the legs recorded in the head's provenance)")
-    s.add_argument("--curve-json", default=None, help="bench_eagle3.json of `eval` with the shipped head and this one")
+    s.add_argument("--curve-json", default=None,
+                   help=f"bench_eagle3.json of `eval --split {SHIP_SPLIT}` with the shipped head and this one")
     s.add_argument("--force", action="store_true", help="ship even if it does not beat the shipped head")
     s.add_argument("--data", default="", help="the data recipe, in words")
     s.add_argument("--notes", default="")

@@ -108,3 +108,35 @@ def test_bench_decoder_times_the_trace_pass_against_live_decoding(tmp_path, caps
     assert tc["teacher_forced_speedup"] == pytest.approx(live / tf) and tf > 0
     out = capsys.readouterr().out
     assert "| ngram-static-k2 |" in out and "Trace cost over" in out and "| ours / transformers" in out
+
+
+def test_the_head_shipping_gate_measures_validation_prompts_never_the_test_split(tiny_target, tmp_path, monkeypatch):
+    """bench_eagle3 ``ship`` compares heads on the val split: ``eval --split val`` selects exactly the val prompts,
+    and a curve of the test split (where the headline is measured) is refused even when the new head wins on it."""
+    import sacpolicy.training.distill_data as distill_data
+
+    script = load_script("bench_eagle3")
+    assert script.SHIP_SPLIT == "val"
+    cached = []
+    monkeypatch.setattr(distill_data, "cached_dataset", lambda name, key, build: cached.append(key) or key)
+    sets = script.held_out(tiny_target, 4, script.SHIP_SPLIT, names=("mt_bench", "humaneval"))
+    for name, (rows, _) in sets.items():
+        every = list(load_prompts(name, tokenizer=tiny_target.tokenizer))
+        assert rows["prompt_id"] == [r["prompt_id"] for r in every if assign_split(r["prompt_id"]) == "val"], name
+        assert rows["prompt_id"] and all(assign_split(p) == "val" for p in rows["prompt_id"])
+    assert all(key.endswith("-val") for key in cached)  # never the test split's cached continuations
+
+    head, out = tmp_path / "new-head", tmp_path / "shipped"
+
+    def curve(split, new_len):
+        rows = [{"name": "shipped", "path": "shipped", **{n: {"accept_len_3": 1.5} for n in script.SETS}},
+                {"name": "new", "path": str(head), **{n: {"accept_len_3": new_len} for n in script.SETS}}]
+        (tmp_path / f"{split}.json").write_text(json.dumps({"rows": rows, "meta": {"split": split}}))
+        return ["ship", "--head", str(head), "--out", str(out), "--curve-json", str(tmp_path / f"{split}.json")]
+
+    with pytest.raises(SystemExit, match=r"measured on the test split.*eval --split val --heads shipped=shipped"):
+        script.main(curve("test", 2.0))
+    with pytest.raises(SystemExit, match="does not beat the shipped head on val"):
+        script.main(curve("val", 1.4))
+    script.check_beats_shipped(json.loads(Path(curve("val", 2.0)[-1]).read_text()), head)  # a val win passes
+    assert not out.exists()  # a refused head writes nothing

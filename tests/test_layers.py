@@ -1,7 +1,8 @@
 """The layering is a rule, not a habit: every room (a package or top-level module of sacpolicy) imports only rooms of
 a lower layer, no module imports itself back through others, ``decoding`` imports no higher layer, ``runtime``
-imports nothing but numpy (and safetensors for artifacts), and no module grows past the size at which it holds two
-ideas. Modules that moved answer their old path with an error naming the new one."""
+imports nothing but numpy (and safetensors for artifacts). Modules that moved answer their old path with an error
+naming the new one. How large a module may grow is a review question, not a test: modules split by concept (the review
+rule in docs/architecture.md)."""
 
 import ast
 import importlib
@@ -63,16 +64,6 @@ def test_runtime_needs_numpy_only():
 def test_the_decoder_leaf_module_imports_nothing_of_sacpolicy_but_the_sampling_math():
     mods = {m for m in imports(PKG / "decoding" / "types.py") if m.startswith("sacpolicy")}
     assert mods <= {"sacpolicy.decoding.sampling"}, mods
-
-
-# modules that hold one concept over 400 lines, with their own cap: the decoder's batching loop and the step it runs
-LONGER = {"decoding/decoder.py": 600}
-
-
-def test_no_module_is_over_400_lines():
-    long = {name: n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > LONGER.get(name := str(p.relative_to(PKG)), 400)}
-    assert not long, f"split these modules: {long}"
 
 
 # ---------------------------------------------------------------------- the module graph
