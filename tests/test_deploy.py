@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -280,3 +281,18 @@ def test_a_failing_or_invalid_candidate_is_rolled_back_and_current_keeps_serving
     promote(root)
     engine.step()
     assert proposer.policy_id == good.name and proposer.slot.trial is None and proposer.slot.canary_rollbacks == 1
+
+
+def test_a_better_candidate_stays_on_trial_until_the_operator_promotes_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    caplog.set_level(logging.INFO, logger="sacpolicy.export.reload")
+    root = tmp_path / "root"
+    silent = deploy(_policy(tmp_path, "silent", _silent_rule()), root)
+    deploy(_policy(tmp_path, "a", ngram_rule("k")), root, candidate=True, fraction=0.5, min_steps=10)
+    proposer = _proposer(root)
+    engine = FakeEngine(proposer, 24)
+    for _ in range(8):
+        engine.step()
+    ratio, low, high = proposer.slot.trial.interval()
+    assert low > 1.0 and "promote it with python scripts/deploy.py" in caplog.text
+    assert proposer.policy_id == silent.name and read_link(root, CANDIDATE) is not None  # never automatic

@@ -232,7 +232,8 @@ class PolicySlot:
         changed = False
         current = read_link(self.root, CURRENT)
         if current is not None and current != self.current_link and (CURRENT, current) not in self.refused:
-            self._switch(current)
+            if self._switch(current) and self.trial is not None:  # a trial compares against what serves now
+                self._end_trial("current moved; the trial restarts against it", rollback=False)
             changed = True
         candidate = read_link(self.root, CANDIDATE)
         if candidate == self.current_link:
