@@ -274,6 +274,10 @@ def test_a_failing_or_invalid_candidate_is_rolled_back_and_current_keeps_serving
     flip(root, CANDIDATE, bad.name)
     engine.step()
     assert proposer.slot.trial is None and proposer.slot.reload_failures == 1 and read_link(root, CANDIDATE) is None
+    flip(root, CANDIDATE, bad.name)  # put back: refused once, never retried
+    engine.step()
+    assert proposer.slot.trial is None and proposer.slot.reload_failures == 1
+    (root / CANDIDATE).unlink()
     # promotion is the operator's: a candidate promoted is reloaded as current
     good = deploy(_policy(tmp_path, "c", ngram_rule("stop")), root, candidate=True)
     engine.step()

@@ -207,15 +207,15 @@ class PolicySlot:
         """Whether this step of the request with ``context`` is planned by the candidate; credits its last step's
         committed tokens to the arm that planned it. A request keeps the arm it was given when first seen."""
         prev = self.arms.pop(self.key(context[: len(context) - committed]), None)
-        trial = self.trial
+        trial, key = self.trial, self.key(context)
         if prev is None:  # first seen: hashed on its context, stable
-            key = self.key(context)
             arm = (trial.number, int.from_bytes(key[1][:8], "big") / 2**64 < trial.fraction) if trial else (0, False)
-        else:
-            arm = prev if trial and prev[0] == trial.number else (0, False)
-            if trial and prev[0] == trial.number:
-                trial.credit(prev[1], committed)
-        self.arms[self.key(context)] = arm
+        elif trial and prev[0] == trial.number:
+            arm = prev
+            trial.credit(prev[1], committed)
+        else:  # seen before this trial began (or after it ended): the current policy's
+            arm = (0, False)
+        self.arms[key] = arm
         while len(self.arms) > self.capacity:
             self.arms.popitem(last=False)
         return bool(trial) and arm[1]
@@ -236,13 +236,13 @@ class PolicySlot:
                 self._end_trial("current moved; the trial restarts against it", rollback=False)
             changed = True
         candidate = read_link(self.root, CANDIDATE)
-        if candidate == self.current_link:
-            candidate = None  # promoted, or the candidate is what already serves
+        if candidate == self.current_link or (CANDIDATE, candidate) in self.refused:
+            candidate = None  # promoted (or what already serves), or found wrong before
         if (self.trial.link if self.trial else None) != candidate:
             changed = True
             if self.trial is not None:
                 self._end_trial("its link was removed or moved", rollback=False)
-            if candidate is not None and (CANDIDATE, candidate) not in self.refused:
+            if candidate is not None:
                 self._start_trial(candidate)
         if changed:
             self.p.write_stats()
