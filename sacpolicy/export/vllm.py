@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sacpolicy.decoding import DecodeState, DraftRow, NgramDrafter, PolicyRow, RequestInfo, SamplingConfig
+from sacpolicy.decoding import DecodeState, DraftRow, PolicyRow, SamplingConfig
 from sacpolicy.decoding.rows import stop_callback
 from sacpolicy.export import k_by_batch, pick_drafter, static_k
+from sacpolicy.export.reload import PolicySlot, open_policy, policy_state
 from sacpolicy.io import write_json, write_text
-from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
 from sacpolicy.runtime.features import next_accept_history
 
@@ -221,17 +221,17 @@ class PolicyNgramProposer:
         policy, drafter = policy or os.environ.get(POLICY_ENV), drafter or os.environ.get(DRAFTER_ENV) or None
         if not policy:
             raise ArtifactError(f"PolicyNgramProposer needs a policy artifact: set {POLICY_ENV}=<artifact dir>")
-        art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
-        self.rule, self.drafter = art.rule, pick_drafter(art.rule, art.drafters, drafter, ("ngram",))
-        spec = art.drafters[self.drafter]
-        self.ngram = NgramDrafter(spec.max_ngram, spec.min_ngram, name=self.drafter)
-        self.policy = LearnedPolicy(self.rule)
+        # ---- hot reload and canary (sacpolicy.export.reload): the policy's attributes come from a PolicySlot,
+        # which swaps them between steps when a deploy root's `current` moves and plans a canary's requests ----
+        art, root, policy_id = open_policy(policy)  # a deploy root: its `current` version
+        load = os.environ.get(LOAD_ENV, "1") != "0"
+        self.__dict__.update(policy_state(art, drafter, policy_id, load))  # rule, drafter, ngram, policy, ...
         self.k_cap = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         self.history = _History(4 * seqs)
-        self._request = RequestInfo(drafters=self.rule.drafters)
-        self.load_aware = bool(self.rule.cost.batch) and os.environ.get(LOAD_ENV, "1") != "0"
+        self.slot = PolicySlot(self, art, root, drafter, load)
+        # ---- end of the hot reload hook ----
         self.calls, self.seconds, self.failures, self.stats_path = 0, 0.0, 0, os.environ.get(STATS_ENV)
         self.batch_sizes: dict[int, int] = {}  # steps per live batch size
 
@@ -255,7 +255,8 @@ class PolicyNgramProposer:
         if self.stats_path:
             write_json(self.stats_path, {"calls": self.calls, "seconds": self.seconds, "failures": self.failures,
                                          "load_aware": self.load_aware,
-                                         "batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}})
+                                         "batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}}
+                       | self.slot.stats())  # policy_id, reloads, reload_failures, canary (sacpolicy.export.reload)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -268,7 +269,8 @@ class PolicyNgramProposer:
             live.append((i, context, self.history.advance(context, len(sampled))))
         batch = len(sampled_token_ids)  # the requests this engine step verifies together
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
-        blocks = self.blocks([(c, h) for _, c, h in live], batch=batch if self.load_aware else 1)
+        # hot reload and canary (sacpolicy.export.reload): each request planned by its arm's policy
+        blocks = self.slot.blocks([(c, h) for _, c, h in live], [len(sampled_token_ids[i]) for i, *_ in live], batch)
         for (i, context, history), block in zip(live, blocks):
             self.history.record(context, history, len(block))
             out[i] = block

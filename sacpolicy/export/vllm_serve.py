@@ -110,6 +110,7 @@ def check_vllm_export(export, target: str) -> tuple[Path, dict[str, str]]:
             raise ServeError(f"{export / 'vllm.env'} has a line that is not KEY=VALUE ({line!r}); {fix}")
         if eq:
             env[key.strip()] = value.strip()
+    from sacpolicy.export.reload import live_policy_dir
     from sacpolicy.export.vllm import POLICY_ENV
 
     policy = Path(env.get(POLICY_ENV, export / "policy"))
@@ -117,6 +118,7 @@ def check_vllm_export(export, target: str) -> tuple[Path, dict[str, str]]:
         policy = export / policy
     if not policy.is_dir():  # the export moved: its own policy/ copy
         policy = export / "policy"
+    served, policy = policy, live_policy_dir(policy)  # a deploy root: the proposer follows its `current` link
     try:
         art = load_artifact(policy)
     except ArtifactError as e:
@@ -126,7 +128,7 @@ def check_vllm_export(export, target: str) -> tuple[Path, dict[str, str]]:
         raise ServeError(f"{policy} was trained for target {trained_for!r}, not {target!r}: its rule's costs and "
                          f"acceptance are another model's. Serve it with --target {trained_for}, or train and export "
                          "a policy for this target")
-    env[POLICY_ENV] = str(policy.resolve())
+    env[POLICY_ENV] = str(served.resolve())
     return policy, env
 
 

