@@ -47,6 +47,7 @@ POLICY_ENV = "SACPOLICY_POLICY_DIR"
 DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's n-gram drafters the proposer runs
 STATS_ENV = "SACPOLICY_PROPOSER_STATS"  # optional: a JSON file where the proposer reports its calls and seconds
 LOAD_ENV = "SACPOLICY_PROPOSER_LOAD"  # "0": price every step as one request even where the cost model has batches
+LOG_ENV = "SACPOLICY_PROPOSER_LOG"  # optional: a directory for the proposer's step log (sacpolicy.export.steplog)
 _GREEDY = SamplingConfig()  # n-gram proposals are deterministic; the sampling settings do not reach them
 
 
@@ -176,9 +177,9 @@ def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -
 class _History:
     """Each request's acceptance history (``next_accept_history``) across vLLM steps. The proposer hook gives no
     request ids, so a request is found again by its committed tokens: after a step that committed s tokens (accepted
-    drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Equal contexts share
-    their history, which is exact for greedy decoding (equal contexts saw equal blocks) and a close estimate when
-    sampling."""
+    drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Requests at equal
+    contexts (the same prompt sent twice) each keep an entry under it, taken in turn: exact for greedy decoding (equal
+    contexts saw equal blocks) and a close estimate when sampling."""
 
     def __init__(self, capacity: int):
         self.capacity, self.entries = capacity, OrderedDict()
@@ -189,14 +190,17 @@ class _History:
 
     def advance(self, context: np.ndarray, committed: int) -> tuple[float, float] | None:
         """The request's history now that its last step committed ``committed`` tokens (None: a new request)."""
-        entry = self.entries.pop(self._key(context[: len(context) - committed]), None)
-        if entry is None:
+        key = self._key(context[: len(context) - committed])
+        found = self.entries.get(key)
+        if not found:
             return None
-        history, drafted = entry
+        history, drafted = found.pop(0)
+        if not found:
+            del self.entries[key]
         return next_accept_history(history, committed - 1, drafted) if drafted else history
 
     def record(self, context: np.ndarray, history: tuple[float, float] | None, drafted: int) -> None:
-        self.entries[self._key(context)] = (history, drafted)
+        self.entries.setdefault(self._key(context), []).append((history, drafted))
         while len(self.entries) > self.capacity:  # finished requests are never looked up again
             self.entries.popitem(last=False)
 
@@ -234,6 +238,7 @@ class PolicyNgramProposer:
         self.load_aware = bool(self.rule.cost.batch) and os.environ.get(LOAD_ENV, "1") != "0"
         self.calls, self.seconds, self.failures, self.stats_path = 0, 0.0, 0, os.environ.get(STATS_ENV)
         self.batch_sizes: dict[int, int] = {}  # steps per live batch size
+        self.steplog, self._logged = self._open_steplog(vllm_config, art), None
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         t0, failed = time.perf_counter(), False
@@ -245,7 +250,10 @@ class PolicyNgramProposer:
                                  "'failures' in %s)", self.stats_path or f"the proposer's stats ({STATS_ENV})")
             self.failures, failed = self.failures + 1, True
             out = [[] for _ in sampled_token_ids]
-        self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.calls, self.seconds = self.calls + 1, self.seconds + seconds
+        if self.steplog is not None:
+            self._log_step(seconds)
         if self.stats_path and (self.calls % 20 == 0 or failed):
             self.write_stats()
         return out
@@ -268,21 +276,42 @@ class PolicyNgramProposer:
             live.append((i, context, self.history.advance(context, len(sampled))))
         batch = len(sampled_token_ids)  # the requests this engine step verifies together
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
-        blocks = self.blocks([(c, h) for _, c, h in live], batch=batch if self.load_aware else 1)
+        seen = [] if self.steplog is not None else None
+        blocks = self.blocks([(c, h) for _, c, h in live], batch=batch if self.load_aware else 1, seen=seen)
         for (i, context, history), block in zip(live, blocks):
             self.history.record(context, history, len(block))
             out[i] = block
+        if seen is not None:
+            self._logged = ([(c, len(sampled_token_ids[i])) for i, c, _ in live], blocks, seen, batch)
         return out
+
+    # ------------------------------------------------------------------ the step log (sacpolicy.export.steplog)
+    def _open_steplog(self, vllm_config, art):
+        """The step log when ``SACPOLICY_PROPOSER_LOG`` names a directory, else None (no cost per step)."""
+        if not os.environ.get(LOG_ENV):
+            return None
+        from sacpolicy.export.steplog import StepLogger
+
+        return StepLogger.for_proposer(vllm_config, art, self)
+
+    def _log_step(self, seconds: float) -> None:
+        """Hand the step just proposed to the step log (a failed step: nothing to log)."""
+        step, self._logged = self._logged, None
+        if step is not None:
+            rows, blocks, seen, batch = step
+            self.steplog.step([(c, s, state, k, len(b)) for (c, s), b, (state, k) in zip(rows, blocks, seen)],
+                              batch, seconds, self.drafter)
 
     def block(self, context: np.ndarray, history: tuple[float, float] | None = None) -> list[int]:
         """The tokens the decoder would draft on ``context`` alone (``history``: the request's acceptance history,
         None before its first block)."""
         return self.blocks([(context, history)])[0]
 
-    def blocks(self, rows: list[tuple[np.ndarray, tuple[float, float] | None]], batch: int = 1) -> list[list[int]]:
+    def blocks(self, rows: list[tuple[np.ndarray, tuple[float, float] | None]], batch: int = 1,
+               seen: list | None = None) -> list[list[int]]:
         """The tokens the decoder would draft on each (context, history) row: peek, plan, draft with the stop rule.
         ``batch`` > 1: the rows are planned together as one step of that many rows (the cost model must have batch
-        curves); 1: each row is planned alone."""
+        curves); 1: each row is planned alone. ``seen``: a list that gets each row's (state decided on, k chosen)."""
         prows, drafts, where = [], [], []
         for context, history in rows:
             n = len(context)
@@ -299,6 +328,8 @@ class PolicyNgramProposer:
             decisions = [self.policy.decide([r])[0] for r, *_ in prows]
         for j, ((row, ngram, ctx, room), decision) in enumerate(zip(prows, decisions)):
             k = min(decision.k, room)
+            if seen is not None:
+                seen.append((row.state, max(k, 0) if decision.drafter is not None else 0))
             if decision.drafter is None or k < 1:
                 continue
             row.state.drafter = decision.drafter
