@@ -260,3 +260,25 @@ def test_damaged_shards_and_logs_of_another_target_are_refused_with_the_fix(tmp_
         read_step_log(tmp_path / "empty")
     with pytest.raises(StepLogError, match="target pass"):
         build_production_traces(tmp_path / "log", tmp_path / "t", temperature=0.7)
+
+
+def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path):
+    from toys import load_script
+
+    from sacpolicy.export.vllm import export_vllm
+    from sacpolicy.export.vllm_serve import serve_config
+    from sacpolicy.models import EMBEDDED_TARGET
+
+    serve = load_script("serve")
+    policy = save_policy(tmp_path / "p", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
+                         provenance={"target": EMBEDDED_TARGET}, metrics={})
+    export = export_vllm(policy, tmp_path / "deploy")
+    learned = serve_config("learned", export=export, target=EMBEDDED_TARGET, served_model="m")
+    args = SimpleNamespace(log_steps=str(tmp_path / "logs"), log_rate=0.25)
+    assert serve.step_log_env(args, learned) == {LOG_ENV: str((tmp_path / "logs").resolve()),
+                                                 steplog.RATE_ENV: "0.25"}
+    assert serve.step_log_env(SimpleNamespace(log_steps=None, log_rate=1.0), learned) == {}
+    with pytest.raises(SystemExit, match="--config static does not run it"):
+        serve.step_log_env(args, serve_config("static", export=export, target=EMBEDDED_TARGET, served_model="m"))
+    with pytest.raises(SystemExit, match=r"rate must be in \(0, 1\].*--log-rate"):
+        serve.step_log_env(SimpleNamespace(log_steps=str(tmp_path / "logs"), log_rate=1.5), learned)

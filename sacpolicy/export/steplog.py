@@ -45,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 
-from sacpolicy.export.vllm import LOG_ENV, _History
 from sacpolicy.policy.features import row_context
 from sacpolicy.runtime.artifact import POLICY_FILE, file_sha256
 from sacpolicy.runtime.features import feature_row
@@ -75,10 +74,12 @@ def target_provenance(vllm_config, art) -> dict:
 
 class StepLogger:
     """The step log of one proposer (see the module docstring). ``step`` runs on the engine thread; a daemon thread
-    writes. ``meta``: the shard metadata (``for_proposer``)."""
+    writes. ``meta``: the shard metadata (``for_proposer``); ``key``: a context's key (the proposer's ``_History``'s).
+    """
 
-    def __init__(self, out_dir, meta: dict, *, rate: float = 1.0, capacity: int = 1024, queue_size: int = QUEUE_SIZE,
-                 shard_rows: int = SHARD_ROWS, flush_s: float = FLUSH_S):
+    def __init__(self, out_dir, meta: dict, key, *, rate: float = 1.0, capacity: int = 1024,
+                 queue_size: int = QUEUE_SIZE, shard_rows: int = SHARD_ROWS, flush_s: float = FLUSH_S):
+        self.key = key
         self.out_dir, self.rate = Path(out_dir), check_rate(rate, RATE_ENV)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:8]
@@ -93,15 +94,15 @@ class StepLogger:
         atexit.register(self.close)
 
     @classmethod
-    def for_proposer(cls, vllm_config, art, proposer, out_dir=None) -> StepLogger:
-        """The log of ``proposer`` (its artifact ``art``) in ``out_dir`` (default: ``SACPOLICY_PROPOSER_LOG``)."""
+    def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger:
+        """The log of ``proposer`` (a ``PolicyNgramProposer``, its artifact ``art``) in ``out_dir``."""
         spec = art.drafters[proposer.drafter]
         meta = {"target": target_provenance(vllm_config, art), "policy": policy_id(art), "policy_dir": str(art.path),
                 "drafter": {"name": proposer.drafter, "kind": spec.kind, "max_ngram": spec.max_ngram,
                             "min_ngram": spec.min_ngram},
                 "k_cap": int(proposer.k_cap), "max_model_len": int(proposer.max_model_len),
                 "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters)}
-        return cls(out_dir or os.environ[LOG_ENV], meta, rate=float(os.environ.get(RATE_ENV, "1")),
+        return cls(out_dir, meta, proposer.history._key, rate=float(os.environ.get(RATE_ENV, "1")),
                    capacity=proposer.history.capacity, queue_size=QUEUE_SIZE,
                    flush_s=float(os.environ.get(FLUSH_ENV, FLUSH_S)))
 
@@ -122,7 +123,7 @@ class StepLogger:
         behind an identical one never takes its entry), queues the sampled ones' records; never blocks."""
         entries, out = [], []
         for context, committed, *_ in rows:
-            key = _History._key(context[: len(context) - committed])
+            key = self.key(context[: len(context) - committed])
             found = self.requests.get(key)
             entries.append(found.pop(0) if found else None)
             if found is not None and not found:
@@ -140,7 +141,7 @@ class StepLogger:
                             -1 if first else entry[2], -1 if first else committed - 1, k, drafted,
                             row_context(state, drafter), len(context)))
             entry[2] = drafted
-            self.requests.setdefault(_History._key(context), []).append(entry)
+            self.requests.setdefault(self.key(context), []).append(entry)
         while len(self.requests) > self.capacity:  # finished requests are never looked up again
             self.requests.popitem(last=False)
         if out:

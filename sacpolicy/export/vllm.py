@@ -292,7 +292,7 @@ class PolicyNgramProposer:
             return None
         from sacpolicy.export.steplog import StepLogger
 
-        return StepLogger.for_proposer(vllm_config, art, self)
+        return StepLogger.for_proposer(vllm_config, art, self, os.environ[LOG_ENV])
 
     def _log_step(self, seconds: float) -> None:
         """Hand the step just proposed to the step log (a failed step: nothing to log)."""
