@@ -122,6 +122,8 @@ def workload(n=10, seed=0):
     prompts[3] = list(prompts[1])  # two requests with the same prompt: the log tells them apart
     arrivals = [int(a) for a in rng.integers(0, 12, n)]
     arrivals[3] = arrivals[1]
+    if n > 5:  # the same prompt again once every other request has finished: a request of its own
+        prompts[5], arrivals[5] = list(prompts[0]), 10_000
     return FakeEngine(prompts, arrivals, [int(x) for x in rng.integers(20, 70, n)], seed)
 
 

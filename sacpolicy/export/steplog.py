@@ -85,9 +85,11 @@ class StepLogger:
         self.run_id = uuid.uuid4().hex[:8]
         self.meta = {"format": LOG_FORMAT, "run_id": self.run_id, "rate": self.rate, **meta}
         self.capacity, self.shard_rows, self.flush_s = capacity, shard_rows, flush_s
-        self.requests: OrderedDict = OrderedDict()  # key of a request's context -> [entry], entry = [id, step, drafted]
+        # key of a request's context -> [entry]; entry = [log id (None: not sampled), step, drafted, prompt length,
+        # the engine step it was last seen at]
+        self.requests: OrderedDict = OrderedDict()
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.dropped = self.written = self.shards = self.write_failures = self._ids = 0
+        self.dropped = self.written = self.shards = self.write_failures = self._ids = self._steps = 0
         self._closed = False
         self.thread = threading.Thread(target=self._run, name="sacpolicy-steplog", daemon=True)
         self.thread.start()
@@ -120,27 +122,34 @@ class StepLogger:
     def step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
         k chosen, tokens drafted). Finds each request (all lookups before any new entry, so a request one step
-        behind an identical one never takes its entry), queues the sampled ones' records; never blocks."""
+        behind an identical one never takes its entry), queues the sampled ones' records; never blocks.
+
+        A request is found again only from the step just before: vLLM proposes for every running request each step,
+        so an entry older than that is a finished request's, and a later request reaching the same context (the
+        same prompt sent again) starts its own log instead of continuing that one."""
         entries, out = [], []
+        self._steps += 1
         for context, committed, *_ in rows:
             key = self.key(context[: len(context) - committed])
             found = self.requests.get(key)
+            if found is not None:
+                found[:] = [e for e in found if e[4] == self._steps - 1]  # finished requests' entries go
+                if not found:
+                    del self.requests[key]
             entries.append(found.pop(0) if found else None)
-            if found is not None and not found:
-                del self.requests[key]
         for entry, (context, committed, state, k, drafted) in zip(entries, rows):
             first = entry is None
             if first:
                 self._ids += 1
                 entry = [f"{self.run_id}-{self._ids:08d}" if self._sampled(context) else None, -1, 0,
-                         len(context) - committed]
+                         len(context) - committed, 0]
             entry[1] += 1
             if entry[0] is not None:
                 out.append((entry[0], entry[1], entry[3], context.copy() if first else None,
                             None if first else context[len(context) - committed:].copy(),
                             -1 if first else entry[2], -1 if first else committed - 1, k, drafted,
                             row_context(state, drafter), len(context)))
-            entry[2] = drafted
+            entry[2], entry[4] = drafted, self._steps
             self.requests.setdefault(self.key(context), []).append(entry)
         while len(self.requests) > self.capacity:  # finished requests are never looked up again
             self.requests.popitem(last=False)
