@@ -127,8 +127,8 @@ def workload(n=10, seed=0):
     return FakeEngine(prompts, arrivals, [int(x) for x in rng.integers(20, 70, n)], seed)
 
 
-def logged_requests(tmp_path, log="log"):
-    records, meta = read_step_log(tmp_path / log, target=TARGET)
+def logged_requests(tmp_path, log="log", target=TARGET):
+    records, meta = read_step_log(tmp_path / log, target=target)
     reqs, incomplete = requests_of(records)
     return reqs, incomplete, meta
 
@@ -284,3 +284,53 @@ def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path):
         serve.step_log_env(args, serve_config("static", export=export, target=EMBEDDED_TARGET, served_model="m"))
     with pytest.raises(SystemExit, match=r"rate must be in \(0, 1\].*--log-rate"):
         serve.step_log_env(SimpleNamespace(log_steps=str(tmp_path / "logs"), log_rate=1.5), learned)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(embedded, tmp_path, monkeypatch):
+    """The learned proposer logging inside a real vLLM engine (4 prompts at once, greedy): per request, the logged
+    (drafted, accepted) of every step that drafted equals vLLM's ``per_request_spec_decode_metrics="detailed"``
+    arrays, the totals equal its spec-decode counters, the rebuilt sequences continue the prompts with vLLM's outputs,
+    and the logged policy's replay over the rebuilt traces reproduces the logged accepted counts."""
+    import os
+
+    from sacpolicy.data import assign_split, load_prompt_mix
+    from sacpolicy.export.vllm import learned_config
+    from sacpolicy.export.vllm_run import run_engine, vllm_status
+    from sacpolicy.models import EMBEDDED_TARGET, model_dir
+
+    ok, why = vllm_status()
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the vLLM tests, but {why}")
+        pytest.skip(why)
+    ds = load_prompt_mix(["mt_bench", "humaneval_edit"], tokenizer=embedded.tokenizer)
+    test = [r for r in ds if assign_split(r["prompt_id"]) == "test"]
+    prompts = ([r["input_ids"] for r in test if r["category"] != "code_edit"][:2]
+               + [r["input_ids"] for r in test if r["category"] == "code_edit"][:2])
+    policy = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram",
+                         "max_ngram": 3}}, provenance={"target": EMBEDDED_TARGET}, metrics={})
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
+    monkeypatch.setenv(steplog.FLUSH_ENV, "1")
+    res = run_engine(model_dir(), prompts, max_tokens=40, speculative_config=learned_config(policy),
+                     policy_dir=policy, phases=("concurrent",),
+                     engine_args={"per_request_spec_decode_metrics": "detailed"})
+    outputs, theirs = res["outputs"]["concurrent"], res["spec_per_request"]["concurrent"]
+    reqs, incomplete, meta = logged_requests(tmp_path, target=EMBEDDED_TARGET)
+    assert incomplete == 0 and meta["dropped"] == 0
+    drafted = accepted = 0
+    for prompt, out, spec in zip(prompts, outputs, theirs):
+        L = len(prompt)
+        # vLLM's output is a prefix of what its engine committed (it cuts a last block at max_tokens or EOS)
+        mine = [r for r in reqs.values() if r["prompt_len"] == L and r["tokens"][:L] == list(prompt)
+                and r["tokens"][L: L + len(out)] == out and len(r["tokens"]) - L >= len(out)]
+        assert len(mine) == 1, "each served request is logged once"
+        steps = [(s["drafted"], s["accepted"]) for s in mine[0]["steps"] if s["accepted"] is not None and s["drafted"]]
+        assert steps == list(zip(spec["per_step_drafted"], spec["per_step_accepted"]))
+        drafted, accepted = drafted + sum(d for d, _ in steps), accepted + sum(a for _, a in steps)
+    assert (drafted, accepted) == (res["spec"]["concurrent"]["num_draft_tokens"],
+                                   res["spec"]["concurrent"]["num_accepted_tokens"]) and accepted > 0
+    build_production_traces(tmp_path / "log", tmp_path / "traces", target=EMBEDDED_TARGET)
+    replay = replay_logged(tmp_path / "traces", policy)
+    assert replay["mismatched"] == [] and len(replay["replayed"]) == len(reqs)
