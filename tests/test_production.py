@@ -264,7 +264,7 @@ def test_damaged_shards_and_logs_of_another_target_are_refused_with_the_fix(tmp_
         build_production_traces(tmp_path / "log", tmp_path / "t", temperature=0.7)
 
 
-def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path):
+def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path, monkeypatch):
     from toys import load_script
 
     from sacpolicy.export.vllm import export_vllm
@@ -272,6 +272,9 @@ def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path):
     from sacpolicy.models import EMBEDDED_TARGET
 
     serve = load_script("serve")
+    monkeypatch.delenv(LOG_ENV, raising=False)  # logging off: the proposer holds no log
+    assert PolicyNgramProposer(vllm_config(), str(save_policy(tmp_path / "q", ngram_rule("k"), drafters={
+        "ngram": {"kind": "ngram", "max_ngram": 3}}, provenance={}, metrics={}))).steplog is None
     policy = save_policy(tmp_path / "p", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
                          provenance={"target": EMBEDDED_TARGET}, metrics={})
     export = export_vllm(policy, tmp_path / "deploy")

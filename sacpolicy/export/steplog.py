@@ -14,8 +14,11 @@ previous step, whose count minus one is the previous block's accepted tokens. ``
 request's token sequence from these alone and turns the log into traces.
 
 The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
-queue is full the step's records are dropped and counted (``dropped``; a request with a dropped step cannot be
-rebuilt and is left out of the traces), never waited for. A daemon thread writes the records as Parquet shards
+queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle
+cannot be rebuilt and is left out of the traces, one missing its last steps is rebuilt up to them), never waited
+for. A request is found again only from the engine step just before (vLLM proposes for every running request each
+step), so a later request with the same prompt starts its own log, and a request vLLM preempted and resumed later
+is logged as a new one whose first context holds its tokens so far. A daemon thread writes the records as Parquet shards
 atomically (a temporary file, then a rename): every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds, every
 ``SHARD_ROWS`` rows, and on ``close`` (also at interpreter exit). Each shard's metadata names the target (the policy's
 provenance and vLLM's model, tokenizer and vocabulary), the policy, the drafter and the server's k cap, so logs of

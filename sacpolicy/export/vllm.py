@@ -7,6 +7,8 @@ what sacpolicy's decoder runs: the n-gram drafter peeks, ``LearnedPolicy`` plans
 (context length, the peeked match length, the request's acceptance history), the drafter proposes under the stop
 rule; none when the rule prefers autoregressive decoding. vLLM's hook gives no request ids: ``_History`` finds a
 request again by its committed tokens. Greedy outputs and vLLM's own acceptance counters equal our decoder's.
+``SACPOLICY_PROPOSER_LOG=<dir>`` turns on its step log (``sacpolicy.export.steplog``), which
+``sacpolicy.traces.production`` turns into traces.
 
 Static: ``speculative_config(artifact)`` is the rule's static choice (``sacpolicy.export.static_k``), as
 ``{"method": "draft_model", "model": <draft dir>, "num_speculative_tokens": k}`` or

@@ -15,8 +15,9 @@ Writes two trace directories (``meta.source = "vllm"``):
   Sampled serving would need ``beta``/``p_target`` from a target pass over the sequences: not built here
   (``build_production_traces`` refuses temperature > 0, naming this).
 
-A request is rebuilt only when all its steps are in the log (a step dropped by a full queue, or a deleted shard,
-leaves it out, counted in ``meta.log.incomplete``). Shards that cannot be read, and logs of another target or
+A request is rebuilt only when its steps are in the log from its first on (a step dropped by a full queue or a
+deleted shard in the middle leaves it out, counted in ``meta.log.incomplete``; missing last steps leave it shorter,
+its sequence a prefix of what was served). Shards that cannot be read, and logs of another target or
 tokenizer than the one asked for, are refused with the file and the fix.
 """
 
