@@ -11,6 +11,10 @@ URL, and stop the server cleanly on Ctrl-C or SIGTERM.
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "<printed model>", "prompt": "Hello", "max_tokens": 32, "temperature": 0}'
 
+Step log (``--config learned``): ``--log-steps DIR`` has the proposer log every step of a share (``--log-rate``) of
+the requests it serves to Parquet shards in DIR, prompts' token ids included (retention and the format:
+``sacpolicy.export.steplog``); ``sacpolicy.traces.production`` turns the log into traces.
+
 A broken or mismatched export (a missing file, a failed checksum, a policy trained for another target, a head made
 for another verifier) is refused before the server starts, naming the file and the fix. ``--target``: the sacpolicy
 model spec served (default: the embedded SmolLM2-135M-Instruct). Extra arguments after ``--`` go to vLLM's server.
@@ -43,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64, help="requests the engine runs at once (more queue)")
     ap.add_argument("--log", default=None, help="the server's log file (default: the terminal)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for the server's health")
+    ap.add_argument("--log-steps", default=None, metavar="DIR", help="the learned proposer's step log directory "
+                    "(stores prompts' and outputs' token ids; see sacpolicy.export.steplog)")
+    ap.add_argument("--log-rate", type=float, default=1.0, help="share of requests the step log keeps, in (0, 1]")
     args = ap.parse_args(argv)
 
     from sacpolicy.export.vllm_run import vllm_status
@@ -64,11 +71,12 @@ def main(argv=None) -> int:
             words = "greedy decoding" if t == 0 else f"temperature {t:g}, top_p {fitted['top_p']:g}"
             print(f"serve: the policy was fitted for {words}; requests at other settings get decisions priced for "
                   "those (fit one with sampling.temperature=... for them)", flush=True)
+    env = step_log_env(args, config)
     ok, why = vllm_status()
     if not ok:
         raise SystemExit(f"serve: {why}")
     server = VllmServer(served, config, host=args.host, port=args.port, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, log=args.log, extra_args=extra)
+                        max_num_seqs=args.max_num_seqs, log=args.log, extra_args=extra, env=env)
 
     def stop(*_):
         raise KeyboardInterrupt
@@ -93,6 +101,29 @@ def main(argv=None) -> int:
         return 0
     finally:
         server.stop()
+
+
+def step_log_env(args, config) -> dict:
+    """The server environment that turns the proposer's step log on (``--log-steps``), checked before it starts."""
+    if args.log_steps is None:
+        return {}
+    from pathlib import Path
+
+    from sacpolicy.export.steplog import RATE_ENV
+    from sacpolicy.export.vllm import LOG_ENV
+    from sacpolicy.traces.production import StepLogError, check_rate
+
+    if config.policy_dir is None or config.name != "learned":
+        raise SystemExit(f"serve: --log-steps logs the learned rule's proposer; --config {config.name} does not run "
+                         "it (use --config learned)")
+    try:
+        rate = check_rate(args.log_rate, "--log-rate")
+    except StepLogError as e:
+        raise SystemExit(f"serve: {e}") from None
+    out = Path(args.log_steps).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"serve: logging {rate:.0%} of requests' steps to {out} (prompt and output token ids included)", flush=True)
+    return {LOG_ENV: str(out), RATE_ENV: str(rate)}
 
 
 if __name__ == "__main__":

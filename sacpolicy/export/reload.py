@@ -161,34 +161,40 @@ class PolicySlot:
         self.capacity = proposer.history.capacity
 
     # ------------------------------------------------------------------ planning
-    def blocks(self, rows: list, committed: list[int], batch: int) -> list[list[int]]:
+    def blocks(self, rows: list, committed: list[int], batch: int, seen: list | None = None) -> list[list[int]]:
         """The proposer's ``blocks`` for one step's (context, history) rows (``committed``: tokens each row's last
         step committed), each request planned by its arm's policy, at ``batch`` (vLLM's live batch size) where that
-        policy is load-aware."""
+        policy is load-aware. ``seen``: gets the proposer's ``seen`` entries of the rows, in their order."""
         self.poll()
         arms = [self._route(context, c) for (context, _), c in zip(rows, committed)]
         out: list[list[int]] = [[] for _ in rows]
+        seen_rows: list = [None] * len(rows)
         for on_candidate in (False, True):
             idx = [j for j, a in enumerate(arms) if a == on_candidate]
             if not idx:
                 continue
-            trial = self.trial
+            trial, part = self.trial, [] if seen is not None else None
             try:
-                planned = self._plan(trial.state if on_candidate else None, [rows[j] for j in idx], batch)
+                planned = self._plan(trial.state if on_candidate else None, [rows[j] for j in idx], batch, part)
             except Exception as e:
                 if not on_candidate:
                     raise  # the proposer's own failure path: this step goes without drafts
                 self._end_trial(f"it failed while planning ({type(e).__name__}: {e})", rollback=True)
-                planned = self._plan(None, [rows[j] for j in idx], batch)
-            for j, block in zip(idx, planned):
+                part = [] if seen is not None else None
+                planned = self._plan(None, [rows[j] for j in idx], batch, part)
+            for n, (j, block) in enumerate(zip(idx, planned)):
                 out[j] = block
+                if part is not None:
+                    seen_rows[j] = part[n]
+        if seen is not None:
+            seen.extend(seen_rows)
         if self.trial is not None:
             self._judge()
         return out
 
-    def _plan(self, state: dict | None, rows: list, batch: int) -> list[list[int]]:
+    def _plan(self, state: dict | None, rows: list, batch: int, seen: list | None = None) -> list[list[int]]:
         with self._using(state):
-            return self.p.blocks(rows, batch=batch if self.p.load_aware else 1)
+            return self.p.blocks(rows, batch=batch if self.p.load_aware else 1, seen=seen)
 
     @contextlib.contextmanager
     def _using(self, state: dict | None):

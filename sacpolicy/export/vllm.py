@@ -7,6 +7,8 @@ what sacpolicy's decoder runs: the n-gram drafter peeks, ``LearnedPolicy`` plans
 (context length, the peeked match length, the request's acceptance history), the drafter proposes under the stop
 rule; none when the rule prefers autoregressive decoding. vLLM's hook gives no request ids: ``_History`` finds a
 request again by its committed tokens. Greedy outputs and vLLM's own acceptance counters equal our decoder's.
+``SACPOLICY_PROPOSER_LOG=<dir>`` turns on its step log (``sacpolicy.export.steplog``), which
+``sacpolicy.traces.production`` turns into traces.
 
 Static: ``speculative_config(artifact)`` is the rule's static choice (``sacpolicy.export.static_k``), as
 ``{"method": "draft_model", "model": <draft dir>, "num_speculative_tokens": k}`` or
@@ -47,6 +49,7 @@ POLICY_ENV = "SACPOLICY_POLICY_DIR"
 DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's n-gram drafters the proposer runs
 STATS_ENV = "SACPOLICY_PROPOSER_STATS"  # optional: a JSON file where the proposer reports its calls and seconds
 LOAD_ENV = "SACPOLICY_PROPOSER_LOAD"  # "0": price every step as one request even where the cost model has batches
+LOG_ENV = "SACPOLICY_PROPOSER_LOG"  # optional: a directory for the proposer's step log (sacpolicy.export.steplog)
 _GREEDY = SamplingConfig()  # n-gram proposals are deterministic; the sampling settings do not reach them
 
 
@@ -176,9 +179,9 @@ def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -
 class _History:
     """Each request's acceptance history (``next_accept_history``) across vLLM steps. The proposer hook gives no
     request ids, so a request is found again by its committed tokens: after a step that committed s tokens (accepted
-    drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Equal contexts share
-    their history, which is exact for greedy decoding (equal contexts saw equal blocks) and a close estimate when
-    sampling."""
+    drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Requests at equal
+    contexts (the same prompt sent twice) each keep an entry under it, taken in turn: exact for greedy decoding (equal
+    contexts saw equal blocks) and a close estimate when sampling."""
 
     def __init__(self, capacity: int):
         self.capacity, self.entries = capacity, OrderedDict()
@@ -189,14 +192,17 @@ class _History:
 
     def advance(self, context: np.ndarray, committed: int) -> tuple[float, float] | None:
         """The request's history now that its last step committed ``committed`` tokens (None: a new request)."""
-        entry = self.entries.pop(self._key(context[: len(context) - committed]), None)
-        if entry is None:
+        key = self._key(context[: len(context) - committed])
+        found = self.entries.get(key)
+        if not found:
             return None
-        history, drafted = entry
+        history, drafted = found.pop(0)
+        if not found:
+            del self.entries[key]
         return next_accept_history(history, committed - 1, drafted) if drafted else history
 
     def record(self, context: np.ndarray, history: tuple[float, float] | None, drafted: int) -> None:
-        self.entries[self._key(context)] = (history, drafted)
+        self.entries.setdefault(self._key(context), []).append((history, drafted))
         while len(self.entries) > self.capacity:  # finished requests are never looked up again
             self.entries.popitem(last=False)
 
@@ -234,6 +240,7 @@ class PolicyNgramProposer:
         # ---- end of the hot reload hook ----
         self.calls, self.seconds, self.failures, self.stats_path = 0, 0.0, 0, os.environ.get(STATS_ENV)
         self.batch_sizes: dict[int, int] = {}  # steps per live batch size
+        self.steplog, self._logged = self._open_steplog(vllm_config, art), None
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         t0, failed = time.perf_counter(), False
@@ -245,7 +252,10 @@ class PolicyNgramProposer:
                                  "'failures' in %s)", self.stats_path or f"the proposer's stats ({STATS_ENV})")
             self.failures, failed = self.failures + 1, True
             out = [[] for _ in sampled_token_ids]
-        self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.calls, self.seconds = self.calls + 1, self.seconds + seconds
+        if self.steplog is not None:
+            self._log_step(seconds)
         if self.stats_path and (self.calls % 20 == 0 or failed):
             self.write_stats()
         return out
@@ -269,22 +279,45 @@ class PolicyNgramProposer:
             live.append((i, context, self.history.advance(context, len(sampled))))
         batch = len(sampled_token_ids)  # the requests this engine step verifies together
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
+        seen = [] if self.steplog is not None else None  # the step log's: each row's state, k and policy id
         # hot reload and canary (sacpolicy.export.reload): each request planned by its arm's policy
-        blocks = self.slot.blocks([(c, h) for _, c, h in live], [len(sampled_token_ids[i]) for i, *_ in live], batch)
+        blocks = self.slot.blocks([(c, h) for _, c, h in live], [len(sampled_token_ids[i]) for i, *_ in live], batch,
+                                  seen=seen)
         for (i, context, history), block in zip(live, blocks):
             self.history.record(context, history, len(block))
             out[i] = block
+        if seen is not None:
+            self._logged = ([(c, len(sampled_token_ids[i])) for i, c, _ in live], blocks, seen, batch)
         return out
+
+    # ------------------------------------------------------------------ the step log (sacpolicy.export.steplog)
+    def _open_steplog(self, vllm_config, art):
+        """The step log when ``SACPOLICY_PROPOSER_LOG`` names a directory, else None (no cost per step)."""
+        if not os.environ.get(LOG_ENV):
+            return None
+        from sacpolicy.export.steplog import StepLogger
+
+        return StepLogger.for_proposer(vllm_config, art, self, os.environ[LOG_ENV])
+
+    def _log_step(self, seconds: float) -> None:
+        """Hand the step just proposed to the step log (a failed step: nothing to log)."""
+        step, self._logged = self._logged, None
+        if step is not None:
+            rows, blocks, seen, batch = step
+            self.steplog.step([(c, s, state, k, len(b), pid) for (c, s), b, (state, k, pid) in zip(rows, blocks, seen)],
+                              batch, seconds, self.drafter)
 
     def block(self, context: np.ndarray, history: tuple[float, float] | None = None) -> list[int]:
         """The tokens the decoder would draft on ``context`` alone (``history``: the request's acceptance history,
         None before its first block)."""
         return self.blocks([(context, history)])[0]
 
-    def blocks(self, rows: list[tuple[np.ndarray, tuple[float, float] | None]], batch: int = 1) -> list[list[int]]:
+    def blocks(self, rows: list[tuple[np.ndarray, tuple[float, float] | None]], batch: int = 1,
+               seen: list | None = None) -> list[list[int]]:
         """The tokens the decoder would draft on each (context, history) row: peek, plan, draft with the stop rule.
         ``batch`` > 1: the rows are planned together as one step of that many rows (the cost model must have batch
-        curves); 1: each row is planned alone."""
+        curves); 1: each row is planned alone. ``seen``: a list that gets each row's (state decided on, k chosen,
+        the planning policy's id)."""
         prows, drafts, where = [], [], []
         for context, history in rows:
             n = len(context)
@@ -301,6 +334,8 @@ class PolicyNgramProposer:
             decisions = [self.policy.decide([r])[0] for r, *_ in prows]
         for j, ((row, ngram, ctx, room), decision) in enumerate(zip(prows, decisions)):
             k = min(decision.k, room)
+            if seen is not None:
+                seen.append((row.state, max(k, 0) if decision.drafter is not None else 0, self.policy_id))
             if decision.drafter is None or k < 1:
                 continue
             row.state.drafter = decision.drafter

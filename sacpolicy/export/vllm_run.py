@@ -100,6 +100,8 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
     Returns {"outputs": {phase: [[token ids] per prompt]}, "seconds": {phase: s}, "tokens": {phase: n},
     "per_prompt_s": [s per prompt of the serial phase], "proposer": {"calls", "seconds"} (our custom proposer only),
     "spec": {phase: {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": [...]}},
+    "spec_per_request": {phase: [vLLM's per-request metrics per prompt]} (only with engine_args
+    ``{"per_request_spec_decode_metrics": "summary" | "detailed"}``),
     "startup_s": s, "vllm": version}. Raises ``VllmUnavailable`` or RuntimeError with the child's last lines."""
     unknown = [p for p in phases if p.split(":")[0] not in PHASES or (":" in p and not p.split(":")[1].isdigit())]
     if unknown:
@@ -151,6 +153,14 @@ def _spec_counters(llm) -> dict:
     return got
 
 
+def _request_spec(output) -> dict | None:
+    """vLLM's own per-request speculative decoding metrics of one output (engine_args
+    ``per_request_spec_decode_metrics``: "summary", or "detailed" for the per-step arrays ``per_step_drafted`` /
+    ``per_step_accepted``, steps with drafts only), None where vLLM reported none."""
+    m = output.outputs[0].spec_decode_metrics
+    return None if m is None else m.to_dict()
+
+
 def _minus(after: dict, before: dict) -> dict:
     per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
                for i, a in enumerate(after["accepted_per_pos"])]
@@ -195,6 +205,8 @@ def _child(job_path: str, out_path: str) -> None:
         result["outputs"][phase] = ids
         result["tokens"][phase] = sum(map(len, ids))
         result["spec"][phase] = _minus(_spec_counters(llm), before)
+        if job["engine_args"].get("per_request_spec_decode_metrics", "none") != "none":
+            result.setdefault("spec_per_request", {})[phase] = [_request_spec(o) for o in outs]
     write_json(out_path, result)
 
 

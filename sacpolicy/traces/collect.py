@@ -94,15 +94,7 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
     for d in drafters:
         tf = d.teacher_force(ids, L, k_max, aux.rows(d.aux_layers) if d.aux_layers else None)
         first = tf.tokens[:, 0]
-        if tf.chained:  # row g is the whole block: its accepted run is its prefix that matches the target
-            ahead = torch.full((G, k_max), -2, dtype=torch.long, device=gen.device)
-            for j in range(min(k_max, G)):
-                ahead[: G - j, j] = gen[j:]
-            proposal = tf.tokens[:, :k_max]
-            run = torch.cumprod((proposal == ahead[:, : proposal.shape[1]]).long(), 1).sum(1).tolist()
-            plen = (proposal >= 0).sum(1).tolist()
-        else:  # one token a row: runs are read down the rows
-            run, plen = _runs((first == gen).tolist(), k_max), [k_max] * G
+        run, plen = proposal_runs(tf, gen, k_max)
         if tf.logits is not None:
             logits = tf.logits.float()
             q = probs_from_logits(logits, cfg)
@@ -124,6 +116,21 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
                 "proposal_len": int(plen[g]), "proposal": tf.logits is None,
             })
     return out
+
+
+def proposal_runs(tf, gen: torch.Tensor, k_max: int) -> tuple[list[int], list[int]]:
+    """(run_len, proposal_len) per generated position of a drafter's ``TeacherForced`` over the generated tokens
+    ``gen`` [G]: the tokens a block drafted from there gets accepted (greedy: matched), capped at ``k_max``, and the
+    tokens the drafter can propose from there."""
+    G, first = gen.shape[0], tf.tokens[:, 0]
+    if tf.chained:  # row g is the whole block: its accepted run is its prefix that matches the target
+        ahead = torch.full((G, k_max), -2, dtype=torch.long, device=gen.device)
+        for j in range(min(k_max, G)):
+            ahead[: G - j, j] = gen[j:]
+        proposal = tf.tokens[:, :k_max]
+        run = torch.cumprod((proposal == ahead[:, : proposal.shape[1]]).long(), 1).sum(1).tolist()
+        return run, (proposal >= 0).sum(1).tolist()
+    return _runs((first == gen).tolist(), k_max), [k_max] * G  # one token a row: runs are read down the rows
 
 
 def _runs(match: list[bool], k_max: int) -> list[int]:

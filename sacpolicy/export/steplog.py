@@ -1,0 +1,220 @@
+"""The served proposer's step log: what ``PolicyNgramProposer`` saw, chose and got, per request and step, in vLLM.
+
+Opt-in: ``SACPOLICY_PROPOSER_LOG=<dir>`` (``scripts/serve.py --log-steps DIR``) turns it on, and
+``SACPOLICY_PROPOSER_LOG_RATE`` (``--log-rate``, default 1) samples requests by a hash of the context they are first
+seen with, so a request is logged whole or not at all. With logging off the proposer pays one ``if`` per step.
+
+Per logged request step (``traces.production.STEP_SCHEMA``): the request's log id (vLLM's hook gives no request ids;
+requests are found again by their committed tokens, as ``_History`` finds them), its step, the feature row the policy
+read (``runtime.features.feature_row`` of the state the policy decided on, position 0 of the block; the plan's other
+positions differ only in ``position``/``log_context_len``), the k chosen, the tokens drafted, the live batch size,
+the id of the policy that planned it (``PolicyNgramProposer.policy_id``: a deploy's version, a canary's own), the
+proposer's seconds for the whole engine step, and the tokens: the whole context on first sight (the prompt plus the
+prefill's token), then the tokens committed since the previous step, whose count minus one is the previous block's
+accepted tokens. ``traces.production`` rebuilds every
+request's token sequence from these alone and turns the log into traces.
+
+The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
+queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle
+cannot be rebuilt and is left out of the traces, one missing its last steps is rebuilt up to them), never waited
+for. A request is found again only from the engine step just before (vLLM proposes for every running request each
+step), so a later request with the same prompt starts its own log, and a request vLLM preempted and resumed later
+is logged as a new one whose first context holds its tokens so far. A daemon thread writes the records as Parquet shards
+atomically (a temporary file, then a rename): every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds, every
+``SHARD_ROWS`` rows, and on ``close`` (also at interpreter exit). Each shard's metadata names the target (the policy's
+provenance and vLLM's model, tokenizer and vocabulary), the policy, the drafter and the server's k cap, so logs of
+another target are refused when they are read.
+
+Privacy and retention: the log stores the token ids of the prompts and of the outputs (detokenizing them gives the
+text back), so treat the directory as you treat request logs. Nothing is ever deleted by sacpolicy: shards are named
+``steps-<UTC start of the shard, YYYYmmddTHHMMSS>-<server run id>-<shard number>.parquet``, so they sort by time;
+delete old ones yourself (e.g. ``find DIR -name 'steps-*.parquet' -mtime +30 -delete``). A request whose steps span
+a deleted shard is incomplete and is skipped (with a count) when traces are rebuilt.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from sacpolicy.policy.features import row_context
+from sacpolicy.runtime.features import feature_row
+from sacpolicy.traces.production import LOG_FORMAT, META_KEY, SHARD_PREFIX, STEP_SCHEMA, check_rate
+
+logger = logging.getLogger(__name__)
+
+RATE_ENV = "SACPOLICY_PROPOSER_LOG_RATE"  # share of requests logged, in (0, 1] (default 1)
+FLUSH_ENV = "SACPOLICY_PROPOSER_LOG_FLUSH_S"  # seconds between shards while records arrive (default FLUSH_S)
+QUEUE_SIZE, SHARD_ROWS, FLUSH_S = 4096, 50_000, 30.0  # engine steps queued at most; rows per shard at most
+_STOP = object()
+
+
+def target_provenance(vllm_config, art) -> dict:
+    """What a log's tokens mean: the policy's target and vLLM's served model, tokenizer and vocabulary size."""
+    mc = vllm_config.model_config
+    vocab = getattr(mc, "get_vocab_size", None)
+    return {"target": (art.provenance or {}).get("target"), "model": getattr(mc, "model", None),
+            "tokenizer": getattr(mc, "tokenizer", None), "vocab_size": vocab() if callable(vocab) else None}
+
+
+class StepLogger:
+    """The step log of one proposer (see the module docstring). ``step`` runs on the engine thread; a daemon thread
+    writes. ``meta``: the shard metadata (``for_proposer``); ``key``: a context's key (the proposer's ``_History``'s).
+    """
+
+    def __init__(self, out_dir, meta: dict, key, *, rate: float = 1.0, capacity: int = 1024,
+                 queue_size: int = QUEUE_SIZE, shard_rows: int = SHARD_ROWS, flush_s: float = FLUSH_S):
+        self.key = key
+        self.out_dir, self.rate = Path(out_dir), check_rate(rate, RATE_ENV)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.meta = {"format": LOG_FORMAT, "run_id": self.run_id, "rate": self.rate, **meta}
+        self.capacity, self.shard_rows, self.flush_s = capacity, shard_rows, flush_s
+        # key of a request's context -> [entry]; entry = [log id (None: not sampled), step, drafted, prompt length,
+        # the engine step it was last seen at]
+        self.requests: OrderedDict = OrderedDict()
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.dropped = self.written = self.shards = self.write_failures = self._ids = self._steps = 0
+        self._closed = False
+        self.thread = threading.Thread(target=self._run, name="sacpolicy-steplog", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
+
+    @classmethod
+    def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger:
+        """The log of ``proposer`` (a ``PolicyNgramProposer``, its artifact ``art``) in ``out_dir``."""
+        spec = art.drafters[proposer.drafter]
+        meta = {"target": target_provenance(vllm_config, art), "policy_dir": str(art.path),
+                "drafter": {"name": proposer.drafter, "kind": spec.kind, "max_ngram": spec.max_ngram,
+                            "min_ngram": spec.min_ngram},
+                "k_cap": int(proposer.k_cap), "max_model_len": int(proposer.max_model_len),
+                "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters)}
+        return cls(out_dir, meta, proposer.history._key, rate=float(os.environ.get(RATE_ENV, "1")),
+                   capacity=proposer.history.capacity, queue_size=QUEUE_SIZE,
+                   flush_s=float(os.environ.get(FLUSH_ENV, FLUSH_S)))
+
+    # ------------------------------------------------------------------ the engine thread
+    def _sampled(self, context: np.ndarray) -> bool:
+        if self.rate >= 1.0:
+            return True
+        h = hashlib.blake2b(context.tobytes(), digest_size=8).digest()
+        return int.from_bytes(h, "little") < self.rate * 2.0**64
+
+    def step(self, rows, batch: int, seconds: float, drafter: str) -> None:
+        """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
+        k chosen, tokens drafted, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's own). Finds each request (all lookups before any new entry, so a request one step
+        behind an identical one never takes its entry), queues the sampled ones' records; never blocks.
+
+        A request is found again only from the step just before: vLLM proposes for every running request each step,
+        so an entry older than that is a finished request's, and a later request reaching the same context (the
+        same prompt sent again) starts its own log instead of continuing that one."""
+        entries, out = [], []
+        self._steps += 1
+        for context, committed, *_ in rows:
+            key = self.key(context[: len(context) - committed])
+            found = self.requests.get(key)
+            if found is not None:
+                found[:] = [e for e in found if e[4] == self._steps - 1]  # finished requests' entries go
+                if not found:
+                    del self.requests[key]
+            entries.append(found.pop(0) if found else None)
+        for entry, (context, committed, state, k, drafted, policy) in zip(entries, rows):
+            first = entry is None
+            if first:
+                self._ids += 1
+                entry = [f"{self.run_id}-{self._ids:08d}" if self._sampled(context) else None, -1, 0,
+                         len(context) - committed, 0]
+            entry[1] += 1
+            if entry[0] is not None:
+                out.append((entry[0], entry[1], entry[3], context.copy() if first else None,
+                            None if first else context[len(context) - committed:].copy(),
+                            -1 if first else entry[2], -1 if first else committed - 1, k, drafted,
+                            row_context(state, drafter), len(context), policy))
+            entry[2], entry[4] = drafted, self._steps
+            self.requests.setdefault(self.key(context), []).append(entry)
+        while len(self.requests) > self.capacity:  # finished requests are never looked up again
+            self.requests.popitem(last=False)
+        if out:
+            try:
+                self.queue.put_nowait((time.time(), seconds, batch, out))
+            except queue.Full:
+                self.dropped += len(out)
+
+    # ------------------------------------------------------------------ the writer thread
+    def _run(self) -> None:
+        buf, last = [], time.monotonic()
+        while True:
+            try:
+                item = self.queue.get(timeout=max(0.01, self.flush_s - (time.monotonic() - last)))
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                break
+            if item is not None:
+                buf += _records(item)
+            if buf and (len(buf) >= self.shard_rows or time.monotonic() - last >= self.flush_s):
+                self._write(buf)
+                buf, last = [], time.monotonic()
+            elif not buf:
+                last = time.monotonic()
+        if buf:
+            self._write(buf)
+
+    def _write(self, rows: list[dict]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from sacpolicy.io import write_bytes
+
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        path = self.out_dir / f"{SHARD_PREFIX}{stamp}-{self.run_id}-{self.shards:05d}.parquet"
+        try:
+            meta = {**self.meta, "dropped": self.dropped, "write_failures": self.write_failures}
+            table = pa.Table.from_pylist(rows, schema=STEP_SCHEMA.with_metadata({META_KEY: json.dumps(meta)}))
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink)
+            write_bytes(path, sink.getvalue().to_pybytes())
+            self.shards, self.written = self.shards + 1, self.written + len(rows)
+        except Exception:  # a full disk or a bad row must not stop the writer; the rows are lost and counted
+            if not self.write_failures:
+                logger.exception("the proposer's step log could not write %s; its rows are dropped", path)
+            self.write_failures += 1
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued and stop the writer (idempotent; also run at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            logger.warning("the step log's writer did not drain its queue in %.0f s; %s is left incomplete", timeout,
+                           self.out_dir)
+            return
+        self.thread.join(timeout)
+        if self.dropped:
+            logger.warning("the step log dropped %d records (its queue was full); their requests are incomplete",
+                           self.dropped)
+
+
+def _records(item) -> list[dict]:
+    """One engine step's queued rows as ``STEP_SCHEMA`` records (the feature rows are built here, off the engine)."""
+    unix_s, seconds, batch, rows = item
+    return [{"request": rid, "step": step, "unix_s": unix_s, "policy": policy, "prompt_len": prompt_len,
+             "context_len": n, "context": None if ctx is None else ctx.tolist(),
+             "committed": None if new is None else new.tolist(), "prev_drafted": prev_drafted,
+             "prev_accepted": prev_accepted, "k": k, "drafted": drafted, "features": feature_row(rowctx, 0),
+             "batch_size": batch, "proposer_s": seconds}
+            for rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, k, drafted, rowctx, n, policy in rows]

@@ -1,0 +1,296 @@
+"""Production traces: the served proposer's step log (``sacpolicy.export.steplog``) turned into this project's trace
+schema (``traces.schema``), so what vLLM served can be replayed, fitted on and compared like collected traces.
+
+    from sacpolicy.traces.production import build_production_traces, replay_logged
+    build_production_traces("logs/steps", "traces/prod", target="embedded:smollm2-135m-instruct")
+    replay_logged("traces/prod", "deploy/vllm/policy")  # the logged policy's accepted counts, step for step
+
+Writes two trace directories (``meta.source = "vllm"``):
+- ``live``: one row per logged step whose outcome is known (the block's accepted tokens are read from the next
+  step's committed tokens; the block drafted after a request's last step is never verified and has no row);
+- ``tf``: ``teacher_forced`` rows rebuilt from each request's token sequence (the context on first sight, then the
+  tokens committed each step) with the n-gram drafter's token-only teacher forcing (``Drafter.teacher_force``). For
+  greedy serving they are exact: a drafted token is accepted when it equals the target's, so ``run_len`` and
+  ``beta`` (1 where the first drafted token matches, else 0) need no target pass; ``p_target`` is unknown (NaN).
+  Sampled serving would need ``beta``/``p_target`` from a target pass over the sequences: not built here
+  (``build_production_traces`` refuses temperature > 0, naming this).
+
+A request is rebuilt only when its steps are in the log from its first on (a step dropped by a full queue or a
+deleted shard in the middle leaves it out, counted in ``meta.log.incomplete``; missing last steps leave it shorter,
+its sequence a prefix of what was served). Shards that cannot be read, and logs of another target or
+tokenizer than the one asked for, are refused with the file and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from sacpolicy.policy.base import Policy, PolicyRow
+from sacpolicy.traces.schema import TraceError, write_meta, write_shard
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = 1  # the step log's record layout (STEP_SCHEMA) and shard metadata
+META_KEY = "sacpolicy.steplog"  # the Parquet schema metadata key of a shard's provenance (JSON)
+SHARD_PREFIX = "steps-"
+CATEGORY = "other"  # the served proposer sees no prompt category: its feature rows read "unknown" = "other"
+STEP_SCHEMA = pa.schema([
+    ("request", pa.string()), ("step", pa.int32()),  # the request's log id and its step (0: first sight)
+    ("unix_s", pa.float64()), ("policy", pa.string()),  # when, and the id of the policy that planned the step
+    ("prompt_len", pa.int32()), ("context_len", pa.int32()),  # committed tokens when the policy decided
+    ("context", pa.list_(pa.int32())),  # step 0 only: the whole context (prompt + the prefill's token)
+    ("committed", pa.list_(pa.int32())),  # steps > 0: the tokens committed since the previous step
+    ("prev_drafted", pa.int32()), ("prev_accepted", pa.int32()),  # the previous block's (-1 at step 0)
+    ("k", pa.int32()), ("drafted", pa.int32()),  # k chosen (0: no draft) and tokens proposed this step
+    ("features", pa.list_(pa.float32())),  # runtime.features.feature_row at position 0 of the policy's plan
+    ("batch_size", pa.int32()), ("proposer_s", pa.float64()),  # live rows; the proposer's seconds for the step
+])
+
+
+class StepLogError(TraceError):
+    pass
+
+
+def check_rate(rate: float, env: str) -> float:
+    if not 0.0 < rate <= 1.0:
+        raise StepLogError(f"the step log's sampling rate must be in (0, 1], got {rate}; set {env} (or --log-rate) "
+                           "to the share of requests to log, e.g. 0.1")
+    return float(rate)
+
+
+# ---------------------------------------------------------------------- reading a log
+def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None = None) -> tuple[list[dict], dict]:
+    """Every record of the log at ``log_dir`` and its provenance (the first shard's metadata; ``dropped`` summed over
+    server runs). Refuses a shard that cannot be read, a shard without step-log metadata, shards of different
+    targets, and (when given) a log of another ``target`` (sacpolicy model spec) or ``tokenizer``."""
+    files = sorted(Path(log_dir).glob(f"{SHARD_PREFIX}*.parquet"))
+    if not files:
+        raise StepLogError(f"{log_dir} holds no step-log shards ({SHARD_PREFIX}*.parquet); serve with "
+                           "scripts/serve.py --log-steps DIR (SACPOLICY_PROPOSER_LOG) and send requests first")
+    records, meta, dropped = [], None, {}
+    for path in files:
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow raises several types for damaged files
+            raise StepLogError(f"corrupt step-log shard {path}: {exc}; it was cut short (a crash or an incomplete "
+                               "copy: shards are written atomically). Delete it or copy it again; its requests are "
+                               "then left out as incomplete") from exc
+        raw = (table.schema.metadata or {}).get(META_KEY.encode())
+        if raw is None or json.loads(raw).get("format") != LOG_FORMAT:
+            raise StepLogError(f"{path} is not a step-log shard of format {LOG_FORMAT} (written by "
+                               "sacpolicy.export.steplog); move it out of {log_dir} or log again with this sacpolicy")
+        m = json.loads(raw)
+        meta = meta or m
+        _check_provenance(path, m, meta, files[0], target, tokenizer)
+        dropped[m["run_id"]] = max(dropped.get(m["run_id"], 0), int(m.get("dropped", 0)))
+        records += table.to_pylist()
+    return records, {**meta, "dropped": sum(dropped.values()), "shards": len(files)}
+
+
+def _check_provenance(path, m: dict, first: dict, first_path, target, tokenizer) -> None:
+    prov, same = m["target"], ("target", "model", "tokenizer", "vocab_size")
+    if any(prov.get(k) != first["target"].get(k) for k in same):
+        raise StepLogError(f"{path} was logged by a server of {prov}, {first_path} by one of {first['target']}: a "
+                           "log directory holds one target's logs; move the other target's shards to their own")
+    if target is not None and prov.get("target") != target:
+        raise StepLogError(f"{path} was logged serving target {prov.get('target')!r} (vLLM model "
+                           f"{prov.get('model')!r}), not {target!r}: its token ids mean other tokens. Rebuild traces "
+                           "from that target's logs, or pass target=<the log's target>")
+    if tokenizer is not None and prov.get("tokenizer") != tokenizer:
+        raise StepLogError(f"{path} was logged with tokenizer {prov.get('tokenizer')!r}, not {tokenizer!r}: its "
+                           "token ids mean other tokens. Use logs of a server with that tokenizer")
+    if m["drafter"] != first["drafter"] or m["k_cap"] != first["k_cap"]:
+        raise StepLogError(f"{path} served drafter {m['drafter']} with k cap {m['k_cap']}, {first_path} "
+                           f"{first['drafter']} with {first['k_cap']}: keep one server setting per log directory")
+
+
+def requests_of(records: list[dict]) -> tuple[dict, int]:
+    """{log id: {"prompt_len", "tokens" (the whole sequence), "steps" (records by step, each with its block's
+    ``accepted``, None when never verified)}} of the complete requests, and how many were incomplete (a step missing,
+    or the steps' tokens inconsistent)."""
+    by: dict = {}
+    for r in records:
+        by.setdefault(r["request"], []).append(r)
+    out, incomplete = {}, 0
+    for rid, steps in by.items():
+        steps.sort(key=lambda r: r["step"])
+        tokens = _sequence(steps)
+        if tokens is None:
+            incomplete += 1
+            continue
+        for s, nxt in zip(steps, steps[1:] + [None]):
+            s["accepted"] = None if nxt is None else nxt["prev_accepted"]
+        out[rid] = {"prompt_len": steps[0]["prompt_len"], "tokens": tokens, "steps": steps}
+    return out, incomplete
+
+
+def _sequence(steps: list[dict]) -> list[int] | None:
+    """A request's token sequence, None unless its steps are 0, 1, 2, ... and each continues the one before."""
+    if [s["step"] for s in steps] != list(range(len(steps))) or steps[0]["context"] is None:
+        return None
+    tokens = list(steps[0]["context"])
+    for prev, s in zip(steps, steps[1:]):
+        new = s["committed"] or []
+        if s["prev_drafted"] != prev["drafted"] or s["prev_accepted"] != len(new) - 1 or \
+                s["context_len"] != len(tokens) + len(new):
+            return None
+        tokens += new
+    return tokens
+
+
+# ---------------------------------------------------------------------- building traces
+def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
+    """The ``live`` trace rows of a request's verified steps: the proposer's seconds as ``draft_s`` (the whole
+    engine step's, shared by its rows), ``verify_s`` unknown (NaN), the drafted tokens' confidence the peeked one."""
+    from sacpolicy.runtime.features import FEATURE_NAMES
+
+    top1, ent, mar = (FEATURE_NAMES.index(n) for n in ("top1", "entropy", "margin"))
+    out = []
+    for s in req["steps"]:
+        if s["accepted"] is None:
+            continue
+        f, d = s["features"], s["drafted"]
+        out.append({"prompt_id": rid, "category": CATEGORY, "prompt_len": req["prompt_len"], "policy": s["policy"],
+                    "step": s["step"], "drafter": drafter if d else None, "k": s["k"], "drafted": d,
+                    "accepted": s["accepted"], "emitted": s["accepted"] + 1, "context_len": s["context_len"],
+                    "draft_s": s["proposer_s"], "verify_s": math.nan, "cooldown": False, "top1": [f[top1]] * d,
+                    "entropy": [f[ent]] * d, "margin": [f[mar]] * d, "q": [], "p": [], "beta": [],
+                    "batch_size": s["batch_size"]})
+    return out
+
+
+def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[dict]:
+    """``teacher_forced`` rows of a request from its tokens alone (``Drafter.teacher_force``, runs as
+    ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN)."""
+    from sacpolicy.traces.collect import proposal_runs
+
+    ids, L = torch.tensor(req["tokens"]), req["prompt_len"]
+    gen = ids[L:]
+    tf = drafter.teacher_force(ids, L, k_max)
+    run, plen = proposal_runs(tf, gen, k_max)
+    first, stats = tf.tokens[:, 0].tolist(), tf.confidence.tolist()
+    return [{"prompt_id": rid, "category": CATEGORY, "prompt_len": L, "drafter": drafter.name, "position": g,
+             "target_token": int(gen[g]), "draft_token": int(first[g]), "match": run[g] > 0, "top1": stats[g][0],
+             "entropy": stats[g][1], "margin": stats[g][2], "p_target": math.nan,
+             "q_target": 1.0 if run[g] > 0 else 0.0, "beta": 1.0 if run[g] > 0 else 0.0, "run_len": int(run[g]),
+             "proposal_len": int(plen[g]), "proposal": True} for g in range(len(gen))]
+
+
+def build_production_traces(log_dir, out_dir, *, target: str | None = None, tokenizer: str | None = None,
+                            temperature: float = 0.0, chunk: int = 256) -> dict:
+    """``out_dir/live`` and ``out_dir/tf`` from the step log at ``log_dir`` (see the module docstring); returns the
+    meta written. ``temperature``: what the served requests were sampled at (the proposer cannot see it); > 0 is
+    refused (teacher-forced ``beta`` then needs a target pass, which this does not run)."""
+    from sacpolicy.decoding import NgramDrafter
+
+    if temperature > 0:
+        raise StepLogError(f"production traces of sampled serving (temperature {temperature}) need beta and p_target "
+                           "from a target pass over the logged sequences, which is not built yet; rebuild logs of "
+                           "greedy requests (temperature 0)")
+    records, log = read_step_log(log_dir, target=target, tokenizer=tokenizer)
+    reqs, incomplete = requests_of(records)
+    if incomplete:
+        logger.warning("%d of %d logged requests are incomplete (steps dropped or a shard missing) and are left out",
+                       incomplete, incomplete + len(reqs))
+    if not reqs:
+        raise StepLogError(f"{log_dir} holds no complete request; log with a larger queue or fewer dropped steps")
+    spec, k_max = log["drafter"], int(log["k_cap"])
+    drafter = NgramDrafter(spec["max_ngram"], spec["min_ngram"], name=spec["name"])
+    meta = {"source": "vllm", "target": log["target"]["target"], "vocab_size": log["target"]["vocab_size"],
+            "sampling": {"temperature": 0.0, "top_p": 1.0},
+            "log": {"dir": str(Path(log_dir).resolve()), "requests": len(reqs), "incomplete": incomplete,
+                    "dropped": log["dropped"], "shards": log["shards"], "k_cap": k_max,
+                    "max_model_len": log["max_model_len"], "load_aware": log["load_aware"],
+                    "rule_drafters": log["rule_drafters"],
+                    "policies": sorted({s["policy"] for r in reqs.values() for s in r["steps"]})}}
+    out = Path(out_dir)
+    ids = sorted(reqs)
+    for kind, sub, make in (("live", "live", lambda rid: live_rows(rid, reqs[rid], spec["name"])),
+                            ("teacher_forced", "tf", lambda rid: token_teacher_forced_rows(drafter, rid, reqs[rid],
+                                                                                          k_max))):
+        write_meta(out / sub, {**meta, "kind": kind, **({"drafters": [spec["name"]], "k_max": k_max}
+                                                         if kind == "teacher_forced" else {})})
+        for c in range(0, len(ids), chunk):
+            write_shard([row for rid in ids[c: c + chunk] for row in make(rid)], kind, out / sub, f"c{c // chunk:05d}")
+    return meta
+
+
+# ---------------------------------------------------------------------- replaying the logged policy
+def replay_logged(trace_dir, policy) -> dict:
+    """Replay ``policy`` (the logged one: an artifact path or ``PolicyArtifact``) over ``trace_dir/tf`` as the
+    served proposer saw each request (``AsServed``) and set its accepted tokens per step beside the logged ones in
+    ``trace_dir/live``: {"replayed": {id: [...]}, "logged": {id: [...]}, "mismatched": [ids]}. Exact for greedy logs
+    of a proposer that planned each row alone; a load-aware one (``SACPOLICY_PROPOSER_LOAD``) planned a step's rows
+    together, which a replay of one request cannot reproduce, and is refused."""
+    from sacpolicy.decoding import DecoderConfig
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.artifact import PolicyArtifact, load_artifact
+    from sacpolicy.traces.schema import load_traces, read_meta
+    from sacpolicy.traces.simulate import group_traces, simulate
+
+    trace_dir = Path(trace_dir)
+    meta = read_meta(trace_dir / "tf")
+    log = meta["log"]
+    if log["load_aware"]:
+        raise StepLogError(f"{trace_dir} was logged by a load-aware proposer, which plans a step's rows together; a "
+                           "replay of one request cannot reproduce that. Serve with SACPOLICY_PROPOSER_LOAD=0 for "
+                           "exactly replayable logs")
+    art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
+    grouped = group_traces(load_traces(trace_dir / "tf"), meta)
+    served = AsServed(LearnedPolicy(art.rule), tuple(log["rule_drafters"]), log["k_cap"], log["max_model_len"])
+    sim = simulate(served, grouped, art.rule.cost, vocab_size=int(meta["vocab_size"] or 0) or _vocab(grouped),
+                   config=DecoderConfig(k_max=max(art.rule.k_max, log["k_cap"])))
+    logged: dict = {}
+    for r in sorted(load_traces(trace_dir / "live"), key=lambda r: (r["prompt_id"], r["step"])):
+        logged.setdefault(r["prompt_id"], []).append(r["accepted"])
+    replayed = {pid: acc for pid, (_, acc) in sim.per_prompt.items()}
+    return {"replayed": replayed, "logged": logged,
+            "mismatched": sorted(p for p in replayed if replayed[p] != logged.get(p, []))}
+
+
+def _vocab(grouped: dict) -> int:
+    return 1 + max(max(c["target_token"]) for p in grouped.values() for c in p["drafters"].values())
+
+
+class AsServed(Policy):
+    """A policy seen through the served proposer's eyes, for a replay (``replay_logged``): the request knows the
+    rule's drafters (vLLM serves one of them, as when a decoder drops the others), no category, each row is priced
+    alone, and room for a block is what the server had (``min(k_cap, max_model_len - context - 1)``: the proposer
+    cannot see a request's ``max_tokens``; the replay's decoder still stops at the logged sequence's end, where the
+    logged block's accepted tokens end too)."""
+
+    def __init__(self, policy, drafters: tuple[str, ...], k_cap: int, max_model_len: int):
+        self.inner, self.drafters, self.k_cap, self.max_model_len = policy, drafters, k_cap, max_model_len
+        self.name, self.uses_peeks = policy.name, policy.uses_peeks
+        self.needs_token_feedback = policy.needs_token_feedback
+
+    def validate(self, drafters, k_max) -> None:
+        for name in drafters:
+            self.inner.rule.check_drafter(name)
+
+    def start(self, request):
+        return self.inner.start(request)
+
+    def _row(self, row):
+        s = row.state
+        room = min(self.k_cap, self.max_model_len - s.context_len - 1)
+        state = replace(s, request=replace(s.request, drafters=self.drafters, category=None), remaining=room + 1,
+                        batch_size=1, load=None)
+        return PolicyRow(state, row.memory)
+
+    def decide(self, rows):
+        return self.inner.decide([self._row(r) for r in rows])
+
+    def should_stop(self, row, token) -> bool:
+        return self.inner.should_stop(self._row(row), token)
+
+    def observe(self, row, record) -> None:
+        self.inner.observe(self._row(row), record)

@@ -1,0 +1,338 @@
+"""The production loop's first half: the served proposer's step log (sacpolicy.export.steplog) and the traces rebuilt
+from it (sacpolicy.traces.production).
+
+Fast: a fake engine drives ``PolicyNgramProposer.propose`` as vLLM does (rows reorder, join and leave between steps;
+each step verifies the previous step's drafts against a deterministic greedy "target" and hands the proposer the
+tokens it committed), and the log must equal that engine's truth: every request's token sequence, its drafted and
+accepted tokens per step, the live batch size and the feature row the policy read. The engine thread never waits on
+the writer (a blocked writer: steps are dropped and counted, ``propose`` returns at once). Rebuilt traces load in
+``load_traces`` and the logged policy's replay over them reproduces the logged accepted counts exactly. Damaged
+shards and logs of another target or tokenizer are refused with the file and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from toys import ngram_rule
+
+from sacpolicy.export import steplog
+from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
+from sacpolicy.runtime import load_artifact, save_policy
+from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, next_accept_history
+from sacpolicy.traces.production import (
+    StepLogError,
+    build_production_traces,
+    read_step_log,
+    replay_logged,
+    requests_of,
+)
+from sacpolicy.traces.schema import load_traces, read_meta
+
+VOCAB, MAX_LEN, K = 9, 256, 6
+TARGET = "toy:greedy-target"
+
+
+def next_token(ctx: list[int]) -> int:
+    """A deterministic greedy "target": mostly periodic (the n-gram drafter's copies are accepted), now and then
+    breaking the period (they are rejected)."""
+    h = hashlib.blake2b(bytes(ctx[-3:]), digest_size=2).digest()
+    if h[0] < 40:  # ~16%: a token the period does not predict
+        return h[1] % VOCAB
+    return ctx[-4] if len(ctx) >= 4 else (ctx[-1] + 1) % VOCAB
+
+
+def vllm_config(tokenizer="toy-tokenizer"):
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
+                           model_config=SimpleNamespace(max_model_len=MAX_LEN, model="/models/toy", tokenizer=tokenizer,
+                                                        get_vocab_size=lambda: VOCAB),
+                           scheduler_config=SimpleNamespace(max_num_seqs=16))
+
+
+def proposer(tmp_path, monkeypatch, mode="stop", log="log", tokenizer="toy-tokenizer", target=TARGET):
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / log))
+    policy = save_policy(tmp_path / f"policy-{mode}", ngram_rule(mode), drafters={"ngram": {"kind": "ngram",
+                         "max_ngram": 3}}, provenance={"target": target}, metrics={})
+    return PolicyNgramProposer(vllm_config(tokenizer), str(policy))
+
+
+class FakeEngine:
+    """vLLM's side of the hook: each step verifies every scheduled request's drafts against ``next_token`` (accepted
+    while they match, then the target's own token), hands the proposer what each row committed, stores its new
+    drafts. Rows are shuffled every step; requests join at their arrival step and leave once they have ``new``
+    tokens (after the step that committed them: vLLM proposes for a request before its scheduler sees it finished).
+    ``truth[i]``: (drafted, accepted) per verified block, ``seqs[i]``: the tokens the engine committed."""
+
+    def __init__(self, prompts, arrivals, new, seed=0):
+        self.prompts, self.arrivals, self.new = prompts, arrivals, new
+        self.rng = np.random.default_rng(seed)
+        self.seqs, self.drafts, self.truth, self.batches = {}, {}, {i: [] for i in range(len(prompts))}, []
+        self.prompt_len = {i: len(p) for i, p in enumerate(prompts)}
+
+    def run(self, proposer, on_step=None):
+        t, done, slow = 0, set(), []
+        while len(done) < len(self.prompts):
+            rows = [i for i in range(len(self.prompts)) if self.arrivals[i] <= t and i not in done]
+            self.rng.shuffle(rows)
+            sampled = [self._verify(i) for i in rows]
+            if rows:
+                table = np.zeros((len(rows), MAX_LEN), dtype=np.int32)
+                for r, i in enumerate(rows):
+                    table[r, : len(self.seqs[i])] = self.seqs[i]
+                t0 = time.perf_counter()
+                out = proposer.propose(sampled, np.array([len(self.seqs[i]) for i in rows]), table)
+                slow.append(time.perf_counter() - t0)
+                self.batches.append(len(rows))
+                for i, block in zip(rows, out):
+                    self.drafts[i] = block
+                    if len(self.seqs[i]) - self.prompt_len[i] >= self.new[i]:
+                        done.add(i)
+            t += 1
+            if on_step is not None:
+                on_step(t)
+        return slow
+
+    def _verify(self, i) -> list[int]:
+        if i not in self.seqs:  # the prefill: one token
+            self.seqs[i] = list(self.prompts[i])
+            tok = [next_token(self.seqs[i])]
+        else:
+            draft, tok = self.drafts[i], []
+            for d in draft:
+                want = next_token(self.seqs[i] + tok)
+                if d != want:
+                    break
+                tok.append(d)
+            self.truth[i].append((len(draft), len(tok)))
+            tok.append(next_token(self.seqs[i] + tok))
+        self.seqs[i] += tok
+        return tok
+
+
+def workload(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(0, VOCAB, int(rng.integers(5, 30)))) for _ in range(n)]
+    prompts[3] = list(prompts[1])  # two requests with the same prompt: the log tells them apart
+    arrivals = [int(a) for a in rng.integers(0, 12, n)]
+    arrivals[3] = arrivals[1]
+    if n > 5:  # the same prompt again once every other request has finished: a request of its own
+        prompts[5], arrivals[5] = list(prompts[0]), 10_000
+    return FakeEngine(prompts, arrivals, [int(x) for x in rng.integers(20, 70, n)], seed)
+
+
+def logged_requests(tmp_path, log="log", target=TARGET):
+    records, meta = read_step_log(tmp_path / log, target=target)
+    reqs, incomplete = requests_of(records)
+    return reqs, incomplete, meta
+
+
+def match_truth(engine, reqs):
+    """Each logged request's engine index (by its sequence; the duplicate prompts by their order)."""
+    out, left = {}, dict(enumerate(engine.seqs.items()))
+    for rid, req in sorted(reqs.items()):
+        j = next(j for j, (i, seq) in left.items() if seq == req["tokens"])
+        out[rid] = left.pop(j)[0]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["stop", "k"])
+def test_the_step_log_equals_the_engines_truth_while_rows_reorder_join_and_leave(tmp_path, monkeypatch, mode):
+    prop = proposer(tmp_path, monkeypatch, mode)
+    engine = workload()
+    engine.run(prop)
+    prop.steplog.close()
+    reqs, incomplete, meta = logged_requests(tmp_path)
+    assert incomplete == 0 and meta["dropped"] == 0 and len(reqs) == len(engine.prompts)
+    assert meta["target"] == {"target": TARGET, "model": "/models/toy", "tokenizer": "toy-tokenizer",
+                              "vocab_size": VOCAB}
+    which = match_truth(engine, reqs)
+    assert sorted(which.values()) == list(range(len(engine.prompts)))
+    accepted = drafted = 0
+    for rid, req in reqs.items():
+        i = which[rid]
+        steps = req["steps"]
+        assert req["tokens"] == engine.seqs[i] and req["prompt_len"] == engine.prompt_len[i]
+        # every verified block: what the engine drafted and accepted; the last block is never verified
+        assert [(s["drafted"], s["accepted"]) for s in steps[:-1]] == engine.truth[i]
+        assert steps[-1]["accepted"] is None and all(s["k"] >= s["drafted"] for s in steps)
+        # the feature row the policy read: context length, the peeked match, the acceptance history so far
+        history = None
+        for s, (d, a) in zip(steps, engine.truth[i] + [(None, None)]):
+            ctx = np.asarray(engine.seqs[i][: s["context_len"]])
+            row = feature_row(RowContext(s["context_len"], 0, accept_rate(history),
+                                         peek=prop.ngram.peek(None, torch.as_tensor(ctx))), 0)
+            np.testing.assert_allclose(s["features"], row, rtol=1e-6)
+            if d is not None and d:
+                history = next_accept_history(history, a, d)
+        accepted += sum(a for _, a in engine.truth[i])
+        drafted += sum(d for d, _ in engine.truth[i])
+    assert 0 < accepted < drafted  # blocks were accepted and rejected: the test can tell them apart
+    # the live batch size of every logged step is the number of rows the engine scheduled then
+    steps_by_time = sorted({(s["unix_s"], s["batch_size"]) for r in reqs.values() for s in r["steps"]})
+    assert [b for _, b in steps_by_time] == engine.batches
+    assert {s["policy"] for r in reqs.values() for s in r["steps"]} == {prop.policy_id}
+
+
+def test_rebuilt_traces_load_and_the_logged_policys_replay_reproduces_its_accepts(tmp_path, monkeypatch):
+    prop = proposer(tmp_path, monkeypatch, "stop")
+    engine = workload(seed=1)
+    engine.run(prop)
+    prop.steplog.close()
+    meta = build_production_traces(tmp_path / "log", tmp_path / "traces", target=TARGET)
+    assert meta["source"] == "vllm" and meta["log"]["requests"] == len(engine.prompts)
+    live, tf = load_traces(tmp_path / "traces" / "live"), load_traces(tmp_path / "traces" / "tf", target=TARGET)
+    assert read_meta(tmp_path / "traces" / "tf")["source"] == "vllm"
+    assert len(live) == sum(len(t) for t in engine.truth.values())
+    assert len(tf) == sum(len(s) - engine.prompt_len[i] for i, s in engine.seqs.items())
+    assert sum(live["accepted"]) == sum(a for t in engine.truth.values() for _, a in t)
+    out = replay_logged(tmp_path / "traces", tmp_path / "policy-stop")
+    assert out["mismatched"] == [] and out["replayed"] == out["logged"]
+    assert len(out["replayed"]) == len(engine.prompts) and any(any(a) for a in out["replayed"].values())
+    # the replay is not trivially equal: another policy accepts differently on the same traces
+    short = dataclasses.replace(ngram_rule("stop"), k_max=2, fallback=("ngram", 2))
+    other = replay_logged(tmp_path / "traces", save_policy(tmp_path / "other", short, drafters={
+        "ngram": {"kind": "ngram", "max_ngram": 3}}, provenance={"target": TARGET}, metrics={}))
+    assert other["mismatched"]
+
+
+def test_requests_are_sampled_whole_by_their_first_context(tmp_path, monkeypatch):
+    monkeypatch.setenv(steplog.RATE_ENV, "0.5")
+    prop = proposer(tmp_path, monkeypatch)
+    engine = workload(n=16, seed=2)
+    engine.run(prop)
+    prop.steplog.close()
+    reqs, incomplete, meta = logged_requests(tmp_path)
+    assert incomplete == 0 and meta["rate"] == 0.5 and 0 < len(reqs) < len(engine.prompts)
+    which = match_truth(engine, reqs)
+    for rid, i in which.items():  # a sampled request is there from its first step to its last
+        assert [(s["drafted"], s["accepted"]) for s in reqs[rid]["steps"][:-1]] == engine.truth[i]
+
+
+def test_a_blocked_writer_never_blocks_the_engine_and_drops_are_counted(tmp_path, monkeypatch):
+    release, entered = threading.Event(), threading.Event()
+    records = steplog._records
+
+    def blocked(item):
+        entered.set()
+        release.wait(30)
+        return records(item)
+
+    monkeypatch.setattr(steplog, "_records", blocked)
+    monkeypatch.setattr(steplog, "QUEUE_SIZE", 2)
+    prop = proposer(tmp_path, monkeypatch)
+    engine = workload(seed=3)
+    times = engine.run(prop, on_step=lambda t: t == 20 and release.set())  # the writer is stuck for 20 steps
+    assert entered.is_set() and prop.steplog.dropped > 0
+    assert max(times) < 0.5  # the engine thread never waited for the writer
+    prop.steplog.close()
+    reqs, incomplete, meta = logged_requests(tmp_path)
+    assert meta["dropped"] == prop.steplog.dropped and incomplete > 0  # requests with a dropped step are left out
+    # the others are whole, or whole up to where their steps were dropped (then the log ends them early: a prefix)
+    assert reqs and all(any(seq[: len(r["tokens"])] == r["tokens"] for seq in engine.seqs.values())
+                        for r in reqs.values())
+
+
+def test_damaged_shards_and_logs_of_another_target_are_refused_with_the_fix(tmp_path, monkeypatch):
+    prop = proposer(tmp_path, monkeypatch)
+    workload(n=4, seed=4).run(prop)
+    prop.steplog.close()
+    with pytest.raises(StepLogError, match="logged serving target 'toy:greedy-target'.*pass target="):
+        build_production_traces(tmp_path / "log", tmp_path / "t", target="hf:other/model")
+    with pytest.raises(StepLogError, match="tokenizer 'toy-tokenizer', not 'other-tok'"):
+        read_step_log(tmp_path / "log", tokenizer="other-tok")
+    # a second server of another tokenizer writing into the same directory
+    other = proposer(tmp_path, monkeypatch, tokenizer="other-tok")
+    workload(n=4, seed=5).run(other)
+    other.steplog.close()
+    with pytest.raises(StepLogError, match="one target's logs"):
+        read_step_log(tmp_path / "log")
+    shard = sorted((tmp_path / "log").glob("steps-*.parquet"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(StepLogError, match=f"corrupt step-log shard {shard}.*Delete it"):
+        read_step_log(tmp_path / "log")
+    with pytest.raises(StepLogError, match="no step-log shards.*--log-steps"):
+        read_step_log(tmp_path / "empty")
+    with pytest.raises(StepLogError, match="target pass"):
+        build_production_traces(tmp_path / "log", tmp_path / "t", temperature=0.7)
+
+
+def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path, monkeypatch):
+    from toys import load_script
+
+    from sacpolicy.export.vllm import export_vllm
+    from sacpolicy.export.vllm_serve import serve_config
+    from sacpolicy.models import EMBEDDED_TARGET
+
+    serve = load_script("serve")
+    monkeypatch.delenv(LOG_ENV, raising=False)  # logging off: the proposer holds no log
+    assert PolicyNgramProposer(vllm_config(), str(save_policy(tmp_path / "q", ngram_rule("k"), drafters={
+        "ngram": {"kind": "ngram", "max_ngram": 3}}, provenance={}, metrics={}))).steplog is None
+    policy = save_policy(tmp_path / "p", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
+                         provenance={"target": EMBEDDED_TARGET}, metrics={})
+    export = export_vllm(policy, tmp_path / "deploy")
+    learned = serve_config("learned", export=export, target=EMBEDDED_TARGET, served_model="m")
+    args = SimpleNamespace(log_steps=str(tmp_path / "logs"), log_rate=0.25)
+    assert serve.step_log_env(args, learned) == {LOG_ENV: str((tmp_path / "logs").resolve()),
+                                                 steplog.RATE_ENV: "0.25"}
+    assert serve.step_log_env(SimpleNamespace(log_steps=None, log_rate=1.0), learned) == {}
+    with pytest.raises(SystemExit, match="--config static does not run it"):
+        serve.step_log_env(args, serve_config("static", export=export, target=EMBEDDED_TARGET, served_model="m"))
+    with pytest.raises(SystemExit, match=r"rate must be in \(0, 1\].*--log-rate"):
+        serve.step_log_env(SimpleNamespace(log_steps=str(tmp_path / "logs"), log_rate=1.5), learned)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(embedded, tmp_path, monkeypatch):
+    """The learned proposer logging inside a real vLLM engine (4 prompts at once, greedy): per request, the logged
+    (drafted, accepted) of every step that drafted equals vLLM's ``per_request_spec_decode_metrics="detailed"``
+    arrays, the totals equal its spec-decode counters, the rebuilt sequences continue the prompts with vLLM's outputs,
+    and the logged policy's replay over the rebuilt traces reproduces the logged accepted counts."""
+    import os
+
+    from sacpolicy.data import assign_split, load_prompt_mix
+    from sacpolicy.export.vllm import learned_config
+    from sacpolicy.export.vllm_run import run_engine, vllm_status
+    from sacpolicy.models import EMBEDDED_TARGET, model_dir
+
+    ok, why = vllm_status()
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the vLLM tests, but {why}")
+        pytest.skip(why)
+    ds = load_prompt_mix(["mt_bench", "humaneval_edit"], tokenizer=embedded.tokenizer)
+    test = [r for r in ds if assign_split(r["prompt_id"]) == "test"]
+    prompts = ([r["input_ids"] for r in test if r["category"] != "code_edit"][:2]
+               + [r["input_ids"] for r in test if r["category"] == "code_edit"][:2])
+    policy = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram",
+                         "max_ngram": 3}}, provenance={"target": EMBEDDED_TARGET}, metrics={})
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
+    monkeypatch.setenv(steplog.FLUSH_ENV, "1")
+    res = run_engine(model_dir(), prompts, max_tokens=40, speculative_config=learned_config(policy),
+                     policy_dir=policy, phases=("concurrent",),
+                     engine_args={"per_request_spec_decode_metrics": "detailed"})
+    outputs, theirs = res["outputs"]["concurrent"], res["spec_per_request"]["concurrent"]
+    reqs, incomplete, meta = logged_requests(tmp_path, target=EMBEDDED_TARGET)
+    assert incomplete == 0 and meta["dropped"] == 0
+    drafted = accepted = 0
+    for prompt, out, spec in zip(prompts, outputs, theirs):
+        L = len(prompt)
+        # vLLM's output is a prefix of what its engine committed (it cuts a last block at max_tokens or EOS)
+        mine = [r for r in reqs.values() if r["prompt_len"] == L and r["tokens"][:L] == list(prompt)
+                and r["tokens"][L: L + len(out)] == out and len(r["tokens"]) - L >= len(out)]
+        assert len(mine) == 1, "each served request is logged once"
+        steps = [(s["drafted"], s["accepted"]) for s in mine[0]["steps"] if s["accepted"] is not None and s["drafted"]]
+        assert steps == list(zip(spec["per_step_drafted"], spec["per_step_accepted"]))
+        drafted, accepted = drafted + sum(d for d, _ in steps), accepted + sum(a for _, a in steps)
+    assert (drafted, accepted) == (res["spec"]["concurrent"]["num_draft_tokens"],
+                                   res["spec"]["concurrent"]["num_accepted_tokens"]) and accepted > 0
+    build_production_traces(tmp_path / "log", tmp_path / "traces", target=EMBEDDED_TARGET)
+    replay = replay_logged(tmp_path / "traces", policy)
+    assert replay["mismatched"] == [] and len(replay["replayed"]) == len(reqs)
