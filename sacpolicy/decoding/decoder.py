@@ -14,8 +14,8 @@ to the host: ``Verified``), commit (buffers, caches, drafters' acceptance), obse
 acceptance history and cooldown, ``Policy.observe``). Per drafted token statistics are made only on request
 (``DecoderConfig.step_stats``, ``sacpolicy.decoding.stats``).
 
-This module is over the project's 400-line guide on purpose: the batching loop and the step it runs are one concept,
-read together (``tests/test_layers.py`` names the exception).
+The batching loop and the step it runs are one concept, read together in one module (the review rule in
+docs/architecture.md: a module holds one concept, whatever its length).
 """
 
 from __future__ import annotations
