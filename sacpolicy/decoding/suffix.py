@@ -67,7 +67,16 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"suffix max_requests must be >= 0 (0: no global index), got {max_requests}")
         self.max_depth, self.spec_factor, self.spec_offset = max_depth, spec_factor, spec_offset
         self.min_token_prob, self.name = min_token_prob, name
-        self.index = SuffixIndex(max_depth, max_nodes, max_requests) if max_requests else None
+        self._bounds = (max_nodes, max_requests)
+        self.index: SuffixIndex | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every earlier request (a new, empty global index). The global index outlives requests by design, so
+        one drafter object serving several evaluations (policies compared on the same prompts, greedy: the same
+        outputs) would hand the later ones the earlier ones' answers: reset between them."""
+        max_nodes, max_requests = self._bounds
+        self.index = SuffixIndex(self.max_depth, max_nodes, max_requests) if max_requests else None
 
     def new_state(self) -> SuffixState:
         return SuffixState()
