@@ -236,6 +236,35 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def test_a_learned_policy_chooses_between_ngram_and_suffix_by_their_peeks(tiny_target, prompts, reference):
+    """Both drafters peek before each decision (the confidence of what they would propose, None when nothing): the
+    rule reads them per drafter, and a drafter that would propose nothing is no option that step."""
+    from dataclasses import replace
+
+    from toys import ngram_rule
+
+    from sacpolicy.decoding import NgramDrafter
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.cost import PiecewiseLinear
+
+    base = ngram_rule("k")
+    cost = replace(base.cost, draft={"ngram": PiecewiseLinear([0], [2e-4]), "suffix": PiecewiseLinear([0], [2e-4])},
+                   per_token_draft={"ngram": False, "suffix": False})
+    policy = LearnedPolicy(replace(base, cost=cost, drafters=("ngram", "suffix")))
+    peeks = []
+
+    class Recording(SuffixDrafter):
+        def peek(self, state, context):
+            peeks.append(super().peek(state, context))
+            return peeks[-1]
+
+    dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter(), Recording()], policy, stop_token_ids=[])
+    results = [dec.generate(p, 24) for p in prompts]
+    assert [r.tokens for r in results] == reference
+    assert {s.drafter for r in results for s in r.steps} >= {"suffix"}
+    assert None in peeks and any(p is not None for p in peeks)
+
+
 def markov(v=4, seed=5):
     g = torch.Generator().manual_seed(seed)
     P = torch.rand(v, v, generator=g) ** 2 + 0.05
