@@ -157,8 +157,12 @@ def test_global_index_helps_a_repeated_request():
     assert hits[1] == 0 and hits[0] >= len(answer) // 2
     block = feed(with_global, [1, 2] + answer[:10], 2)[-1]  # proposed on [1, 2] + answer[:9]
     assert block.tokens.tolist() == answer[9:17]
+    state = with_global.new_state()
+    with_global.propose([DraftRow(state, torch.tensor(ids[:6]), 8)])
     with_global.reset()  # forgets earlier requests: the answer is unpredictable again
     assert with_global.index.num_nodes == 0 and sum(b.k for b in feed(with_global, ids, 4)) == 0
+    with_global.propose([DraftRow(state, torch.tensor(ids[:9]), 8)])  # a row from before the reset goes on alone
+    assert with_global.index.num_tokens == len(answer) - 1
 
 
 def test_peek_is_the_proposals_first_confidence_and_stop_cuts_the_block():

@@ -28,7 +28,8 @@ class SuffixState:
 
     local: SuffixIndex | None = None
     local_seq: int = 0
-    global_seq: int | None = None
+    global_index: SuffixIndex | None = None  # the drafter's global index when the row started (None: none)
+    global_seq: int = 0
     seen: int = 0  # context tokens indexed so far
     output_start: int = 0  # context position from which tokens enter the global index
     peeked: tuple[int, SuffixDraft] | None = None  # (context length, draft)
@@ -89,7 +90,8 @@ class SuffixDrafter(Drafter):
             state.local = SuffixIndex(self.max_depth)
             state.local_seq = state.local.add_sequence()
             state.output_start = max(n - 1, 0) if output_start is None else output_start
-            state.global_seq = self.index.add_sequence() if self.index is not None else None
+            state.global_index = self.index
+            state.global_seq = self.index.add_sequence() if self.index is not None else 0
         if n < state.seen:
             raise ValueError(f"suffix drafter state has seen {state.seen} tokens but the row's context has {n}: a state "
                              "belongs to one request (new_state() for each)")
@@ -97,7 +99,7 @@ class SuffixDrafter(Drafter):
             return
         new = context[state.seen :].tolist()
         state.local.extend(state.local_seq, new)
-        if state.global_seq is not None:
+        if state.global_index is not None and state.global_index is self.index:  # not reset since the row started
             self.index.extend(state.global_seq, new[max(state.output_start - state.seen, 0) :])
         state.seen = n
 
