@@ -17,6 +17,7 @@ from sacpolicy.decoding.drafters import (
     NgramDrafter,
     trim_lm_head,
 )
+from sacpolicy.decoding.suffix import SuffixDrafter
 from sacpolicy.runtime.spec import DrafterSpec
 
 VOCAB_MAP_FILE = "vocab_map.safetensors"  # beside a draft's save_pretrained files when its vocabulary is trimmed
@@ -28,6 +29,9 @@ def build_drafter(spec: DrafterSpec, target):
     """The drafter ``spec`` describes, on ``target``'s device and dtype (``target``: a ``LoadedModel``)."""
     if spec.kind == "ngram":
         return NgramDrafter(spec.max_ngram, spec.min_ngram, name=spec.name)
+    if spec.kind == "suffix":
+        return SuffixDrafter(spec.max_depth, spec.spec_factor, spec.min_token_prob, spec.max_nodes, spec.max_requests,
+                             name=spec.name)
     if spec.kind == "layer_skip":
         return LayerSkipDrafter(target.model, int(spec.layers), name=spec.name)
     if spec.kind == "feature":

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM
+from sacpolicy.runtime.suffix import MAX_DEPTH, MAX_NODES, MAX_REQUESTS, MIN_TOKEN_PROB, SPEC_FACTOR
 
 # kind -> (required fields, optional fields) besides kind and name
 KINDS = {
@@ -15,6 +16,8 @@ KINDS = {
     "ngram": ((), ("max_ngram", "min_ngram")),  # prompt lookup
     "layer_skip": (("layers",), ()),  # the target's first `layers` layers, sharing its weights
     "feature": (("path",), ()),  # an EAGLE-3 head over the target's hidden states (a head dir)
+    # SuffixDecoding over the request and a global index of earlier outputs (sacpolicy.runtime.suffix)
+    "suffix": ((), ("max_depth", "spec_factor", "min_token_prob", "max_nodes", "max_requests")),
 }
 
 
@@ -30,6 +33,11 @@ class DrafterSpec:
     layers: int | None = None
     max_ngram: int = MAX_NGRAM
     min_ngram: int = MIN_NGRAM
+    max_depth: int = MAX_DEPTH
+    spec_factor: float = SPEC_FACTOR
+    min_token_prob: float = MIN_TOKEN_PROB
+    max_nodes: int = MAX_NODES
+    max_requests: int = MAX_REQUESTS  # 0: no global index over earlier requests
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,8 +49,21 @@ class DrafterSpec:
         if self.kind == "ngram" and not 1 <= self.min_ngram <= self.max_ngram:
             raise SpecError(f"n-gram drafter {self.name!r} needs 1 <= min_ngram <= max_ngram, got "
                             f"{self.min_ngram}, {self.max_ngram}")
+        if self.kind == "suffix":
+            self._check_suffix()
         if self.kind == "layer_skip" and int(self.layers) < 1:
             raise SpecError(f"layer-skip drafter {self.name!r} needs layers >= 1, got {self.layers}")
+
+    def _check_suffix(self) -> None:
+        problems = [what for what, bad in (
+            (f"max_depth >= 1 (got {self.max_depth})", self.max_depth < 1),
+            (f"spec_factor > 0 (got {self.spec_factor})", self.spec_factor <= 0),
+            (f"0 <= min_token_prob <= 1 (got {self.min_token_prob})", not 0 <= self.min_token_prob <= 1),
+            (f"max_nodes >= max_depth (got {self.max_nodes})", self.max_nodes < self.max_depth),
+            (f"max_requests >= 0 (got {self.max_requests}; 0 = no global index)", self.max_requests < 0),
+        ) if bad]
+        if problems:
+            raise SpecError(f"suffix drafter {self.name!r} needs {', '.join(problems)}")
 
     def to_dict(self) -> dict:
         """{"kind": ..., <the kind's fields>}: the JSON form (the name is the key it is stored under)."""
