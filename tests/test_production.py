@@ -30,6 +30,7 @@ from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, nex
 from sacpolicy.traces.production import (
     StepLogError,
     build_production_traces,
+    compare_with_vllm,
     read_step_log,
     replay_logged,
     requests_of,
@@ -321,18 +322,28 @@ def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(
     outputs, theirs = res["outputs"]["concurrent"], res["spec_per_request"]["concurrent"]
     reqs, incomplete, meta = logged_requests(tmp_path, target=EMBEDDED_TARGET)
     assert incomplete == 0 and meta["dropped"] == 0
-    drafted = accepted = 0
-    for prompt, out, spec in zip(prompts, outputs, theirs):
-        L = len(prompt)
-        # vLLM's output is a prefix of what its engine committed (it cuts a last block at max_tokens or EOS)
-        mine = [r for r in reqs.values() if r["prompt_len"] == L and r["tokens"][:L] == list(prompt)
-                and r["tokens"][L: L + len(out)] == out and len(r["tokens"]) - L >= len(out)]
-        assert len(mine) == 1, "each served request is logged once"
-        steps = [(s["drafted"], s["accepted"]) for s in mine[0]["steps"] if s["accepted"] is not None and s["drafted"]]
-        assert steps == list(zip(spec["per_step_drafted"], spec["per_step_accepted"]))
-        drafted, accepted = drafted + sum(d for d, _ in steps), accepted + sum(a for _, a in steps)
+    check = compare_with_vllm(reqs, list(zip(prompts, outputs, theirs)))
+    assert check["logged"] == check["served"] == len(prompts) and check["mismatched"] == []
+    assert check["equal_steps"] == check["steps"] > 0
+    steps = [(s["drafted"], s["accepted"]) for r in reqs.values() for s in r["steps"]
+             if s["accepted"] is not None and s["drafted"]]
+    drafted, accepted = sum(d for d, _ in steps), sum(a for _, a in steps)
     assert (drafted, accepted) == (res["spec"]["concurrent"]["num_draft_tokens"],
                                    res["spec"]["concurrent"]["num_accepted_tokens"]) and accepted > 0
     build_production_traces(tmp_path / "log", tmp_path / "traces", target=EMBEDDED_TARGET)
     replay = replay_logged(tmp_path / "traces", policy)
     assert replay["mismatched"] == [] and len(replay["replayed"]) == len(reqs)
+
+
+def test_compare_with_vllm_pairs_requests_by_tokens_and_finds_a_differing_step():
+    """Served requests are found in the log by prompt and output (identical ones in order); a step whose counts
+    differ from vLLM's arrays, or a request the log lacks, is named."""
+    step = lambda d, a: {"drafted": d, "accepted": a}
+    reqs = {"r1": {"prompt_len": 2, "tokens": [1, 2, 7, 8, 9, 4], "steps": [step(3, 2), step(0, None)]},
+            "r2": {"prompt_len": 2, "tokens": [1, 2, 7, 8, 9, 5], "steps": [step(3, 1), step(2, 1), step(2, None)]},
+            "r3": {"prompt_len": 1, "tokens": [6, 3, 3], "steps": [step(2, 1), step(1, None)]}}
+    spec = lambda d, a: {"per_step_drafted": d, "per_step_accepted": a}
+    served = [([1, 2], [7, 8, 9], spec([3], [2])), ([1, 2], [7, 8], spec([3, 2], [1, 1])),
+              ([6], [3, 3], spec([2], [0])), ([5], [1], None)]
+    out = compare_with_vllm(reqs, served)
+    assert out == {"served": 4, "logged": 3, "steps": 4, "equal_steps": 3, "mismatched": [2, 3]}

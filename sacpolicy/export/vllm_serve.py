@@ -333,13 +333,15 @@ def parse_spec_metrics(text: str) -> dict:
 def completions(url: str, prompts: list, *, max_tokens: int = 32, concurrency: int = 8, model: str | None = None,
                 temperature: float = 0.0, timeout: float = 600, **extra) -> list[dict]:
     """Send ``prompts`` (text, or token-id lists) to ``<url>/v1/completions``, ``concurrency`` at a time; per prompt
-    {"text", "token_ids", "error"} (error: None, or the server's status and message; a failed request never raises).
-    Greedy by default."""
+    {"text", "token_ids", "spec", "error"} (spec: vLLM's per-request speculative decoding metrics, from a server
+    started with ``--per-request-spec-decode-metrics``, else None; error: None, or the server's status and message;
+    a failed request never raises). Greedy by default."""
     if model is None:
         try:
             model = _first_model(url)
         except (urllib.error.URLError, OSError, ConnectionError, KeyError, IndexError) as e:
-            return [{"text": None, "token_ids": None, "error": f"{type(e).__name__}: {e}"} for _ in prompts]
+            return [{"text": None, "token_ids": None, "spec": None, "error": f"{type(e).__name__}: {e}"}
+                    for _ in prompts]
 
     def one(prompt) -> dict:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
@@ -348,12 +350,15 @@ def completions(url: str, prompts: list, *, max_tokens: int = 32, concurrency: i
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                choice = json.loads(r.read())["choices"][0]
-            return {"text": choice["text"], "token_ids": choice.get("token_ids"), "error": None}
+                response = json.loads(r.read())
+            choice, metrics = response["choices"][0], response.get("metrics") or {}
+            return {"text": choice["text"], "token_ids": choice.get("token_ids"),
+                    "spec": metrics.get("speculative_decoding"), "error": None}
         except urllib.error.HTTPError as e:
-            return {"text": None, "token_ids": None, "error": f"HTTP {e.code}: {e.read().decode(errors='replace')}"}
+            return {"text": None, "token_ids": None, "spec": None,
+                    "error": f"HTTP {e.code}: {e.read().decode(errors='replace')}"}
         except (urllib.error.URLError, OSError, ConnectionError) as e:
-            return {"text": None, "token_ids": None, "error": f"{type(e).__name__}: {e}"}
+            return {"text": None, "token_ids": None, "spec": None, "error": f"{type(e).__name__}: {e}"}
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         return list(pool.map(one, prompts))

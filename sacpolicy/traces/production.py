@@ -146,6 +146,36 @@ def _sequence(steps: list[dict]) -> list[int] | None:
     return tokens
 
 
+def compare_with_vllm(requests: dict, served: list[tuple[list[int], list[int], dict | None]]) -> dict:
+    """The log's (drafted, accepted) per verified step against vLLM's own per-request arrays
+    (``--per-request-spec-decode-metrics detailed``: ``per_step_drafted`` / ``per_step_accepted``). ``requests``:
+    ``requests_of``'s; ``served``: per request sent, (prompt ids, output ids, vLLM's ``speculative_decoding`` metrics
+    or None). A served request is found in the log by its prompt and output (vLLM's output is a prefix of what its
+    engine committed: it cuts a last block at max_tokens or EOS); identical requests pair in order. -> {"served",
+    "logged" (served requests found in the log), "steps" (vLLM's verify steps of those), "equal_steps",
+    "mismatched": [served index, ...]}."""
+    out = {"served": len(served), "logged": 0, "steps": 0, "equal_steps": 0, "mismatched": []}
+    used: set = set()
+    for i, (prompt, output, spec) in enumerate(served):
+        L, prompt, output = len(prompt), list(prompt), list(output)
+        mine = next((rid for rid, r in requests.items() if rid not in used and r["prompt_len"] == L
+                     and r["tokens"][:L] == prompt and r["tokens"][L: L + len(output)] == output
+                     and len(r["tokens"]) - L >= len(output)), None)
+        theirs = list(zip((spec or {}).get("per_step_drafted") or [], (spec or {}).get("per_step_accepted") or []))
+        out["steps"] += len(theirs)
+        if mine is None:
+            out["mismatched"].append(i)
+            continue
+        used.add(mine)
+        out["logged"] += 1
+        logged = [(s["drafted"], s["accepted"]) for s in requests[mine]["steps"]
+                  if s["accepted"] is not None and s["drafted"]]
+        out["equal_steps"] += sum(a == b for a, b in zip(logged, theirs)) if len(logged) == len(theirs) else 0
+        if logged != theirs:
+            out["mismatched"].append(i)
+    return out
+
+
 # ---------------------------------------------------------------------- building traces
 def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
     """The ``live`` trace rows of a request's verified steps: the proposer's seconds as ``draft_s`` (the whole
