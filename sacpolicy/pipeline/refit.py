@@ -2,7 +2,7 @@
 the policy that serves it on held-out requests of the same log, and deployed only when it is no worse.
 
     python scripts/train.py stages=[refit] from_run=outputs/<run> refit.logs=<step-log dir>
-    ... refit.deploy_root=deploy/root                       # deploy it when accepted (refit.canary_fraction=0.1: on trial)
+    ... refit.deploy_root=deploy/root   # deploy it when accepted (and refit.canary_fraction=0.1: on trial)
 
 1. The step log (``scripts/serve.py --log-steps``) becomes production traces (``traces.production``) in
    ``traces/production/{live,tf}`` of this run; its requests are split by their log id into train / val / test
@@ -141,7 +141,7 @@ def log_meta(logs) -> dict | None:
     files = sorted(Path(logs).glob(f"{SHARD_PREFIX}*.parquet"))
     try:
         raw = (pq.read_schema(files[0]).metadata or {}).get(META_KEY.encode()) if files else None
-    except Exception:  # pyarrow raises several types for damaged files
+    except (OSError, ValueError):  # a damaged shard (pyarrow's ArrowInvalid is a ValueError)
         return None
     return json.loads(raw) if raw else None
 
@@ -281,18 +281,18 @@ def deploy_candidate(rs, candidate: Path) -> dict | None:
 
 
 def write_report(path: Path, s: dict) -> Path:
-    pct = int(round(100 * s["level"]))
-    lines = [f"# Refit: {s['decision'].split(':')[0]}", "",
-             f"- logs: `{s['logs']}` ({s['requests']['requests']} complete requests, {s['requests']['incomplete']} "
-             f"incomplete, {s['requests']['dropped']} steps dropped); from_run: `{s['from_run']}`",
-             f"- split by request: train {s['split']['train']}, val {s['split']['val']}, test {s['split']['test']} "
-             f"(fractions {s['split']['fractions']}); run traces mixed in: {s['run_traces']['prompts']} prompts",
-             f"- candidate: `{s['candidate']['path']}` ({s['candidate']['predictor']}); current: "
-             f"`{s['current']['path']}`; best static on val requests: {s['best_static']['drafter']} "
-             f"k={s['best_static']['k']}",
-             f"- held-out requests: {s['held_out']['requests']} ({s['held_out']['tokens']} tokens), "
-             f"{s['held_out']['mode']}", "",
-             f"| ratio | value | {pct}% interval (paired bootstrap over held-out requests) |", "|---|---:|---|"]
+    req, split, held, best = s["requests"], s["split"], s["held_out"], s["best_static"]
+    lines = [
+        f"# Refit: {s['decision'].split(':')[0]}", "",
+        (f"- logs: `{s['logs']}` ({req['requests']} complete requests, {req['incomplete']} incomplete, "
+         f"{req['dropped']} steps dropped); from_run: `{s['from_run']}`"),
+        (f"- split by request: train {split['train']}, val {split['val']}, test {split['test']} (fractions "
+         f"{split['fractions']}); run traces mixed in: {s['run_traces']['prompts']} prompts"),
+        (f"- candidate: `{s['candidate']['path']}` ({s['candidate']['predictor']}); current: `{s['current']['path']}`; "
+         f"best static on val requests: {best['drafter']} k={best['k']}"),
+        f"- held-out requests: {held['requests']} ({held['tokens']} tokens), {held['mode']}", "",
+        f"| ratio | value | {100 * s['level']:g}% interval (paired bootstrap over held-out requests) |",
+        "|---|---:|---|"]
     for key, r in s["ratios"].items():
         lines.append(f"| {key.replace('_vs_', ' / ')} | {r['ratio']:.3f} | [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |")
     lines += ["", f"Decision: {s['decision']} (threshold {s['threshold']}).", ""]
