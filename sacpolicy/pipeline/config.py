@@ -88,7 +88,7 @@ class RefitSettings:
 
     logs: str | None = None  # the step-log directory (scripts/serve.py --log-steps); stage refit needs it
     # The policy serving now, the one the candidate must beat: a policy artifact, a vLLM export or a deploy root (its
-    # `current`); null: from_run's headline policy (policies/<fit.json's headline>)
+    # `current`); null: deploy_root's current version when it has one, else from_run's headline (fit.json's)
     policy: str | None = None
     # Requests split by their log id (hash, like prompts: sacpolicy.data.splits): fit, tune the rule on, compare on
     fractions: dict[str, float] = field(default_factory=lambda: {"train": 0.6, "val": 0.2, "test": 0.2})
