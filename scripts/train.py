@@ -7,6 +7,7 @@
     python scripts/train.py hydra.run.dir=outputs/<date>/<time>                    # resume an interrupted run
     python scripts/train.py -m experiment=smoke predictor=[hgb],[logreg]          # a sweep; returns the metric
     python scripts/train.py logger=wandb          # W&B, offline by default (`wandb sync` later)
+    python scripts/train.py stages=[refit] from_run=outputs/<run> refit.logs=<step-log dir>   # refit on served logs
 """
 
 import json
@@ -57,6 +58,12 @@ def run_and_print(cfg: DictConfig) -> float:
     if "evaluate" in outputs:
         print_eval_table(outputs["evaluate"]["eval"])
         print(f"report: {outputs['report']}")
+    if "refit" in outputs:
+        r = outputs["refit"]
+        ratio = r["ratios"]["candidate_vs_current"]
+        print(f"refit: candidate/current {ratio['ratio']:.3f} [{ratio['ci'][0]:.3f}, {ratio['ci'][1]:.3f}] on "
+              f"{r['held_out']['requests']} held-out requests; {r['decision']}")
+        print(f"report: {r['report_md']}")
     return outputs["metric"]
 
 

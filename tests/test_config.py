@@ -108,7 +108,7 @@ def test_every_typed_section_rejects_an_unknown_key_or_a_wrong_type(section):
     with pytest.raises(ConfigKeyError, match="nope"):
         OmegaConf.merge(cfg[section], {"nope": 1})  # a typo in an experiment's YAML: merged the same way
     with pytest.raises(ValidationError):
-        OmegaConf.merge(cfg[section], {"max_new_tokens" if section != "fit" else "k": "many"})
+        OmegaConf.merge(cfg[section], {{"fit": "k", "refit": "threshold"}.get(section, "max_new_tokens"): "many"})
     assert OmegaConf.to_object(cfg[section]) == config.SECTIONS[section]()  # the dataclass holds the defaults
 
 

@@ -11,6 +11,8 @@ Stages (``cfg.stages``, run in order; each reads and writes files in the run dir
 - ``evaluate``: every policy on held-out test prompts, simulated and live (``eval.json``, ``eval.md``, plots).
 - ``export``: transformers and vLLM settings for each policy (``export/<predictor>``).
 - ``decode``: a quick live comparison of the configured policy with autoregressive decoding (``decode.json``).
+- ``refit``: on its own, with ``from_run`` and ``refit.logs``: a candidate fitted on a server's step log, compared with
+  the serving policy on held-out logged requests, deployed when no worse (``refit.json``, ``refit.md``; ``refit.py``).
 
 A finished stage leaves ``<stage>.json``; running again in the same directory (``hydra.run.dir=<run dir>``) skips
 finished stages and resumes unfinished ones (collection by chunk, distillation from its last checkpoint).
@@ -35,7 +37,7 @@ from sacpolicy.pipeline.context import PipelineError, RunContext, eval_settings
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("distill", "head", "collect", "fit", "evaluate", "export", "decode")
+STAGES = ("distill", "head", "collect", "fit", "evaluate", "export", "decode", "refit")
 
 __all__ = ["PipelineError", "RunContext", "STAGES", "build_drafters", "metric_of", "run", "validate"]
 
@@ -57,7 +59,7 @@ def validate(cfg: DictConfig) -> None:
         raise PipelineError(f"fit.k_max={k_max} exceeds collect.k_max={cfg.collect.k_max}, the longest accepted run "
                             "the traces record (longer blocks would replay as rejected); raise collect.k_max or lower "
                             "fit.k_max")
-    if {"fit", "evaluate"} & set(cfg.stages) and k_max > cfg.decoder.k_max:
+    if {"fit", "evaluate", "refit"} & set(cfg.stages) and k_max > cfg.decoder.k_max:
         raise PipelineError(f"fit.k_max={k_max} exceeds decoder.k_max={cfg.decoder.k_max}, the largest block the "
                             "decoder accepts; raise decoder.k_max or lower fit.k_max")
     if "evaluate" in cfg.stages and cfg.eval.get("live_policies") is not None:
@@ -67,6 +69,8 @@ def validate(cfg: DictConfig) -> None:
             check_live_policies(eval_settings(cfg), list(cfg.predictor))
         except ValueError as e:
             raise PipelineError(str(e)) from e
+    if "refit" in cfg.stages:
+        check_refit(cfg)
     if cfg.get("from_run"):
         src = Path(cfg.from_run)
         if not (src / "config.yaml").is_file():
@@ -78,6 +82,19 @@ def validate(cfg: DictConfig) -> None:
                                 f"{cfg.target.spec!r}; reuse a run of the same target or drop from_run")
 
 
+def check_refit(cfg: DictConfig) -> None:
+    rs = cfg.refit
+    if list(cfg.stages) != ["refit"]:
+        raise PipelineError(f"stage refit runs on its own (stages=[refit], not {list(cfg.stages)}): it fits on the "
+                            "production traces of refit.logs, not on this run's; run the other stages separately")
+    if not rs.logs or not cfg.get("from_run"):
+        raise PipelineError("stage refit needs refit.logs=<the step-log directory of scripts/serve.py --log-steps> "
+                            "and from_run=<the run whose policy serves> (its cost model and headline policy)")
+    if rs.canary_fraction is not None and not (rs.deploy_root and 0.0 < rs.canary_fraction <= 1.0):
+        raise PipelineError(f"refit.canary_fraction={rs.canary_fraction} puts an accepted candidate on trial in a "
+                            "deploy root: it needs refit.deploy_root=<root> and a fraction in (0, 1]")
+
+
 def build_drafters(cfg: DictConfig, target, out_dir: Path) -> list:
     """The drafters a run over ``out_dir`` builds for ``target`` (the distilled draft first, then ``cfg.draft``)."""
     ctx = RunContext(cfg, out_dir)
@@ -86,7 +103,8 @@ def build_drafters(cfg: DictConfig, target, out_dir: Path) -> list:
 
 
 def metric_of(outputs: dict) -> float:
-    """The number sweeps optimize: the best learned policy's live tokens/s when evaluated, else the decode stage's."""
+    """The number sweeps optimize: the best learned policy's live tokens/s when evaluated, else the decode stage's,
+    else a refit's candidate/current ratio on held-out requests."""
     if "evaluate" in outputs:
         rows = json.loads(Path(outputs["evaluate"]["eval"]).read_text())["rows"]
         learned = [r["tokens_per_s"] for r in rows if r["name"].startswith("learned") and r["mode"] == "live"]
@@ -95,6 +113,8 @@ def metric_of(outputs: dict) -> float:
             return max(learned)
     if "decode" in outputs:
         return outputs["decode"]["rows"]["policy"]["tokens_per_s"]
+    if "refit" in outputs:
+        return outputs["refit"]["ratios"]["candidate_vs_current"]["ratio"]
     return float("nan")
 
 

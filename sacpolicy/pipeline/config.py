@@ -81,7 +81,27 @@ class RunSettings:
     warmup_prompts: int = 1
 
 
-SECTIONS = {"collect": CollectSettings, "fit": FitSettings, "run": RunSettings}
+@dataclass
+class RefitSettings:
+    """Stage ``refit`` (``sacpolicy.pipeline.refit``): a candidate fitted on a served workload's step log, compared with
+    the policy that serves it on held-out requests of that log."""
+
+    logs: str | None = None  # the step-log directory (scripts/serve.py --log-steps); stage refit needs it
+    # The policy serving now, the one the candidate must beat: a policy artifact, a vLLM export or a deploy root (its
+    # `current`); null: deploy_root's current version when it has one, else from_run's headline (fit.json's)
+    policy: str | None = None
+    # Requests split by their log id (hash, like prompts: sacpolicy.data.splits): fit, tune the rule on, compare on
+    fractions: dict[str, float] = field(default_factory=lambda: {"train": 0.6, "val": 0.2, "test": 0.2})
+    min_requests: int = 3  # fewer requests than this in a split: refused (too few to fit, tune or compare on)
+    include_run_traces: bool = False  # add from_run's train-split traces (the served drafter's) to the fit examples
+    threshold: float = 1.0  # accept when the lower end of the candidate/current interval is at least this
+    level: float = 0.95  # the interval's confidence level
+    resamples: int = 2000  # paired bootstrap resamples over held-out requests
+    deploy_root: str | None = None  # deploy an accepted candidate there (sacpolicy.export.deploy)
+    canary_fraction: float | None = None  # with deploy_root: deploy as a candidate on trial for this share of requests
+
+
+SECTIONS = {"collect": CollectSettings, "fit": FitSettings, "run": RunSettings, "refit": RefitSettings}
 
 # The code config nodes start from -> the parameters a stage passes itself (left out of the node).
 BASES: dict[str, tuple[str, ...]] = {

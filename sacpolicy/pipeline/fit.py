@@ -16,34 +16,41 @@ from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext, comman
 
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
-    from sacpolicy.runtime.artifact import save_policy
 
-    cfg, tracker = ctx.cfg, ctx.tracker
+    cfg = ctx.cfg
     tf_dir = ctx.traces[2]
     ex = examples(ctx)
     summary = {"examples": {s: int((ex.split == s).sum()) for s in SPLITS}, "soft_labels": ctx.soft_labels,
                "predictors": {}}
     specs = {s.name: s for s in ctx.drafter_specs()}
     static = ctx.best_static()
+    provenance = {"target": cfg.target.spec, "traces": str(tf_dir), "command": command()}
     for name in cfg.predictor:
-        t0 = time.perf_counter()
-        pred, metrics, rule, tuning = fit_rule(ctx, name, ex, static, out_dir=ctx.out_dir / "fit" / name,
-                                               lightning_logger=ctx.lightning_logger("fit"))
-        missing = [d for d in rule.drafters if d not in specs]
-        if missing:
-            raise PipelineError(f"traces hold drafters {missing} this run cannot rebuild; configure them in draft=")
-        save_policy(ctx.out_dir / "policies" / name, rule, drafters={d: specs[d] for d in rule.drafters},
-                    provenance={"target": cfg.target.spec, "traces": str(tf_dir), "command": command()},
-                    metrics={"predictor": metrics, "tuning": tuning})
-        track_calibration(tracker, name, pred, ex.of("test", "known"), ctx.out_dir / "plots", soft=ctx.soft_labels)
-        summary["predictors"][name] = {
-            "metrics": metrics, "mode": rule.mode, "optimism": rule.optimism, "fallback": list(rule.fallback),
+        summary["predictors"][name] = fit_policy(ctx, name, ex, static, specs, provenance)
+    summary["headline"] = headline_predictor({n: p["metrics"] for n, p in summary["predictors"].items()})
+    return summary
+
+
+def fit_policy(ctx: RunContext, name: str, ex, static: dict, specs: dict, provenance: dict) -> dict:
+    """Predictor ``name`` fitted on ``ex`` and its rule tuned (``fit_rule``), saved as ``policies/<name>`` of the run
+    (``specs``: how to rebuild each drafter, by name), its calibration tracked; returns its ``fit.json`` entry. The
+    one fitting path of the fit stage and of stage ``refit`` (production traces)."""
+    from sacpolicy.runtime.artifact import save_policy
+
+    t0 = time.perf_counter()
+    pred, metrics, rule, tuning = fit_rule(ctx, name, ex, static, out_dir=ctx.out_dir / "fit" / name,
+                                           lightning_logger=ctx.lightning_logger("fit"))
+    missing = [d for d in rule.drafters if d not in specs]
+    if missing:
+        raise PipelineError(f"traces hold drafters {missing} this run cannot rebuild; configure them in draft=")
+    save_policy(ctx.out_dir / "policies" / name, rule, drafters={d: specs[d] for d in rule.drafters},
+                provenance=provenance, metrics={"predictor": metrics, "tuning": tuning})
+    track_calibration(ctx.tracker, name, pred, ex.of("test", "known"), ctx.out_dir / "plots", soft=ctx.soft_labels)
+    ctx.tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
+    return {"metrics": metrics, "mode": rule.mode, "optimism": rule.optimism, "fallback": list(rule.fallback),
             "fit_s": time.perf_counter() - t0, "tuning_replay": tuning["replay"],
             "fitted_sampling": {k: pred.meta[f"fitted_{k}"] for k in ("temperature", "top_p")},
             "val_tokens_per_s": max((r["val_tokens_per_s"] for r in tuning["grid"]), default=None)}
-        tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
-    summary["headline"] = headline_predictor({n: p["metrics"] for n, p in summary["predictors"].items()})
-    return summary
 
 
 def examples(ctx: RunContext):

@@ -1,0 +1,316 @@
+"""Stage ``refit``: the production loop's decision. A candidate policy fitted on what a server logged, compared with
+the policy that serves it on held-out requests of the same log, and deployed only when it is no worse.
+
+    python scripts/train.py stages=[refit] from_run=outputs/<run> refit.logs=<step-log dir>
+    ... refit.deploy_root=deploy/root   # deploy it when accepted (and refit.canary_fraction=0.1: on trial)
+
+1. The step log (``scripts/serve.py --log-steps``) becomes production traces (``traces.production``) in
+   ``traces/production/{live,tf}`` of this run; its requests are split by their log id into train / val / test
+   (``data.splits.assign_split``: a hash of the id alone, ``refit.fractions``), so no request is in two splits.
+2. Every configured predictor is fitted as stage ``fit`` fits it (``fit.fit_policy``: the same examples, rule tuning
+   on the val requests, the best static on them as fallback), with from_run's cost model (``cost.json``);
+   ``refit.include_run_traces=true`` adds from_run's train-split traces of the served drafter to the fit examples.
+   The candidate is the predictor with the lowest validation log-loss (``policies/<predictor>``).
+3. The candidate, the current policy (``refit.policy``, else the deploy root's ``current``, else from_run's headline)
+   and the best static (drafter, k) of the val requests are replayed over the held-out test requests as the server
+   ran them (``traces.production.AsServed``; ``traces.simulate``, as evaluation replays): simulated seconds of the
+   cost model, per request. The paired bootstrap over those requests (``evaluation.intervals``) gives each ratio's
+   interval; the candidate is accepted when the lower end of its interval against the current policy is at least
+   ``refit.threshold``.
+4. ``refit.json`` (this stage's summary: sizes, split, ratios, decision, paths, per-request figures) and ``refit.md``;
+   the tracker logs the ratios (``refit/...``). An accepted candidate is deployed to ``refit.deploy_root``
+   (``export.deploy``) when one is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from sacpolicy.io import write_text
+from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext, command
+
+logger = logging.getLogger(__name__)
+
+TRACES = "traces/production"  # production traces of the log, in the refit run's directory
+ARMS = ("candidate", "current", "best-static")
+
+
+class RefitContext(RunContext):
+    """The run's context with the production traces (and any mixed-in run traces) in place of collected ones, so the
+    fit stage's code (examples, rule tuning, best static) reads them unchanged."""
+
+    def __init__(self, ctx: RunContext, traces: tuple):
+        super().__init__(ctx.cfg, ctx.out_dir, ctx.tracker)
+        self.traces = traces  # (grouped, {split: grouped}, trace dir, meta), as RunContext.traces
+
+
+def run(ctx: RunContext) -> dict:
+    from sacpolicy.evaluation.evaluate import headline_predictor
+    from sacpolicy.pipeline.fit import examples, fit_policy
+    from sacpolicy.runtime.spec import DrafterSpec
+
+    cfg, rs = ctx.cfg, ctx.cfg.refit
+    current_path = current_policy(ctx)  # resolved before this run writes policies of its own
+    meta, tf_dir = production_traces(ctx)
+    log = meta["log"]
+    grouped, by_split, split_of = split_requests(ctx, tf_dir, meta)
+    spec = meta["drafter"]
+    mixed = run_traces(ctx, spec["name"], set(grouped)) if rs.include_run_traces else {}
+    fit_grouped = {**grouped, **mixed}
+    rctx = RefitContext(ctx, (fit_grouped, {**by_split, "train": {**by_split["train"], **mixed}}, tf_dir, meta))
+    ex = examples(rctx)
+    ex = dataclasses.replace(ex, split=np.array([split_of.get(p, "train") for p in ex.prompt_id]))
+    static = rctx.best_static()
+    specs = {spec["name"]: DrafterSpec(kind=spec["kind"], name=spec["name"], max_ngram=spec["max_ngram"],
+                                       min_ngram=spec["min_ngram"])}
+    provenance = {"target": cfg.target.spec, "traces": str(tf_dir), "logs": str(Path(rs.logs).resolve()),
+                  "from_run": str(Path(cfg.from_run).resolve()), "command": command()}
+    fitted = {name: fit_policy(rctx, name, ex, static, specs, provenance) for name in cfg.predictor}
+    name = headline_predictor({n: p["metrics"] for n, p in fitted.items()})
+    candidate_path = ctx.out_dir / "policies" / name
+    test = by_split["test"]
+    per = {arm: replay(rctx, policy, test, log, spec["name"])
+           for arm, policy in (("candidate", candidate_path), ("current", current_path), ("best-static", static))}
+    ratios = compare(per, seed=cfg.seed, resamples=rs.resamples, level=rs.level)
+    accepted = ratios["candidate_vs_current"]["ci"][0] >= rs.threshold
+    summary = {
+        "logs": provenance["logs"], "from_run": provenance["from_run"], "traces": str(tf_dir.parent),
+        "requests": {k: log[k] for k in ("requests", "incomplete", "dropped", "shards", "policies")},
+        "split": {"fractions": dict(rs.fractions), **{s: len(by_split[s]) for s in SPLITS},
+                  "requests": {s: sorted(by_split[s]) for s in SPLITS}},
+        "run_traces": {"included": bool(rs.include_run_traces), "prompts": len(mixed)},
+        "examples": {s: int((ex.split == s).sum()) for s in SPLITS},
+        "candidate": {"predictor": name, "path": str(candidate_path), "predictors": fitted},
+        "current": {"path": str(current_path)},
+        "best_static": {**static, "chosen_on": "val requests"},
+        "held_out": {"requests": len(test), "tokens": int(sum(per["candidate"]["tokens"])),
+                     "mode": "simulated: replayed over the logged sequences, seconds from from_run's cost model",
+                     "tokens_per_s": {arm: _tps(per[arm]) for arm in ARMS},
+                     "per_request": {"request": list(test), "tokens": per["candidate"]["tokens"],
+                                     "seconds": {arm: per[arm]["seconds"] for arm in ARMS}}},
+        "ratios": ratios, "threshold": rs.threshold, "level": rs.level, "resamples": rs.resamples,
+        "accepted": bool(accepted),
+        "decision": (f"accepted: the lower end of the candidate/current interval is at least {rs.threshold}"
+                     if accepted else f"rejected: the lower end of the candidate/current interval is below "
+                                      f"{rs.threshold}; the current policy keeps serving"),
+    }
+    summary["deployed"] = deploy_candidate(rs, candidate_path) if accepted else None
+    summary["report_md"] = str(write_report(ctx.out_dir / "refit.md", summary))
+    track(ctx.tracker, summary)
+    return summary
+
+
+# ---------------------------------------------------------------------- inputs
+def current_policy(ctx: RunContext) -> Path:
+    """The policy directory the candidate is compared with: ``refit.policy`` (an artifact, a vLLM export or a deploy
+    root), else ``refit.deploy_root``'s current version, else from_run's headline (``fit.json``)."""
+    import json
+
+    from sacpolicy.export.reload import is_deploy_root, live_policy_dir
+
+    rs, src = ctx.cfg.refit, Path(ctx.cfg.from_run)
+    path = rs.policy or (rs.deploy_root if rs.deploy_root and is_deploy_root(rs.deploy_root) else None)
+    if path is None:
+        fit = src / "fit.json"
+        if not fit.is_file():
+            raise PipelineError(f"from_run={src} has no fit.json, so no headline policy to compare the candidate with; "
+                                "pass refit.policy=<the serving policy: artifact, vLLM export or deploy root>")
+        path = src / "policies" / json.loads(fit.read_text())["headline"]
+    path = live_policy_dir(path)
+    if (path / "vllm.env").is_file() and (path / "policy").is_dir():  # a vLLM export (or a deploy version)
+        path = path / "policy"
+    if not (path / "policy.json").is_file():
+        raise PipelineError(f"{path} is not a policy artifact (no policy.json); set refit.policy to a policy "
+                            "directory (policies/<predictor>), a vLLM export or a deploy root")
+    return path
+
+
+def log_meta(logs) -> dict | None:
+    """The provenance the log's first shard records (``traces.production.read_step_log``'s meta); None without a
+    readable shard (reading the log then names the problem and the fix)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from sacpolicy.traces.production import META_KEY, SHARD_PREFIX
+
+    files = sorted(Path(logs).glob(f"{SHARD_PREFIX}*.parquet"))
+    try:
+        raw = (pq.read_schema(files[0]).metadata or {}).get(META_KEY.encode()) if files else None
+    except (OSError, ValueError):  # a damaged shard (pyarrow's ArrowInvalid is a ValueError)
+        return None
+    return json.loads(raw) if raw else None
+
+
+def production_traces(ctx: RunContext) -> tuple[dict, Path]:
+    """(meta, tf dir) of the production traces built from ``refit.logs`` into this run (refusing, with the fix, logs
+    of another target than the run's and a k cap below ``fit.k_max``)."""
+    from sacpolicy.traces.production import StepLogError, build_production_traces
+    from sacpolicy.traces.schema import read_meta
+
+    cfg, logs = ctx.cfg, Path(ctx.cfg.refit.logs)
+    first = log_meta(logs)
+    theirs = first["target"].get("target") if first else None
+    if theirs is not None and theirs != cfg.target.spec:
+        raise PipelineError(f"refit.logs={logs} was logged serving target {theirs!r}, but from_run and this run use "
+                            f"{cfg.target.spec!r}: a policy refits on its own target's logs. Point refit.logs at logs "
+                            f"of {cfg.target.spec!r}, or from_run at a run of {theirs!r} (and target= to match)")
+    out = ctx.out_dir / TRACES
+    try:
+        meta = build_production_traces(logs, out, target=cfg.target.spec)
+    except StepLogError as e:
+        raise PipelineError(f"refit.logs={logs}: {e}") from e
+    k_cap = int(meta["log"]["k_cap"])
+    if cfg.fit.k_max > k_cap:
+        raise PipelineError(f"fit.k_max={cfg.fit.k_max} exceeds the k cap {k_cap} of the server that logged "
+                            f"{logs} (its traces record no longer accepted run, and a deploy root refuses a policy "
+                            f"above its cap); set fit.k_max={k_cap}")
+    return {**read_meta(out / "tf"), "drafter": log_meta(logs)["drafter"]}, out / "tf"
+
+
+def split_requests(ctx: RunContext, tf_dir: Path, meta: dict) -> tuple[dict, dict, dict]:
+    """(grouped, {split: grouped}, {request: split}) of the production traces: each request's split from its log id
+    (``assign_split``, ``refit.fractions``); refused when a split has fewer than ``refit.min_requests``."""
+    from sacpolicy.data.splits import SplitError, assign_split
+    from sacpolicy.traces.schema import load_traces
+    from sacpolicy.traces.simulate import group_traces
+
+    rs = ctx.cfg.refit
+    fractions = dict(rs.fractions)
+    grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=ctx.cfg.target.spec), meta)
+    try:
+        split_of = {rid: assign_split(rid, fractions) for rid in grouped}
+    except SplitError as e:
+        raise PipelineError(f"refit.fractions: {e}") from e
+    by_split = {s: {rid: grouped[rid] for rid in sorted(grouped) if split_of[rid] == s} for s in SPLITS}
+    sizes = {s: len(g) for s, g in by_split.items()}
+    if set(fractions) != set(SPLITS) or min(sizes.values()) < rs.min_requests:
+        raise PipelineError(f"the log's {len(grouped)} complete requests split into {sizes} (refit.fractions="
+                            f"{fractions}); a refit needs at least refit.min_requests={rs.min_requests} in each of "
+                            f"{list(SPLITS)} to fit, tune and compare on. Log more requests (serve longer, or a "
+                            "higher --log-rate) or adjust refit.fractions")
+    return grouped, by_split, split_of
+
+
+def run_traces(ctx: RunContext, drafter: str, taken: set) -> dict:
+    """from_run's train-split traces of the served ``drafter`` (grouped, that drafter only), for the fit examples."""
+    from sacpolicy.data.splits import assign_split
+    from sacpolicy.traces.schema import load_traces, read_meta, trace_temperature
+    from sacpolicy.traces.simulate import group_traces
+
+    tf_dir = ctx.need("traces/tf", "refit")
+    meta = read_meta(tf_dir)
+    if trace_temperature(meta) > 0:
+        raise PipelineError(f"{tf_dir} holds sampled traces, the production ones are greedy: their labels differ; "
+                            "refit without them (refit.include_run_traces=false)")
+    grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=ctx.cfg.target.spec), meta)
+    out = {pid: {**p, "drafters": {drafter: p["drafters"][drafter]}} for pid, p in grouped.items()
+           if assign_split(pid) == "train" and drafter in p["drafters"]}
+    if not out:
+        raise PipelineError(f"{tf_dir} holds no train traces of the served drafter {drafter!r}; collect them with "
+                            f"draft=[{drafter}] or refit without them (refit.include_run_traces=false)")
+    if taken & set(out):
+        raise PipelineError(f"request ids {sorted(taken & set(out))[:3]} of the log are also prompt ids of {tf_dir}")
+    return out
+
+
+# ---------------------------------------------------------------------- the comparison
+def replay(ctx: RunContext, policy, test: dict, log: dict, drafter: str) -> dict:
+    """{"tokens", "seconds"} per held-out request (``test``'s order) of ``policy`` (a policy directory, replayed as
+    the server runs it: ``AsServed``; or a best-static {"drafter", "k"}), seconds from the run's cost model."""
+    from sacpolicy.decoding import DecoderConfig
+    from sacpolicy.policy import Static
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.artifact import load_artifact
+    from sacpolicy.traces.production import AsServed
+    from sacpolicy.traces.simulate import simulate
+
+    k_cap = int(log["k_cap"])
+    if isinstance(policy, dict):
+        pol, config = Static(int(policy["k"]), policy["drafter"]), DecoderConfig(k_max=k_cap)
+    else:
+        rule = load_artifact(policy).rule
+        pol = AsServed(LearnedPolicy(rule), tuple(rule.drafters), k_cap, int(log["max_model_len"]))
+        config = DecoderConfig(k_max=max(rule.k_max, k_cap))
+    sim = simulate(pol, test, ctx.cost, vocab_size=ctx.vocab_size, config=config, drafters=[drafter])
+    return {"tokens": [len(out.tokens) for _, out in sim.results],
+            "seconds": [float(out.total_s) for _, out in sim.results]}
+
+
+def compare(per: dict, *, seed: int, resamples: int, level: float) -> dict:
+    """The candidate's tokens/s over the current policy's and over the best static's, the current's over the best
+    static's, each with a paired bootstrap interval over the held-out requests (one draw for all three)."""
+    from sacpolicy.evaluation.intervals import bootstrap_indices, paired_ratio_interval
+
+    idx = bootstrap_indices(len(per["candidate"]["tokens"]), resamples=resamples, seed=seed)
+    out = {}
+    for a, b in (("candidate", "current"), ("candidate", "best-static"), ("current", "best-static")):
+        lo, hi = paired_ratio_interval(per[a]["tokens"], per[a]["seconds"], per[b]["tokens"], per[b]["seconds"],
+                                       idx=idx, level=level)
+        out[f"{a}_vs_{b}".replace("-", "_")] = {"ratio": _tps(per[a]) / _tps(per[b]), "ci": [lo, hi]}
+    return out
+
+
+def _tps(arm: dict) -> float:
+    return sum(arm["tokens"]) / sum(arm["seconds"])
+
+
+# ---------------------------------------------------------------------- outputs
+def deploy_candidate(rs, candidate: Path) -> dict | None:
+    """An accepted candidate written to ``refit.deploy_root`` as ``current``, or as ``candidate`` on trial for
+    ``refit.canary_fraction`` of requests; None without a deploy root."""
+    from sacpolicy.export.deploy import deploy
+    from sacpolicy.runtime.artifact import ArtifactError
+
+    if not rs.deploy_root:
+        return None
+    canary = rs.canary_fraction is not None
+    try:
+        version = deploy(candidate, rs.deploy_root, candidate=canary, fraction=rs.canary_fraction)
+    except ArtifactError as e:
+        raise PipelineError(f"the candidate was accepted but not deployed to refit.deploy_root={rs.deploy_root}: "
+                            f"{e}") from e
+    logger.info("deployed the candidate as %s of %s: %s", "candidate" if canary else "current", rs.deploy_root,
+                version.name)
+    return {"root": str(Path(rs.deploy_root).resolve()), "version": version.name,
+            "as": "candidate" if canary else "current", "canary_fraction": rs.canary_fraction}
+
+
+def write_report(path: Path, s: dict) -> Path:
+    req, split, held, best = s["requests"], s["split"], s["held_out"], s["best_static"]
+    lines = [
+        f"# Refit: {s['decision'].split(':')[0]}", "",
+        (f"- logs: `{s['logs']}` ({req['requests']} complete requests, {req['incomplete']} incomplete, "
+         f"{req['dropped']} steps dropped); from_run: `{s['from_run']}`"),
+        (f"- split by request: train {split['train']}, val {split['val']}, test {split['test']} (fractions "
+         f"{split['fractions']}); run traces mixed in: {s['run_traces']['prompts']} prompts"),
+        (f"- candidate: `{s['candidate']['path']}` ({s['candidate']['predictor']}); current: `{s['current']['path']}`; "
+         f"best static on val requests: {best['drafter']} k={best['k']}"),
+        f"- held-out requests: {held['requests']} ({held['tokens']} tokens), {held['mode']}", "",
+        f"| ratio | value | {100 * s['level']:g}% interval (paired bootstrap over held-out requests) |",
+        "|---|---:|---|"]
+    for key, r in s["ratios"].items():
+        lines.append(f"| {key.replace('_vs_', ' / ')} | {r['ratio']:.3f} | [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |")
+    lines += ["", f"Decision: {s['decision']} (threshold {s['threshold']}).", ""]
+    if s["deployed"]:
+        d = s["deployed"]
+        lines.append(f"Deployed to `{d['root']}` as {d['as']}: version `{d['version']}`.")
+    write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def track(tracker, s: dict) -> None:
+    metrics = {f"tokens_per_s_{arm.replace('-', '_')}": v for arm, v in s["held_out"]["tokens_per_s"].items()}
+    for key, r in s["ratios"].items():
+        metrics.update({key: r["ratio"], f"{key}_lo": r["ci"][0], f"{key}_hi": r["ci"][1]})
+    metrics.update({"accepted": int(s["accepted"]), "held_out_requests": s["held_out"]["requests"],
+                    **{f"{k}_requests": s["split"][k] for k in SPLITS}})
+    tracker.log(metrics, "refit")
+    tracker.table("refit/ratios", [{"ratio": k, "value": r["ratio"], "lo": r["ci"][0], "hi": r["ci"][1]}
+                                   for k, r in s["ratios"].items()])
+    tracker.bar("refit/tokens_per_s", s["held_out"]["tokens_per_s"], value="tokens_per_s",
+                title="tokens/s on held-out requests (simulated)")

@@ -1,0 +1,232 @@
+"""Stage ``refit`` (sacpolicy.pipeline.refit), the production loop's decision: a served workload's step log becomes
+production traces split by request, a candidate is fitted on them with the fit stage's code, replayed against the
+serving policy on the held-out requests only, and accepted (and deployed) only when the paired bootstrap's lower end
+clears the threshold.
+
+Fast: the step log comes from test_production's fake engine driving the real proposer (a periodic greedy "target"
+that an n-gram drafter copies well); ``from_run`` is a minimal run directory (config, cost model, fit.json and the
+serving policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from test_config import cfg_for
+from test_production import proposer, workload
+from toys import ngram_rule
+
+from sacpolicy import pipeline
+from sacpolicy.data.splits import assign_split
+from sacpolicy.evaluation.intervals import bootstrap_indices, paired_ratio_interval
+from sacpolicy.export import deploy
+from sacpolicy.export.reload import CURRENT, artifact_digest
+from sacpolicy.models import EMBEDDED_TARGET
+from sacpolicy.runtime import load_artifact, save_policy
+from sacpolicy.traces.schema import load_traces
+
+NGRAM = {"ngram": {"kind": "ngram", "max_ngram": 3}}
+
+
+def serve(tmp_path, monkeypatch, n, seed=0, target=EMBEDDED_TARGET, log="log"):
+    """A step log of ``n`` requests served by the fake engine through the learned proposer (policy ``stop``)."""
+    prop = proposer(tmp_path, monkeypatch, "stop", log=log, target=target)
+    workload(n=n, seed=seed).run(prop)
+    prop.steplog.close()
+    return tmp_path / log
+
+
+def weak_rule():
+    """A rule whose predictor expects every draft to be rejected: it decodes autoregressively."""
+    rule = ngram_rule("k")
+    arrays = {**rule.predictor.arrays, "intercept": np.array([-30.0])}
+    return dataclasses.replace(rule, predictor=dataclasses.replace(rule.predictor, arrays=arrays))
+
+
+def make_run(tmp_path, rule) -> tuple:
+    """A minimal ``from_run``: its config (the embedded target), cost model and headline policy ``rule``."""
+    run = tmp_path / "run"
+    cfg = cfg_for(tmp_path=run)
+    run.mkdir()
+    OmegaConf.save(cfg, run / "config.yaml")
+    rule.cost.to_json(run / "cost.json")
+    (run / "fit.json").write_text(json.dumps({"headline": "logreg"}))
+    policy = save_policy(run / "policies" / "logreg", rule, drafters=NGRAM, provenance={"target": EMBEDDED_TARGET},
+                         metrics={})
+    return run, policy
+
+
+def refit(out, run, logs, *overrides):
+    return pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", f"refit.logs={logs}", "predictor=[logreg]",
+                                "fit.k_max=6", *overrides, tmp_path=out))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(tmp dir, a step log of 30 served requests): 13 / 10 / 7 by request id."""
+    tmp = tmp_path_factory.mktemp("refit")
+    with pytest.MonkeyPatch.context() as mp:
+        logs = serve(tmp, mp, 30, seed=7)
+    return tmp, logs
+
+
+def split_ids(report) -> dict:
+    return {s: set(ids) for s, ids in report["split"]["requests"].items()}
+
+
+def test_refit_splits_by_request_compares_on_held_out_requests_only_and_deploys_an_accepted_candidate(served,
+                                                                                                       tmp_path):
+    _, logs = served
+    run, weak = make_run(tmp_path, weak_rule())
+    root = tmp_path / "deploy"
+    first = deploy.deploy(weak, root)  # the weak policy serves: refit compares with the root's current version
+    out = tmp_path / "refit"
+    outputs = refit(out, run, logs, f"refit.deploy_root={root}")
+    r = json.loads((out / "refit.json").read_text())
+    assert outputs["metric"] == r["ratios"]["candidate_vs_current"]["ratio"]
+    # every complete logged request in exactly one split, by its id's hash
+    ids = set(load_traces(out / "traces/production/tf")["prompt_id"])
+    parts = split_ids(r)
+    assert set().union(*parts.values()) == ids and sum(map(len, parts.values())) == len(ids)
+    assert len(ids) == r["requests"]["requests"] == 30
+    assert all(assign_split(rid, r["split"]["fractions"]) == s for s, part in parts.items() for rid in part)
+    assert all(len(p) >= 3 for p in parts.values())
+    # the comparison: the held-out requests only, each paired across the arms; its ratio and interval recomputed
+    held = r["held_out"]["per_request"]
+    assert held["request"] == sorted(parts["test"]) and r["held_out"]["requests"] == len(parts["test"])
+    tf = load_traces(out / "traces/production/tf")
+    assert held["tokens"] == [sum(1 for p in tf["prompt_id"] if p == rid) for rid in held["request"]]
+    sec = held["seconds"]
+    idx = bootstrap_indices(len(held["request"]), resamples=r["resamples"], seed=0)
+    for a, b in (("candidate", "current"), ("candidate", "best-static")):
+        ratio = r["ratios"][f"{a}_vs_{b}".replace("-", "_")]
+        assert ratio["ratio"] == pytest.approx(sum(sec[b]) / sum(sec[a]))  # the same tokens: a ratio of seconds
+        assert ratio["ci"] == pytest.approx(list(paired_ratio_interval(held["tokens"], sec[a], held["tokens"], sec[b],
+                                                                       idx=idx)))
+    assert r["current"]["path"] == str(root / "versions" / first.name / "policy")  # what served when refit ran
+    # autoregressive serving loses to a fitted n-gram policy on a periodic workload: accepted, clearly
+    assert r["accepted"] and r["ratios"]["candidate_vs_current"]["ci"][0] > 1.2
+    assert r["best_static"]["drafter"] == "ngram" and 1 <= r["best_static"]["k"] <= 6
+    # the candidate: fitted by the fit stage's code on the production traces, for the served drafter and cap
+    cand = load_artifact(out / "policies" / "logreg")
+    assert r["candidate"]["path"] == str(out / "policies" / "logreg") and cand.rule.drafters == ("ngram",)
+    assert cand.rule.k_max == 6 and cand.provenance["target"] == EMBEDDED_TARGET
+    assert cand.provenance["traces"] == str(out / "traces/production/tf")
+    assert r["examples"]["train"] > 0 and r["examples"]["val"] > 0 and r["run_traces"]["prompts"] == 0
+    # deployed as current: a new version of the root serving exactly the candidate
+    assert r["deployed"]["as"] == "current" and deploy.current_version(root) == r["deployed"]["version"] != first.name
+    assert artifact_digest(load_artifact(root / CURRENT / "policy")) == artifact_digest(cand)
+    assert [h["action"] for h in deploy.history(root)] == ["deploy", "deploy"]
+    md = (out / "refit.md").read_text()
+    assert md.startswith("# Refit: accepted") and "candidate / current" in md and r["deployed"]["version"] in md
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("refit/candidate_vs_current_lo" in m for m in logged)
+
+
+def test_a_candidate_worse_than_the_serving_policy_is_rejected_and_not_deployed(served, tmp_path):
+    _, logs = served
+    run, strong = make_run(tmp_path, ngram_rule("stop"))  # the logged policy itself: long n-gram blocks
+    root = tmp_path / "deploy"
+    first = deploy.deploy(strong, root)
+    out = tmp_path / "refit"
+    refit(out, run, logs, "fit.k_max=1", f"refit.deploy_root={root}")  # a candidate held to one-token blocks
+    r = json.loads((out / "refit.json").read_text())
+    ratio = r["ratios"]["candidate_vs_current"]
+    assert not r["accepted"] and ratio["ci"][1] < 1.0 and r["deployed"] is None
+    assert r["decision"].startswith("rejected") and (out / "refit.md").read_text().startswith("# Refit: rejected")
+    assert deploy.versions(root) == [first.name] and deploy.current_version(root) == first.name
+    assert (out / "policies" / "logreg" / "policy.json").is_file()  # written for inspection all the same
+
+
+def test_an_accepted_candidate_goes_on_trial_as_a_canary(served, tmp_path):
+    _, logs = served
+    run, weak = make_run(tmp_path, weak_rule())
+    root = tmp_path / "deploy"
+    first = deploy.deploy(weak, root)
+    r = refit(tmp_path / "refit", run, logs, f"refit.deploy_root={root}", "refit.canary_fraction=0.25")["refit"]
+    assert r["accepted"] and r["deployed"]["as"] == "candidate"
+    assert deploy.current_version(root) == first.name  # the current policy keeps serving the other requests
+    assert deploy.current_version(root, "candidate") == r["deployed"]["version"]
+    assert json.loads((root / "canary.json").read_text())["fraction"] == 0.25
+
+
+def test_run_traces_of_the_served_drafter_join_the_fit_examples_only(served, tmp_path, monkeypatch):
+    from sacpolicy.traces.production import build_production_traces
+
+    _, logs = served
+    run, _ = make_run(tmp_path, weak_rule())
+    # from_run's traces: another workload's (a log of its own, rebuilt as this run's traces/tf)
+    build_production_traces(serve(tmp_path, monkeypatch, 12, seed=11, log="other"), tmp_path / "other-traces")
+    (run / "traces").mkdir()
+    (tmp_path / "other-traces" / "tf").rename(run / "traces" / "tf")
+    theirs = set(load_traces(run / "traces" / "tf")["prompt_id"])
+    base = refit(tmp_path / "plain", run, logs)["refit"]
+    mixed = refit(tmp_path / "mixed", run, logs, "refit.include_run_traces=true")["refit"]
+    train = {p for p in theirs if assign_split(p) == "train"}
+    assert mixed["run_traces"] == {"included": True, "prompts": len(train)} and train
+    assert mixed["examples"]["train"] > base["examples"]["train"]
+    assert {s: mixed["examples"][s] for s in ("val", "test")} == {s: base["examples"][s] for s in ("val", "test")}
+    # the held-out comparison is on the production requests alone, as without them
+    assert mixed["split"] == base["split"] and not theirs & set(mixed["held_out"]["per_request"]["request"])
+
+
+def test_bad_input_is_refused_with_the_fix(served, tmp_path, monkeypatch):
+    _, logs = served
+    run, _ = make_run(tmp_path, weak_rule())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(pipeline.PipelineError, match="refit.logs=.*no step-log shards.*--log-steps"):
+        refit(tmp_path / "a", run, tmp_path / "empty")
+    other = serve(tmp_path, monkeypatch, 4, seed=1, target="toy:greedy-target", log="other")
+    with pytest.raises(pipeline.PipelineError, match="logged serving target 'toy:greedy-target'.*Point refit.logs"):
+        refit(tmp_path / "b", run, other)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    shard = sorted(logs.glob("steps-*.parquet"))[0]
+    (damaged / shard.name).write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(pipeline.PipelineError, match=f"corrupt step-log shard {damaged / shard.name}.*Delete it"):
+        refit(tmp_path / "a2", run, damaged)
+    few = serve(tmp_path, monkeypatch, 5, seed=2, log="few")
+    with pytest.raises(pipeline.PipelineError, match=r"5 complete requests split into .*Log more requests"):
+        refit(tmp_path / "c", run, few)
+    with pytest.raises(pipeline.PipelineError, match="exceeds the k cap 6 .*set fit.k_max=6"):
+        refit(tmp_path / "d", run, logs, "fit.k_max=8")
+    with pytest.raises(pipeline.PipelineError, match="runs on its own"):
+        refit(tmp_path / "e", run, logs, "stages=[fit,refit]")
+    with pytest.raises(pipeline.PipelineError, match="needs refit.logs=.*and from_run="):
+        pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", tmp_path=tmp_path / "f"))
+    with pytest.raises(pipeline.PipelineError, match="canary_fraction=0.5 .*needs refit.deploy_root"):
+        refit(tmp_path / "g", run, logs, "refit.canary_fraction=0.5")
+    (run / "fit.json").unlink()
+    with pytest.raises(pipeline.PipelineError, match="no fit.json.*refit.policy="):
+        refit(tmp_path / "h", run, logs)
+    with pytest.raises(pipeline.PipelineError, match="not a policy artifact.*refit.policy"):
+        refit(tmp_path / "i", run, logs, f"refit.policy={tmp_path}")
+
+
+def test_refit_settings_compose_under_hydra():
+    from sacpolicy.pipeline.config import RefitSettings
+
+    cfg = cfg_for("stages=[refit]", "from_run=outputs/run", "refit.logs=logs/steps", "refit.threshold=1.02",
+                  "refit.fractions={train: 0.5, val: 0.25, test: 0.25}", "refit.deploy_root=deploy/root",
+                  "refit.canary_fraction=0.1", "refit.include_run_traces=true")
+    assert OmegaConf.to_object(cfg.refit) == RefitSettings(
+        logs="logs/steps", threshold=1.02, fractions={"train": 0.5, "val": 0.25, "test": 0.25},
+        deploy_root="deploy/root", canary_fraction=0.1, include_run_traces=True)
+    assert "refit" in pipeline.STAGES
+
+
+def test_a_refit_logs_its_decision_to_wandb_offline(served, tmp_path, monkeypatch):
+    from test_tracking import read_offline_run
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _, logs = served
+    run, _ = make_run(tmp_path, weak_rule())
+    r = refit(tmp_path / "out", run, logs, "logger=wandb")["refit"]
+    logged = read_offline_run(tmp_path / "out")
+    assert logged.logged("refit/candidate_vs_current") == [r["ratios"]["candidate_vs_current"]["ratio"]]
+    assert logged.logged("refit/accepted") == [1] and logged.summary["metric"] == r["ratios"]["candidate_vs_current"][
+        "ratio"]
