@@ -109,11 +109,13 @@ class RunContext:
         """The target's greedy answers to the MT-Bench first turns, generated once per target and distillation data
         settings (``distill.data``: their length and teacher top-k) and cached: quoted by ``mt_bench_turn2`` prompts,
         reused as distillation data."""
+        from sacpolicy import ranks
         from sacpolicy.training.distill_data import first_answers
 
         data = self.cfg.distill.data
-        return first_answers(self.target, max_new_tokens=data.max_new_tokens, topk=data.topk,
-                             batch_size=data.gen_batch_size)
+        return ranks.rank_zero_first(lambda: first_answers(self.target, max_new_tokens=data.max_new_tokens,
+                                                           topk=data.topk, batch_size=data.gen_batch_size),
+                                     "the target's first answers")
 
     def test_prompts(self) -> list:
         """The held-out prompts with test traces, in the order evaluation decodes them live (the run's seeded
