@@ -1,0 +1,70 @@
+"""The training stages under Lightning DDP, as users launch them: ``scripts/train.py trainer=ddp_cpu`` (2 CPU
+processes, gloo; Lightning starts rank 1 as a second run of the same command at rank 0's first ``fit``). Side effects
+happen once, the later stages run once (on rank 0), each rank trains on its own share of the batches, and the
+exports are those of a 1-process run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = "stages=[distill,head,collect]"
+# both training stages short; the later stage (collect) small: what matters is where and how often it runs
+SMALL = ["distill.max_steps=2", "head.max_steps=2", "collect.num_prompts={train: 2, val: 1, test: 1}",
+         "collect.max_new_tokens=8", "collect.profile.repeats=1", "collect.profile.ks=[0,1]",
+         "collect.profile.context_lens=[32]", "draft=[ngram]"]
+
+
+def _train(tmp_path, name, *overrides):
+    from sacpolicy.models import cache_root
+
+    cache = tmp_path / "cache"  # its own distillation data, the converted models shared
+    if not cache.exists():
+        (cache_root() / "models").mkdir(parents=True, exist_ok=True)
+        cache.mkdir()
+        (cache / "models").symlink_to(cache_root() / "models")
+    env = {**os.environ, "SACPOLICY_CACHE": str(cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/train.py"), "experiment=smoke", STAGES, *SMALL,
+                          *overrides, f"hydra.run.dir={tmp_path / name}"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return tmp_path / name, out.stdout + out.stderr
+
+
+def _files(d: Path) -> dict:
+    return {p.name: p.stat().st_size > 0 for p in sorted(d.iterdir())}
+
+
+@pytest.mark.slow  # three processes in all, two of them in DDP
+def test_training_stages_under_ddp_on_two_cpu_processes(tmp_path):
+    ddp, log = _train(tmp_path, "ddp", "trainer=ddp_cpu")
+    one, _ = _train(tmp_path, "one")  # the same run in one process (the cached data reused)
+    assert "distributed_backend=gloo" in log or "gloo" in log
+    # every rank trains; the stage after them runs once, on rank 0; its summary written once
+    for stage, ranks in (("distill", 2), ("head", 2), ("collect", 1)):
+        assert log.count(f"stage {stage} done in") == ranks, (stage, log[-3000:])
+    metrics = [json.loads(line) for line in (ddp / "metrics.jsonl").read_text().splitlines()]
+    assert sum("collect/seconds" in m for m in metrics) == 1 and sum("distill/seconds" in m for m in metrics) == 1
+    assert [p.name for p in ddp.glob("*.failed")] == [] and (ddp / "config.yaml").is_file()
+    assert len(list((ddp / "traces" / "tf").glob("*.parquet"))) == len(list((one / "traces" / "tf").glob("*.parquet")))
+    for stage in ("distill", "head"):
+        d, o = (json.loads((r / f"{stage}.json").read_text()) for r in (ddp, one))
+        assert d["world_size"] == 2 and o["world_size"] == 1
+        # each rank its half of the batches (distill: Lightning's DistributedSampler; head: LengthBuckets' share)
+        assert d["train_batches_per_rank"] < o["train_batches_per_rank"], (stage, d, o)
+        assert d["train_batches_per_rank"] >= o["train_batches_per_rank"] // 2, (stage, d, o)
+    # rank 0 exported what a 1-process run exports, in the same format
+    for rel in ("distill/draft", "head/head"):
+        assert _files(ddp / rel) == _files(one / rel), rel
+        cfg_d, cfg_o = (json.loads((r / rel / "config.json").read_text()) for r in (ddp, one))
+        assert cfg_d == cfg_o, rel
+    from safetensors import safe_open
+
+    for rel in ("distill/draft/model.safetensors", "head/head/model.safetensors"):
+        with safe_open(str(ddp / rel), "pt") as a, safe_open(str(one / rel), "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            assert all(a.get_slice(k).get_dtype() == b.get_slice(k).get_dtype() for k in a.keys())
