@@ -46,9 +46,15 @@ class Rank:
 
 
 def current(env: Mapping[str, str] | None = None) -> Rank:
-    """This process's rank, local rank and world size: torchrun's ``RANK``, else Lightning's ``NODE_RANK`` and
-    ``LOCAL_RANK`` (rank 0 exactly when both are 0), else a single process."""
-    env = os.environ if env is None else env
+    """This process's rank, local rank and world size: the running process group's, else torchrun's ``RANK``, else
+    Lightning's ``NODE_RANK`` and ``LOCAL_RANK`` (rank 0 exactly when both are 0), else a single process. (Lightning
+    removes ``WORLD_SIZE`` when a ``fit`` ends; its process group stays.)"""
+    if env is None:
+        import torch.distributed as dist
+
+        env = os.environ
+        if dist.is_available() and dist.is_initialized():
+            return Rank(dist.get_rank(), int(env.get("LOCAL_RANK", "0")), dist.get_world_size())
     local = int(env.get("LOCAL_RANK", "0"))
     world = int(env.get("WORLD_SIZE", "1"))
     if "RANK" in env:

@@ -1,6 +1,7 @@
 """The training stages under Lightning DDP, as users launch them: ``scripts/train.py trainer=ddp_cpu`` (2 CPU
 processes, gloo; Lightning starts rank 1 as a second run of the same command at rank 0's first ``fit``). Side effects
-happen once, the later stages run once (on rank 0), each rank trains on its own share of the batches, and the
+happen once, each rank trains on its own share of the batches and collects its shard of the traces, rank 0 merges
+the shards into exactly the rows of a 1-process run (one cost.json) and runs the later stages once, and the
 exports are those of a 1-process run."""
 
 import json
@@ -12,11 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = "stages=[distill,head,collect]"
-# both training stages short; the later stage (collect) small: what matters is where and how often it runs
+STAGES = "stages=[distill,head,collect,fit]"
+# both training stages short; the later stages small: what matters is where and how often they run
 SMALL = ["distill.max_steps=2", "head.max_steps=2", "collect.num_prompts={train: 2, val: 1, test: 1}",
          "collect.max_new_tokens=8", "collect.profile.repeats=1", "collect.profile.ks=[0,1]",
-         "collect.profile.context_lens=[32]", "draft=[ngram]"]
+         "collect.profile.context_lens=[32]", "draft=[ngram]", "predictor=[logreg,mlp]"]
 
 
 def _train(tmp_path, name, *overrides):
@@ -44,13 +45,18 @@ def test_training_stages_under_ddp_on_two_cpu_processes(tmp_path):
     ddp, log = _train(tmp_path, "ddp", "trainer=ddp_cpu")
     one, _ = _train(tmp_path, "one")  # the same run in one process (the cached data reused)
     assert "distributed_backend=gloo" in log or "gloo" in log
-    # every rank trains; the stage after them runs once, on rank 0; its summary written once
-    for stage, ranks in (("distill", 2), ("head", 2), ("collect", 1)):
+    # every rank trains and collects; the stage after them runs once, on rank 0; each summary written once
+    for stage, ranks in (("distill", 2), ("head", 2), ("collect", 2), ("fit", 1)):
         assert log.count(f"stage {stage} done in") == ranks, (stage, log[-3000:])
+    assert log.count("profiling the cost model") == 1 and (ddp / "cost.json").is_file()
     metrics = [json.loads(line) for line in (ddp / "metrics.jsonl").read_text().splitlines()]
-    assert sum("collect/seconds" in m for m in metrics) == 1 and sum("distill/seconds" in m for m in metrics) == 1
+    for stage in ("distill", "head", "collect", "fit"):
+        assert sum(f"{stage}/seconds" in m for m in metrics) == 1, stage
     assert [p.name for p in ddp.glob("*.failed")] == [] and (ddp / "config.yaml").is_file()
-    assert len(list((ddp / "traces" / "tf").glob("*.parquet"))) == len(list((one / "traces" / "tf").glob("*.parquet")))
+    merged, alone = (json.loads((r / "traces" / "tf" / "manifest.json").read_text()) for r in (ddp, one))
+    assert (merged["shards"], alone["shards"]) == (2, 1)
+    assert (merged["rows"], merged["prompts"]) == (alone["rows"], alone["prompts"])
+    assert json.loads((ddp / "collect.json").read_text())["merged"] == merged
     for stage in ("distill", "head"):
         d, o = (json.loads((r / f"{stage}.json").read_text()) for r in (ddp, one))
         assert d["world_size"] == 2 and o["world_size"] == 1

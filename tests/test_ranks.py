@@ -101,7 +101,7 @@ def test_share_run_dir_through_a_real_store():
 def _record_stages(monkeypatch, ran):
     import importlib
 
-    for stage in ("collect", "head", "fit"):
+    for stage in ("fit", "head", "evaluate"):
         mod = importlib.import_module(f"sacpolicy.pipeline.{stage}")
         monkeypatch.setattr(mod, "run", lambda ctx, stage=stage: ran.append(stage) or {"stage": stage})
 
@@ -109,48 +109,49 @@ def _record_stages(monkeypatch, ran):
 def test_other_ranks_train_wait_for_rank_zeros_files_and_write_none(launched, monkeypatch, tmp_path):
     ran = []
     _record_stages(monkeypatch, ran)
-    cfg = cfg_for("experiment=smoke", "stages=[collect,head,fit]", tmp_path=tmp_path)
+    cfg = cfg_for("experiment=smoke", "stages=[fit,head,evaluate]", tmp_path=tmp_path)
     out = tmp_path  # cfg_for's run directory
     launched(RANK=1, LOCAL_RANK=1, WORLD_SIZE=2)
-    writer = threading.Timer(0.5, lambda: (out.mkdir(parents=True, exist_ok=True),
-                                           (out / "collect.json").write_text(json.dumps({"by": "rank 0"}))))
+    writer = threading.Timer(0.5, lambda: (out / "fit.json").write_text(json.dumps({"by": "rank 0"})))
     writer.start()
     outputs = pipeline.run(cfg)
     writer.join()
-    # collect is rank 0's (rank 1 read its summary), head trains on every rank, fit comes after the last training
-    # stage: rank 0's alone
-    assert ran == ["head"] and outputs["collect"] == {"by": "rank 0"} and "fit" not in outputs
-    assert sorted(p.name for p in out.iterdir()) == ["collect.json"]  # no config.yaml, head.json, metrics
+    # fit is rank 0's (rank 1 read its summary), head trains on every rank, evaluate comes after the last stage of
+    # every rank: rank 0's alone
+    assert ran == ["head"] and outputs["fit"] == {"by": "rank 0"} and "evaluate" not in outputs
+    assert sorted(p.name for p in out.iterdir()) == ["fit.json"]  # no config.yaml, head.json, metrics
 
     ran.clear()
     launched(RANK=0, LOCAL_RANK=0)
+    monkeypatch.setattr(pipeline, "metric_of", lambda outputs: 0.0)
+    monkeypatch.setattr("sacpolicy.pipeline.report.write_run_report", lambda *a: out / "report.md")
     outputs = pipeline.run(cfg)
-    assert ran == ["head", "fit"]  # collect.json was there: skipped
-    assert {"config.yaml", "head.json", "fit.json", "metrics.jsonl"} <= {p.name for p in out.iterdir()}
+    assert ran == ["head", "evaluate"]  # fit.json was there: skipped
+    assert {"config.yaml", "head.json", "evaluate.json", "metrics.jsonl"} <= {p.name for p in out.iterdir()}
 
 
 def test_a_waiting_rank_raises_rank_zeros_failure(launched, monkeypatch, tmp_path):
     ran = []
     _record_stages(monkeypatch, ran)
-    cfg = cfg_for("experiment=smoke", "stages=[collect,head]", tmp_path=tmp_path)
+    cfg = cfg_for("experiment=smoke", "stages=[fit,head]", tmp_path=tmp_path)
     out = tmp_path
-    (out / "collect.failed").write_text("stale: from an earlier run")
+    (out / "fit.failed").write_text("stale: from an earlier run")
     time.sleep(0.05)
     launched(RANK=1, LOCAL_RANK=1, WORLD_SIZE=2)
-    threading.Timer(0.5, lambda: (out / "collect.failed").write_text("OutOfMemoryError: boom")).start()
+    threading.Timer(0.5, lambda: (out / "fit.failed").write_text("OutOfMemoryError: boom")).start()
     with pytest.raises(RuntimeError, match="boom"):
         pipeline.run(cfg)
     assert ran == []
 
 
 def test_rank_zero_failure_leaves_the_failed_file(launched, monkeypatch, tmp_path):
-    from sacpolicy.pipeline import collect
+    from sacpolicy.pipeline import fit
 
-    monkeypatch.setattr(collect, "run", lambda ctx: 1 / 0)
-    cfg = cfg_for("experiment=smoke", "stages=[collect]", tmp_path=tmp_path)
+    monkeypatch.setattr(fit, "run", lambda ctx: 1 / 0)
+    cfg = cfg_for("experiment=smoke", "stages=[fit]", tmp_path=tmp_path)
     with pytest.raises(ZeroDivisionError):
         pipeline.run(cfg)
-    assert "ZeroDivisionError" in (tmp_path / "collect.failed").read_text()
+    assert "ZeroDivisionError" in (tmp_path / "fit.failed").read_text()
 
 
 def test_length_buckets_share_the_batches_out_over_ranks():

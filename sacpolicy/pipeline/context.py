@@ -148,10 +148,16 @@ class RunContext:
     def traces(self):
         """The run's teacher-forced traces (or from_run's): (grouped by prompt, {split: grouped}, trace dir, meta)."""
         from sacpolicy.data import assign_split
-        from sacpolicy.traces.schema import load_traces, read_meta
+        from sacpolicy.traces.schema import TraceError, load_traces, read_meta
+        from sacpolicy.traces.shards import MANIFEST, SHARDS_DIR, merge_shards
         from sacpolicy.traces.simulate import group_traces
 
         tf_dir = self.need("traces/tf", "fit")
+        if (tf_dir / SHARDS_DIR).is_dir() and not (tf_dir / MANIFEST).is_file():
+            try:  # a sharded collection: every shard must be there (a missing one is named)
+                merge_shards(tf_dir)
+            except TraceError as exc:
+                raise PipelineError(str(exc)) from exc
         meta = read_meta(tf_dir)
         grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=self.cfg.target.spec), meta,
                                draws=self.cfg.fit.get("draws"))

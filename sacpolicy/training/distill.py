@@ -283,4 +283,5 @@ def train_draft(target, datamodule, settings: DistillSettings, trainer_factory, 
                "train_tokens": sum(len(r) - p for r, p in zip(datamodule.train["input_ids"], datamodule.train["prompt_len"]))}
     if trainer.is_global_zero:
         export_draft(draft, target, out_dir / "draft", {"settings": asdict(s), "metrics": metrics})
+    trainer.strategy.barrier("draft exported")  # the other ranks' next stages load it
     return metrics

@@ -326,6 +326,7 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
                "val_sequences": len(caches["val"]),
                "data": data or {"source": "the target's continuations of the training prompts (distill data)"}}
         save_head(head, out_dir / "head", {**leg, "target": target.spec, **_legs_of(init_dir, leg), **origin})
+    trainer.strategy.barrier("head saved")  # the other ranks' next stages load it
     return metrics
 
 
