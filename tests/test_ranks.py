@@ -175,3 +175,20 @@ def test_length_buckets_share_the_batches_out_over_ranks():
     assert sorted(i for r in range(3) for i in Strided(10, 3, r)) == list(range(10))
     with pytest.raises(ValueError, match="rank 2"):
         LengthBuckets(lengths, 4, num_replicas=2, rank=2)
+
+
+def test_separately_launched_shards_merge_when_the_last_is_done(tmp_path):
+    """``collect.shard=i/n`` in n launches into one run directory: a shard alone leaves no collect.json and the run
+    stops there; fit names a missing shard; the last shard merges and the run goes on."""
+    small = ["collect.num_prompts={train: 2, val: 1, test: 1}", "collect.max_new_tokens=6", "draft=[ngram]",
+             "collect.profile.repeats=1", "collect.profile.ks=[0,1]", "collect.profile.context_lens=[32]"]
+    outputs = pipeline.run(cfg_for("experiment=smoke", "stages=[collect,fit]", "collect.shard=1/2", *small,
+                                   tmp_path=tmp_path))
+    assert outputs["collect"]["partial"] and outputs["collect"]["missing"] == [0] and "fit" not in outputs
+    assert not (tmp_path / "collect.json").exists() and not (tmp_path / "cost.json").exists()  # shard 0 profiles
+    with pytest.raises(pipeline.PipelineError, match=r"misses shard\(s\) 0/2"):
+        pipeline.run(cfg_for("experiment=smoke", "stages=[fit]", *small, tmp_path=tmp_path))
+    outputs = pipeline.run(cfg_for("experiment=smoke", "stages=[collect]", "collect.shard=0/2", *small,
+                                   tmp_path=tmp_path))
+    assert outputs["collect"]["merged"]["shards"] == 2 and (tmp_path / "collect.json").is_file()
+    assert (tmp_path / "cost.json").is_file()
