@@ -58,7 +58,7 @@ def embedded():
 
 @pytest.fixture(scope="session")
 def tiny_device(request) -> dict:
-    """{"device", "dtype"} of the tiny models: CPU/float32 (results exact everywhere) unless ``--device``/``--dtype``."""
+    """{"device", "dtype"} of the tiny models: CPU/float32 (exact everywhere) unless ``--device`` / ``--dtype``."""
     return {"device": request.config.getoption("--device"), "dtype": request.config.getoption("--dtype")}
 
 

@@ -39,8 +39,8 @@ from sacpolicy.training.common import MinuteLog, StepAcceptance, WarmupAdamW, co
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Eagle3Module", "Eagle3Settings", "FeatureLoaders", "draft_vocabulary", "head_layers", "init_head", "load_head", "save_head",
-           "train_eagle3"]
+__all__ = ["Eagle3Module", "Eagle3Settings", "FeatureLoaders", "draft_vocabulary", "head_layers", "init_head",
+           "load_head", "save_head", "train_eagle3"]
 
 
 DEFAULT_DRAFT_VOCAB = 8192
