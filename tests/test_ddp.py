@@ -74,3 +74,22 @@ def test_training_stages_under_ddp_on_two_cpu_processes(tmp_path):
         with safe_open(str(ddp / rel), "pt") as a, safe_open(str(one / rel), "pt") as b:
             assert sorted(a.keys()) == sorted(b.keys())
             assert all(a.get_slice(k).get_dtype() == b.get_slice(k).get_dtype() for k in a.keys())
+
+
+@pytest.mark.slow  # torchrun and two ranks
+def test_torchrun_ranks_share_one_run_directory_and_collect_a_shard_each(tmp_path):
+    """``torchrun --nproc-per-node 2 scripts/train.py ...`` without ``hydra.run.dir``: rank 0 picks the run directory
+    (``${now}``) and rank 1 reads it from torchrun's store; both train, each collects its shard, rank 0 merges."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(ROOT / "scripts/train.py"), "experiment=smoke",
+                          "stages=[distill,collect]", "trainer=ddp_cpu", *SMALL[:1], *SMALL[2:]],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    runs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1, runs  # one run directory for both ranks
+    run, log = runs[0], out.stdout + out.stderr
+    assert log.count("stage distill done in") == 2 and log.count("stage collect done in") == 2
+    assert log.count("profiling the cost model") == 1 and (run / "cost.json").is_file()
+    assert json.loads((run / "collect.json").read_text())["merged"]["shards"] == 2
+    assert (run / "distill" / "draft" / "model.safetensors").is_file()
