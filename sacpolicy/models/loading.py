@@ -102,9 +102,13 @@ class LoadedModel:
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto``: CUDA when present, else CPU. A CUDA device without an index is this rank's GPU
+    (``cuda:$LOCAL_RANK`` under torchrun or Lightning's DDP launcher: ``sacpolicy.ranks.local_device``)."""
+    from sacpolicy.ranks import local_device
+
     if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return local_device(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device | None = None) -> torch.dtype:

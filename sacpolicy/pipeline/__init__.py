@@ -38,8 +38,10 @@ from sacpolicy.pipeline.context import PipelineError, RunContext, eval_settings
 logger = logging.getLogger(__name__)
 
 STAGES = ("distill", "head", "collect", "fit", "evaluate", "export", "decode", "refit")
+# the stages every rank of a distributed launch runs: training (Lightning DDP / FSDP) and sharded collection
+EVERY_RANK = ("distill", "head", "collect")
 
-__all__ = ["PipelineError", "RunContext", "STAGES", "build_drafters", "metric_of", "run", "validate"]
+__all__ = ["PipelineError", "RunContext", "STAGES", "EVERY_RANK", "build_drafters", "metric_of", "run", "validate"]
 
 
 def validate(cfg: DictConfig) -> None:
@@ -120,34 +122,48 @@ def metric_of(outputs: dict) -> float:
 
 def run(cfg: DictConfig) -> dict:
     """Run the configured stages (skipping those this run directory already finished). Returns each stage's summary
-    and ``metric``, the number a sweep optimizes."""
-    from sacpolicy.pipeline.tracking import make_tracker
+    and ``metric``, the number a sweep optimizes.
+
+    Under torchrun or Lightning's DDP launcher every rank runs this: the training stages and collection
+    (``EVERY_RANK``) on every rank, each on its own device and share; the other stages, the run's files
+    (``config.yaml``, ``<stage>.json``, the tracker) and the report on rank 0 alone, while the other ranks wait for
+    its ``<stage>.json`` when a stage of theirs follows, and stop after their last stage otherwise. A stage that
+    returns ``partial`` (one shard of a separately launched collection) ends the run without its ``<stage>.json``."""
+    from sacpolicy import ranks
+    from sacpolicy.pipeline.tracking import SilentTracker, make_tracker
 
     validate(cfg)
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.paths.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, out_dir / "config.yaml", resolve=False)
-    tracker = make_tracker(cfg.get("tracker"), out_dir, OmegaConf.to_container(cfg, resolve=False))
+    rank, started = ranks.current(), time.time()
+    if rank.zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, out_dir / "config.yaml", resolve=False)
+        tracker = make_tracker(cfg.get("tracker"), out_dir, OmegaConf.to_container(cfg, resolve=False))
+    else:
+        tracker = SilentTracker()
     ctx = RunContext(cfg, out_dir, tracker)
+    stages = list(cfg.stages)
+    if not rank.zero:  # the stages after the last of EVERY_RANK are rank 0's alone
+        stages = stages[: max((i + 1 for i, s in enumerate(stages) if s in EVERY_RANK), default=0)]
     outputs: dict = {}
     try:
-        for stage in cfg.stages:
+        for stage in stages:
             done = out_dir / f"{stage}.json"
+            if not rank.zero and stage not in EVERY_RANK:
+                logger.info("rank %d: stage %s runs on rank 0; waiting for %s", rank.rank, stage, done)
+                ranks.wait_for(done, out_dir / f"{stage}.failed", since=started)
             if done.exists():
                 logger.info("stage %s already finished in %s: skipped (delete %s to rerun it)", stage, out_dir, done)
                 outputs[stage] = json.loads(done.read_text())
                 continue
-            t0 = time.perf_counter()
-            logger.info("stage %s", stage)
-            summary = importlib.import_module(f"sacpolicy.pipeline.{stage}").run(ctx)
-            summary["stage_s"] = time.perf_counter() - t0
-            write_json(done, summary)
-            outputs[stage] = summary
-            tracker.log({"seconds": summary["stage_s"]}, stage)
-            logger.info("stage %s done in %.1fs", stage, summary["stage_s"])
+            outputs[stage] = _run_stage(ctx, stage, rank.zero)
+            if outputs[stage].get("partial"):
+                logger.warning("stage %s did its part (%s); the run goes on once the rest is done: %s", stage,
+                               outputs[stage].get("shard"), outputs[stage])
+                break
         outputs["metric"] = metric_of(outputs)
-        if "evaluate" in outputs:
+        if "evaluate" in outputs and rank.zero:
             from sacpolicy.pipeline.report import write_run_report
 
             outputs["report"] = str(write_run_report(cfg, out_dir, outputs))
@@ -155,3 +171,24 @@ def run(cfg: DictConfig) -> dict:
     finally:
         tracker.finish()
     return outputs
+
+
+def _run_stage(ctx: RunContext, stage: str, writes: bool) -> dict:
+    """Run one stage; ``writes``: leave its ``<stage>.json`` (rank 0), or ``<stage>.failed`` with the error, which
+    the ranks waiting for it raise."""
+    from sacpolicy.io import write_text
+
+    t0 = time.perf_counter()
+    logger.info("stage %s", stage)
+    try:
+        summary = importlib.import_module(f"sacpolicy.pipeline.{stage}").run(ctx)
+    except BaseException as exc:
+        if writes:
+            write_text(ctx.out_dir / f"{stage}.failed", f"{type(exc).__name__}: {exc}")
+        raise
+    summary["stage_s"] = time.perf_counter() - t0
+    if writes and not summary.get("partial"):
+        write_json(ctx.out_dir / f"{stage}.json", summary)
+        ctx.tracker.log({"seconds": summary["stage_s"]}, stage)
+    logger.info("stage %s done in %.1fs", stage, summary["stage_s"])
+    return summary

@@ -109,11 +109,13 @@ class RunContext:
         """The target's greedy answers to the MT-Bench first turns, generated once per target and distillation data
         settings (``distill.data``: their length and teacher top-k) and cached: quoted by ``mt_bench_turn2`` prompts,
         reused as distillation data."""
+        from sacpolicy import ranks
         from sacpolicy.training.distill_data import first_answers
 
         data = self.cfg.distill.data
-        return first_answers(self.target, max_new_tokens=data.max_new_tokens, topk=data.topk,
-                             batch_size=data.gen_batch_size)
+        return ranks.rank_zero_first(lambda: first_answers(self.target, max_new_tokens=data.max_new_tokens,
+                                                           topk=data.topk, batch_size=data.gen_batch_size),
+                                     "the target's first answers")
 
     def test_prompts(self) -> list:
         """The held-out prompts with test traces, in the order evaluation decodes them live (the run's seeded
@@ -146,10 +148,16 @@ class RunContext:
     def traces(self):
         """The run's teacher-forced traces (or from_run's): (grouped by prompt, {split: grouped}, trace dir, meta)."""
         from sacpolicy.data import assign_split
-        from sacpolicy.traces.schema import load_traces, read_meta
+        from sacpolicy.traces.schema import TraceError, load_traces, read_meta
+        from sacpolicy.traces.shards import MANIFEST, SHARDS_DIR, merge_shards
         from sacpolicy.traces.simulate import group_traces
 
         tf_dir = self.need("traces/tf", "fit")
+        if (tf_dir / SHARDS_DIR).is_dir() and not (tf_dir / MANIFEST).is_file():
+            try:  # a sharded collection: every shard must be there (a missing one is named)
+                merge_shards(tf_dir)
+            except TraceError as exc:
+                raise PipelineError(str(exc)) from exc
         meta = read_meta(tf_dir)
         grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=self.cfg.target.spec), meta,
                                draws=self.cfg.fit.get("draws"))

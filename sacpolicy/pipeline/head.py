@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hydra.utils import instantiate
 
+from sacpolicy import ranks
 from sacpolicy.pipeline.context import RunContext
 from sacpolicy.pipeline.distill import distill_data
 
@@ -25,14 +26,15 @@ def run(ctx: RunContext) -> dict:
         from sacpolicy.training.head_data import build_head_data
 
         head_data = instantiate(ctx.cfg.head_data, _convert_="all")
-        caches = build_head_data(ctx.target, head_data, head_layers(settings, ctx.target))
+        layers = head_layers(settings, ctx.target)
+        caches = ranks.rank_zero_first(lambda: build_head_data(ctx.target, head_data, layers), "the head's data")
         kinds = {"sharegpt": "ShareGPT's fixed answers", "regenerated": "the target's own greedy answers"}
         data = {**asdict(head_data), "kind": [f"{kinds[x]}, teacher-forced" for x in head_data.sources],
                 "train_tokens_by_source": {x: sum(c.lengths) for x, c in zip(head_data.sources,
                                                                              caches["train"].caches)}}
     elif settings.trains:  # budget 0 with a warm start: the warm-start head as it is, no data needed
         dm = distill_data(ctx, instantiate(ctx.cfg.distill))
-        dm.setup()
+        ranks.rank_zero_first(dm.setup, "the distillation data")
         train, val = dm.train, dm.val
     metrics = train_eagle3(ctx.target, train, val, settings, instantiate(ctx.cfg.trainer), ctx.out_dir / "head",
                            ctx.lightning_logger("head"), caches=caches, data=data)

@@ -70,6 +70,19 @@ class Tracker:
             w.writerows(rows)
 
 
+class SilentTracker(Tracker):
+    """What a rank other than 0 of a distributed run tracks: nothing (rank 0's tracker holds the run)."""
+
+    def __init__(self, out_dir=None, config: dict | None = None):
+        self.out_dir = None
+
+    def log(self, metrics: dict, stage: str) -> None:
+        pass
+
+    def _write_csv(self, name: str, rows: list[dict]) -> None:
+        pass
+
+
 class WandbTracker(Tracker):
     """The CSV tracker's files, and the same data in one W&B run: tables as ``wandb.Table``, bars as
     ``wandb.plot.bar`` charts, histograms as one ``wandb.Histogram`` per label under ``<name>/<label>``."""

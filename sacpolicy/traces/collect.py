@@ -3,7 +3,9 @@ pass over the target's sequence. (Live decoding is measured by the evaluate stag
 
 Collection is sharded and resumable: prompts are split into shards (``shard=(i, n)``, or torchrun's RANK /
 WORLD_SIZE) and each shard into chunks of ``chunk_size`` prompts; every chunk is one Parquet file written atomically,
-so a rerun skips finished chunks and an interruption loses at most the chunk in progress, never duplicates one.
+so a rerun skips finished chunks and an interruption loses at most the chunk in progress, never duplicates one. A
+finished shard leaves its manifest; ``traces.shards.merge_shards`` checks that all n are there (done here when n is
+1).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sacpolicy.traces.schema import (
     write_meta,
     write_shard,
 )
+from sacpolicy.traces.shards import merge_shards, write_shard_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ def _prepare(out_dir: Path, meta: dict) -> None:
     """Write the sidecar, or check that an existing one describes the same collection (so resuming is safe)."""
     if (out_dir / "meta.json").exists():
         old = read_meta(out_dir)
-        keys = [k for k in meta if k not in ("device_name",)]
+        keys = [k for k in meta if k not in ("device_name", "device")]  # shards run on several devices
         if any(old.get(k) != meta[k] for k in keys):
             diff = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k]}
             raise TraceError(f"{out_dir} holds traces of another collection {diff}; use a new directory")
@@ -155,7 +158,8 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
                        "dtype": str(target.dtype), **({} if sampling.greedy else {"beta": "processed"})})
     decoder = SpeculativeDecoder(target.model, [], None, sampling=sampling,
                                  stop_token_ids=target.eos_token_ids)
-    chunks = list(_chunks(prompts, shard, chunk_size))
+    i, n = resolve_shard(shard)
+    chunks = list(_chunks(prompts, (i, n), chunk_size))
     for name, chunk in progress_iter(chunks, "teacher-forced traces", unit="chunk", enabled=progress):
         if (out_dir / f"{name}.parquet").exists():
             continue
@@ -166,6 +170,10 @@ def collect_teacher_forced(target, drafters: Sequence, prompts, out_dir, *, max_
             rows += teacher_forced_rows(target, drafters, r, res.tokens, k_max, target_logits=res.logits,
                                         sampling=sampling)
         write_shard(rows, "teacher_forced", out_dir, name)
+    write_shard_manifest(out_dir, i, n, [r["prompt_id"] for _, chunk in chunks for r in chunk],
+                         [name for name, _ in chunks])
+    if n == 1:
+        merge_shards(out_dir, 1)
     return out_dir
 
 

@@ -108,10 +108,10 @@ def build_draft(
 def export_draft(draft: DraftModel, target: LoadedModel, out_dir: str | Path, meta: dict) -> Path:
     """Write a directory that ``AutoModelForCausalLM.from_pretrained`` loads (full-vocabulary head) plus the vocab
     map and provenance. Written to a temporary sibling and renamed: a half-written draft is never picked up."""
-    model = copy.deepcopy(draft.model).eval()
+    model = copy.deepcopy(draft.model).eval().to(target.dtype)  # trained in float32: served in the target's dtype
     if draft.d2t is not None:
-        full = draft.full_head.clone()
-        full[draft.d2t] = draft.model.get_output_embeddings().weight.detach()
+        full = draft.full_head.clone().to(target.dtype)
+        full[draft.d2t] = draft.model.get_output_embeddings().weight.detach().to(target.dtype)
         head = nn.Linear(full.shape[1], full.shape[0], bias=False, device=full.device, dtype=full.dtype)
         head.weight = nn.Parameter(full)
         model.set_output_embeddings(head)

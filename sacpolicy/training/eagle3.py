@@ -39,8 +39,8 @@ from sacpolicy.training.common import MinuteLog, StepAcceptance, WarmupAdamW, co
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Eagle3Module", "Eagle3Settings", "draft_vocabulary", "head_layers", "init_head", "load_head", "save_head",
-           "train_eagle3"]
+__all__ = ["Eagle3Module", "Eagle3Settings", "FeatureLoaders", "draft_vocabulary", "head_layers", "init_head",
+           "load_head", "save_head", "train_eagle3"]
 
 
 DEFAULT_DRAFT_VOCAB = 8192
@@ -201,6 +201,48 @@ class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
         self.log("val/loss", loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)
 
 
+    def on_fit_start(self):
+        """The target's embedding the head reads is shared, not a submodule: when the module trains on another
+        device than the target sits on (a rank's GPU), the head reads a frozen copy on its own device."""
+        embed = self.head._embed[0]
+        if embed.weight.device != self.device:
+            logger.info("the target's embedding is on %s, the head trains on %s: using a frozen copy there",
+                        embed.weight.device, self.device)
+            self.head._embed[0] = torch.nn.Embedding.from_pretrained(embed.weight.detach().to(self.device),
+                                                                      freeze=True)
+
+
+class FeatureLoaders(L.LightningDataModule):
+    """The head's loaders over the feature caches, made once Lightning knows this rank: training batches from
+    ``LengthBuckets`` (this rank's share of the length buckets), validation sequences strided over the ranks."""
+
+    def __init__(self, caches: dict, batch_size: int, seed: int = 0):
+        super().__init__()
+        self.caches, self.batch_size, self.seed = caches, batch_size, seed
+
+    def _ranks(self) -> dict:
+        t = self.trainer
+        return {"num_replicas": t.world_size, "rank": t.global_rank} if t is not None else {}
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from sacpolicy.training.eagle3_data import LengthBuckets, collate_features
+
+        train = self.caches["train"]
+        return DataLoader(train, collate_fn=collate_features,
+                          batch_sampler=LengthBuckets(train.lengths, self.batch_size, seed=self.seed, **self._ranks()))
+
+    def val_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from sacpolicy.training.eagle3_data import Strided, collate_features
+
+        val = self.caches["val"]
+        return DataLoader(val, batch_size=self.batch_size, collate_fn=collate_features,
+                          sampler=Strided(len(val), **self._ranks()))
+
+
 # ---------------------------------------------------------------------- checkpoint files
 def save_head(head: Eagle3Head, out_dir, provenance: dict) -> Path:
     """Write our checkpoint: ``model.safetensors`` (speculators names, no embedding), ``config.json``,
@@ -222,9 +264,9 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     ``caches``: {"train", "val"} feature caches built elsewhere (``sacpolicy.training.head_data``) instead of
     sequences; ``data``: their recipe, recorded in the head's provenance as this leg's data."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-    from torch.utils.data import DataLoader
 
-    from sacpolicy.training.eagle3_data import LengthBuckets, build_feature_cache, collate_features
+    from sacpolicy import ranks
+    from sacpolicy.training.eagle3_data import build_feature_cache
 
     s, out_dir = settings, Path(out_dir)
     init_dir = warm_start_dir(s.init_from, target)
@@ -241,13 +283,16 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
         config, draft_ids = head.config, head.draft_ids.cpu()
     if not s.trains:  # budget 0: the warm-start head as it is
         metrics = {"val/accept_len": None, "global_step": 0}
-        save_head(head, out_dir / "head", {**_provenance_of(init_dir), "settings": asdict(s), "metrics": metrics,
-                                           "target": target.spec, "trained_here": False})
+        if ranks.current().zero:
+            save_head(head, out_dir / "head", {**_provenance_of(init_dir), "settings": asdict(s), "metrics": metrics,
+                                               "target": target.spec, "trained_here": False})
+        ranks.barrier()
         return metrics
-    if caches is None:
-        caches = {split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
-                                             progress=progress)
-                  for split, seqs in (("train", train_seqs), ("val", val_seqs))}
+    if caches is None:  # built by rank 0, read by the others
+        caches = ranks.rank_zero_first(lambda: {
+            split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
+                                       progress=progress)
+            for split, seqs in (("train", train_seqs), ("val", val_seqs))}, "the head's feature caches")
     for split, cache in caches.items():
         if cache.aux_layer_ids != list(config.aux_layer_ids):
             raise ValueError(f"the {split} feature cache {cache.dir} holds aux layers {cache.aux_layer_ids}, the head "
@@ -260,27 +305,28 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     kwargs = {"callbacks": [best, EarlyStopping(monitor="val/accept_len", mode="max", patience=s.patience,
                                                 check_on_train_epoch_end=False), MinuteLog("EAGLE-3 head"),
                             *callbacks],
-              "logger": logger if logger is not None else False, "val_check_interval": s.val_check_interval}
+              "logger": logger if logger is not None else False, "val_check_interval": s.val_check_interval,
+              "use_distributed_sampler": False}  # FeatureLoaders shares the data out over the ranks itself
     if s.budget_minutes:
         kwargs["max_time"] = {"minutes": s.budget_minutes}
     if s.max_steps:
         kwargs["max_steps"] = s.max_steps
     trainer = trainer_factory(**kwargs)
-    train_dl = DataLoader(caches["train"], collate_fn=collate_features,
-                          batch_sampler=LengthBuckets(caches["train"].lengths, s.batch_size, seed=s.seed))
-    val_dl = DataLoader(caches["val"], batch_size=s.batch_size, collate_fn=collate_features)
     last = ckpt_dir / "last.ckpt"
-    trainer.fit(module, train_dl, val_dl, ckpt_path=str(last) if last.is_file() else None)
+    trainer.fit(module, datamodule=FeatureLoaders(caches, s.batch_size, s.seed),
+                ckpt_path=str(last) if last.is_file() else None)
     if best.best_model_path:
         module.load_state_dict(torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"])
     score = best.best_model_score
-    metrics = {"val/accept_len": None if score is None else float(score), "global_step": trainer.global_step}
+    metrics = {"val/accept_len": None if score is None else float(score), "global_step": trainer.global_step,
+               "world_size": trainer.world_size, "train_batches_per_rank": int(trainer.num_training_batches)}
     if trainer.is_global_zero:
         leg = {"command": " ".join(sys.argv), "settings": asdict(s), "metrics": metrics,
                "train_sequences": len(caches["train"]), "train_tokens": sum(caches["train"].lengths),
                "val_sequences": len(caches["val"]),
                "data": data or {"source": "the target's continuations of the training prompts (distill data)"}}
         save_head(head, out_dir / "head", {**leg, "target": target.spec, **_legs_of(init_dir, leg), **origin})
+    trainer.strategy.barrier("head saved")  # the other ranks' next stages load it
     return metrics
 
 

@@ -234,14 +234,30 @@ def collate_features(items: list[dict]) -> dict:
 class LengthBuckets(Sampler):
     """Batches of ``batch_size`` sequences of similar length (little padding), in a new random order every epoch:
     the sequences are shuffled, cut into pools of ``pool`` batches, each pool sorted by length and cut into batches,
-    and the batches shuffled. Seeded: epoch e of a run draws the same batches wherever it runs."""
+    and the batches shuffled. Seeded: epoch e of a run draws the same batches wherever it runs.
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, pool: int = 64):
+    Distributed (``num_replicas`` ranks, this one ``rank``): every rank draws the same batches and takes every
+    ``num_replicas``-th of them from its rank on, so the ranks' shares are disjoint and bucketed alike; when the
+    batches do not divide evenly, the last ranks repeat the epoch's first batches, so every rank steps as often (DDP
+    syncs gradients each step). Lightning calls ``set_epoch`` each epoch (``use_distributed_sampler=False``: this
+    sampler is the distributed one)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, pool: int = 64, num_replicas: int = 1,
+                 rank: int = 0):
         if batch_size < 1 or not lengths:
             raise ValueError(f"LengthBuckets needs batch_size >= 1 and sequences (got {batch_size}, {len(lengths)})")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"LengthBuckets: rank {rank} is not one of {num_replicas} replicas")
         self.lengths, self.batch_size, self.seed, self.pool, self.epoch = list(lengths), batch_size, seed, pool, 0
+        self.num_replicas, self.rank = num_replicas, rank
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
+        return -(-self._batches() // self.num_replicas)
+
+    def _batches(self) -> int:
         return -(-len(self.lengths) // self.batch_size)
 
     def __iter__(self):
@@ -252,4 +268,20 @@ class LengthBuckets(Sampler):
         for s in range(0, len(order), span):
             pool = sorted(order[s : s + span], key=self.lengths.__getitem__)
             batches += [pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
-        yield from (batches[i] for i in torch.randperm(len(batches), generator=gen).tolist())
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+        padded = [batches[i % len(batches)] for i in range(len(self) * self.num_replicas)]
+        yield from padded[self.rank :: self.num_replicas]
+
+
+class Strided(Sampler):
+    """Rank ``rank``'s share of ``n`` items for evaluation: every ``num_replicas``-th from ``rank`` on, in order,
+    none repeated (validation sums its counts over ranks; uneven shares are fine without gradients)."""
+
+    def __init__(self, n: int, num_replicas: int = 1, rank: int = 0):
+        self.n, self.num_replicas, self.rank = n, num_replicas, rank
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.num_replicas))
+
+    def __iter__(self):
+        return iter(range(self.rank, self.n, self.num_replicas))
