@@ -151,11 +151,12 @@ def acceptance(target, drafter, seqs, k_max: int) -> dict:
 def step_cost(target, drafter, ids, reps: int = 20) -> float:
     """Median seconds of one drafted token (a 4-token block's average, after the context is fed) over one cached
     target step, measured alternately."""
-    from sacpolicy.decoding import DraftRow
+    from sacpolicy.decoding import DraftRow, feature_layers
     from sacpolicy.decoding.aux import aux_pass
 
-    _, cap = aux_pass(target.model, ids, 1, drafter.aux_layers)
-    aux = cap.rows(drafter.aux_layers) if drafter.aux_layers else None
+    layers = feature_layers(drafter)
+    _, cap = aux_pass(target.model, ids, 1, layers)
+    aux = cap.rows(layers) if layers else None
     d, t = [], []
     for _ in range(reps):
         state = drafter.new_state()

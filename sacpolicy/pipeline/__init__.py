@@ -35,9 +35,28 @@ from sacpolicy.pipeline.context import PipelineError, RunContext, eval_settings
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("distill", "head", "collect", "fit", "evaluate", "export", "decode")
+# Each stage's ``run(ctx) -> summary``, as "module:function", imported when the stage runs (so importing the pipeline
+# loads no training or evaluation code); STAGES, their order, is this registry's keys.
+STAGE_RUNNERS = {
+    "distill": "sacpolicy.pipeline.distill:run",
+    "head": "sacpolicy.pipeline.head:run",
+    "collect": "sacpolicy.pipeline.collect:run",
+    "fit": "sacpolicy.pipeline.fit:run",
+    "evaluate": "sacpolicy.pipeline.evaluate:run",
+    "export": "sacpolicy.pipeline.export:run",
+    "decode": "sacpolicy.pipeline.decode:run",
+}
+STAGES = tuple(STAGE_RUNNERS)
 
-__all__ = ["PipelineError", "RunContext", "STAGES", "build_drafters", "metric_of", "run", "validate"]
+__all__ = ["PipelineError", "RunContext", "STAGES", "metric_of", "run", "stage_runner", "validate"]
+
+
+def stage_runner(stage: str):
+    """The function that runs ``stage`` (``STAGE_RUNNERS``)."""
+    if stage not in STAGE_RUNNERS:
+        raise PipelineError(f"unknown stage {stage!r}; stages are {list(STAGES)} (e.g. stages=[collect,fit])")
+    module, function = STAGE_RUNNERS[stage].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -78,13 +97,6 @@ def validate(cfg: DictConfig) -> None:
                                 f"{cfg.target.spec!r}; reuse a run of the same target or drop from_run")
 
 
-def build_drafters(cfg: DictConfig, target, out_dir: Path) -> list:
-    """The drafters a run over ``out_dir`` builds for ``target`` (the distilled draft first, then ``cfg.draft``)."""
-    ctx = RunContext(cfg, out_dir)
-    ctx.target = target
-    return ctx.drafters
-
-
 def metric_of(outputs: dict) -> float:
     """The number sweeps optimize: the best learned policy's live tokens/s when evaluated, else the decode stage's."""
     if "evaluate" in outputs:
@@ -120,7 +132,7 @@ def run(cfg: DictConfig) -> dict:
                 continue
             t0 = time.perf_counter()
             logger.info("stage %s", stage)
-            summary = importlib.import_module(f"sacpolicy.pipeline.{stage}").run(ctx)
+            summary = stage_runner(stage)(ctx)
             summary["stage_s"] = time.perf_counter() - t0
             write_json(done, summary)
             outputs[stage] = summary

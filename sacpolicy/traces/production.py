@@ -9,7 +9,7 @@ Writes two trace directories (``meta.source = "vllm"``):
 - ``live``: one row per logged step whose outcome is known (the block's accepted tokens are read from the next
   step's committed tokens; the block drafted after a request's last step is never verified and has no row);
 - ``tf``: ``teacher_forced`` rows rebuilt from each request's token sequence (the context on first sight, then the
-  tokens committed each step) with the n-gram drafter's token-only teacher forcing (``Drafter.teacher_force``). For
+  tokens committed each step) with the n-gram drafter's token-only teacher forcing (``types.teacher_force``). For
   greedy serving they are exact: a drafted token is accepted when it equals the target's, so ``run_len`` and
   ``beta`` (1 where the first drafted token matches, else 0) need no target pass; ``p_target`` is unknown (NaN).
   Sampled serving would need ``beta``/``p_target`` from a target pass over the sequences: not built here
@@ -168,13 +168,14 @@ def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
 
 
 def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[dict]:
-    """``teacher_forced`` rows of a request from its tokens alone (``Drafter.teacher_force``, runs as
+    """``teacher_forced`` rows of a request from its tokens alone (``decoding.types.teacher_force``, runs as
     ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN)."""
+    from sacpolicy.decoding.types import teacher_force
     from sacpolicy.traces.collect import proposal_runs
 
     ids, L = torch.tensor(req["tokens"]), req["prompt_len"]
     gen = ids[L:]
-    tf = drafter.teacher_force(ids, L, k_max)
+    tf = teacher_force(drafter, ids, L, k_max)
     run, plen = proposal_runs(tf, gen, k_max)
     first, stats = tf.tokens[:, 0].tolist(), tf.confidence.tolist()
     return [{"prompt_id": rid, "category": CATEGORY, "prompt_len": L, "drafter": drafter.name, "position": g,
