@@ -2,6 +2,7 @@
 
     spec = DrafterSpec(kind="ngram", name="ngram", max_ngram=3)      # or instantiate(cfg.draft.ngram)
     drafter = build_drafter(spec, target)                              # target: a sacpolicy.models.LoadedModel
+    drafters = build_drafters(load_artifact(path), target)             # a policy's drafters, in its rule's order
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sacpolicy.decoding.drafters import (
     trim_lm_head,
 )
 from sacpolicy.decoding.suffix import SuffixDrafter
+from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
 from sacpolicy.runtime.spec import DrafterSpec
 
 VOCAB_MAP_FILE = "vocab_map.safetensors"  # beside a draft's save_pretrained files when its vocabulary is trimmed
@@ -41,8 +43,26 @@ def build_drafter(spec: DrafterSpec, target):
     return model_drafter(target, spec.path, name=spec.name)
 
 
-def build_drafters(specs, target) -> list:
-    return [build_drafter(s, target) for s in specs]
+def build_drafters(source, target) -> list:
+    """The drafters ``source`` describes, in its order, on ``target`` (a ``LoadedModel``). ``source``: drafter specs
+    (any iterable of ``DrafterSpec``: a run's ``RunContext.drafter_specs()``, ``artifact_specs(...)`` for a subset of
+    a policy's drafters), or a policy artifact (a ``PolicyArtifact`` or its directory): all its drafters, in the order
+    its rule was trained with, for ``SpeculativeDecoder(target.model, drafters, LearnedPolicy(artifact.rule))``."""
+    if isinstance(source, (PolicyArtifact, str, Path)):
+        source = artifact_specs(source)
+    return [build_drafter(s, target) for s in source]
+
+
+def artifact_specs(policy, names=None) -> list[DrafterSpec]:
+    """The drafter specs of a policy artifact (a ``PolicyArtifact`` or its directory) in its rule's drafter order;
+    ``names``: a subset of them (default: all)."""
+    art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
+    names = list(art.rule.drafters if names is None else names)
+    unknown = [n for n in names if n not in art.drafters]
+    if unknown:
+        raise ArtifactError(f"policy artifact {art.path} has no drafter {unknown}; its drafters are "
+                            f"{list(art.drafters)}. Build one of those, or re-export the policy with this drafter")
+    return [art.drafters[name] for name in sorted(names, key=art.rule.drafters.index)]
 
 
 def head_dir(path: str) -> Path:

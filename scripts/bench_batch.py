@@ -42,7 +42,7 @@ from sacpolicy.decoding import DecoderConfig, NgramDrafter, RequestInfo, Specula
 from sacpolicy.decoding.sampling import SamplingConfig
 from sacpolicy.evaluation.evaluate import Timed, add_load_ratios
 from sacpolicy.evaluation.plots import line_plot
-from sacpolicy.export import build_drafters
+from sacpolicy.build import build_drafters
 from sacpolicy.policy import Autoregressive, Heuristic, SeedRule, Static
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime import load_artifact

@@ -62,7 +62,10 @@ def work(args) -> dict:
         "head-heuristic": ([head], Heuristic(k0=4, drafter="head")),
     }
     if args.policy:
-        from sacpolicy.export import build_drafters
+        try:  # the one build_drafters takes an artifact; a base commit before it had that one in export
+            from sacpolicy.build import artifact_specs, build_drafters  # noqa: F401
+        except ImportError:
+            from sacpolicy.export import build_drafters
         from sacpolicy.policy.learned import LearnedPolicy
         from sacpolicy.runtime import load_policy
 

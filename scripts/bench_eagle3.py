@@ -16,8 +16,8 @@ Heads trained on ShareGPT's fixed answers come from the pipeline (``python scrip
 head_data=sharegpt ...``); ``eval --heads name=dir ...`` measures any heads side by side.
 
 ``eval``, per draft, on held-out MT-Bench, ShareGPT and HumanEval first turns (``--split``: test, where the headline
-is measured, by default; val for the shipping gate; greedy continuations of the target, teacher-forced): step-1 acceptance (the draft's first token is the target's greedy token), P(accepted
-run >= k), SpecForge's simulated acceptance length sum_k prod_{i<=k} acc_i for blocks of 3 and of k_max tokens, mean
+is measured, by default; val for the shipping gate; greedy continuations of the target, teacher-forced): step-1
+acceptance (the draft's first token is the target's greedy token), P(accepted run >= k), SpecForge's simulated acceptance length sum_k prod_{i<=k} acc_i for blocks of 3 and of k_max tokens, mean
 beta at temperature 1 (sum_x min(p, q) of the first token), the draft step's cost over a target step (timed side by
 side), and live tokens/s of our decoder at static k against autoregressive decoding on the same prompts.
 Prints a Markdown table and writes bench_eagle3.json.
@@ -151,11 +151,12 @@ def acceptance(target, drafter, seqs, k_max: int) -> dict:
 def step_cost(target, drafter, ids, reps: int = 20) -> float:
     """Median seconds of one drafted token (a 4-token block's average, after the context is fed) over one cached
     target step, measured alternately."""
-    from sacpolicy.decoding import DraftRow
+    from sacpolicy.decoding import DraftRow, feature_layers
     from sacpolicy.decoding.aux import aux_pass
 
-    _, cap = aux_pass(target.model, ids, 1, drafter.aux_layers)
-    aux = cap.rows(drafter.aux_layers) if drafter.aux_layers else None
+    layers = feature_layers(drafter)
+    _, cap = aux_pass(target.model, ids, 1, layers)
+    aux = cap.rows(layers) if layers else None
     d, t = [], []
     for _ in range(reps):
         state = drafter.new_state()

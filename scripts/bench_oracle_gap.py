@@ -46,7 +46,7 @@ def main(argv=None):
     k_max = cfg.fit.k_max = args.k_max or cfg.fit.k_max  # the fit stage's rule tuning reads it from the config
     # the run's traces, cost model, vocabulary and labels exactly as its fit stage read them (from_run included)
     ctx = RunContext(cfg, run)
-    _, by_split, _, _ = ctx.traces
+    by_split = ctx.traces.by_split
     cost, vocab, config = ctx.cost, ctx.vocab_size, instantiate(cfg.decoder)
     test = by_split["test"]
     drafters = list(next(iter(test.values()))["drafters"])

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from sacpolicy import pipeline
+from sacpolicy.build import build_drafters
 from sacpolicy.pipeline import config
 from sacpolicy.decoding import Decision, DecoderConfig, DecodeState, PolicyRow, RequestInfo
 from sacpolicy.pipeline.context import RunContext, eval_settings
@@ -193,7 +194,7 @@ def test_every_draft_and_data_option_builds_on_the_tiny_target(tiny_target, tmp_
             cfg.draft.draft.path = "tiny:llama-1l"
         if opt == "feature":
             cfg.draft.feature.path = str(tiny_head_dir(tiny_target, tmp_path))
-        drafters = pipeline.build_drafters(cfg, tiny_target, tmp_path)
+        drafters = build_drafters(RunContext(cfg, tmp_path).drafter_specs(), tiny_target)
         assert [d.name for d in drafters] == list(cfg.draft or {})
     for opt in options("data"):
         ctx = RunContext(cfg_for("experiment=smoke", f"data={opt}"), tmp_path)
@@ -212,6 +213,15 @@ def test_unknown_option_fails_with_the_available_choices():
         cfg_for("policy=nope")
     with pytest.raises(ConfigCompositionException, match="experiment"):
         cfg_for("experiment=nope")
+
+
+def test_every_stage_runs_the_function_its_registry_names():
+    assert pipeline.STAGES == tuple(pipeline.STAGE_RUNNERS)
+    for stage in pipeline.STAGES:
+        fn = pipeline.stage_runner(stage)
+        assert callable(fn) and fn.__module__ == f"sacpolicy.pipeline.{stage}" and fn.__name__ == "run"
+    with pytest.raises(pipeline.PipelineError, match="unknown stage 'fly'; stages are"):
+        pipeline.stage_runner("fly")
 
 
 def test_unknown_stage_fails_before_any_work():

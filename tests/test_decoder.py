@@ -11,6 +11,7 @@ from toys import Markov
 from transformers import LlamaConfig
 
 from sacpolicy.decoding import (
+    Decision,
     DecoderConfig,
     DraftBlock,
     LayerSkipDrafter,
@@ -142,6 +143,34 @@ def test_drafter_that_raises_is_dropped_and_output_stays_exact(tiny_target, tiny
     assert res.dropped_drafters == ["broken"]
     assert "dropped for this request" in caplog.text
     assert all(s.drafter is None for s in res.steps[2:])
+
+
+def test_capabilities_are_protocols_the_decoder_tests_by_structure(tiny_target, tiny_draft, tiny_prompts):
+    from sacpolicy.decoding import Peekable, Policy, ReadsFeatures, Resettable, SuffixDrafter, TeacherForcing
+
+    caps = (Peekable, ReadsFeatures, TeacherForcing, Resettable)
+    for drafter, has in [(NgramDrafter(), {Peekable}), (SuffixDrafter(), {Peekable, Resettable, TeacherForcing}),
+                         (ModelDrafter(tiny_draft.model), {TeacherForcing}), (_RepeatLast(), set())]:
+        assert {c for c in caps if isinstance(drafter, c)} == has, drafter
+
+    class PeekingRepeat(_RepeatLast):  # no base class: a `peek` method makes it peekable
+        name = "peeking"
+
+        def peek(self, state, context):
+            return (0.5, 0.0, 0.5)
+
+    class Record(Policy):
+        uses_peeks, seen = True, []
+
+        def decide(self, rows):
+            Record.seen += [dict(r.state.peeks) for r in rows]
+            return [Decision("repeat", 2) for _ in rows]
+
+    prompt = tiny_prompts[0]
+    res = SpeculativeDecoder(tiny_target.model, [_RepeatLast(), PeekingRepeat()], Record(),
+                             stop_token_ids=[]).generate(prompt, 6)
+    assert res.tokens == hf_greedy(tiny_target.model, prompt, 6)
+    assert Record.seen and all(p == {"peeking": (0.5, 0.0, 0.5)} for p in Record.seen)
 
 
 def test_low_acceptance_falls_back_to_autoregressive(tiny_target, tiny_draft, tiny_prompts):
@@ -287,9 +316,10 @@ def test_step_statistics_are_opt_in_and_change_nothing_else(tiny_target, tiny_dr
 
 
 class _RepeatLast:
-    """A drafter that proposes the last token k times without leaving the device."""
+    """A drafter that proposes the last token k times without leaving the device: the core protocol by structure
+    alone (no base class, no capability)."""
 
-    name, vocab_size, aux_layers, peekable = "repeat", None, (), False
+    name, vocab_size = "repeat", None
 
     def new_state(self):
         return None

@@ -29,8 +29,8 @@ from sacpolicy.decoding import (
     SpeculativeDecoder,
 )
 from sacpolicy.decoding.rows import stop_callback
+from sacpolicy.build import artifact_specs, build_drafters
 from sacpolicy.export import (
-    build_drafters,
     confidence_threshold,
     reference_row,
     static_k,
@@ -335,7 +335,8 @@ def test_drafters_rebuilt_from_the_artifact(fitted, tiny_target):
     assert isinstance(draft, ModelDrafter) and draft.name == "draft"
     assert isinstance(ngram, NgramDrafter) and (ngram.name, ngram.max_ngram) == ("ngram", 3)
     with pytest.raises(ArtifactError, match=r"has no drafter \['layerskip'\]; its drafters are \['draft', 'ngram'\]"):
-        build_drafters(path, tiny_target, ["ngram", "layerskip"])
+        artifact_specs(path, ["ngram", "layerskip"])
+    assert [d.name for d in build_drafters(artifact_specs(path, ["ngram"]), tiny_target)] == ["ngram"]
 
 
 # ---------------------------------------------------------------------- transformers

@@ -27,7 +27,7 @@ from sacpolicy.export import deploy
 from sacpolicy.export.reload import CURRENT, artifact_digest
 from sacpolicy.models import EMBEDDED_TARGET
 from sacpolicy.runtime import load_artifact, save_policy
-from sacpolicy.traces.schema import load_traces
+from sacpolicy.traces.schema import load_traces, read_meta
 
 NGRAM = {"ngram": {"kind": "ngram", "max_ngram": 3}}
 
@@ -88,12 +88,13 @@ def test_refit_splits_by_request_compares_on_held_out_requests_only_and_deploys_
     outputs = refit(out, run, logs, f"refit.deploy_root={root}")
     r = json.loads((out / "refit.json").read_text())
     assert outputs["metric"] == r["ratios"]["candidate_vs_current"]["ratio"]
-    # every complete logged request in exactly one split, by its id's hash
+    # every complete logged request in exactly one split, by its prompt's hash
     ids = set(load_traces(out / "traces/production/tf")["prompt_id"])
     parts = split_ids(r)
     assert set().union(*parts.values()) == ids and sum(map(len, parts.values())) == len(ids)
     assert len(ids) == r["requests"]["requests"] == 30
-    assert all(assign_split(rid, r["split"]["fractions"]) == s for s, part in parts.items() for rid in part)
+    prompts = read_meta(out / "traces/production/tf")["log"]["prompts"]
+    assert all(assign_split(prompts[rid], r["split"]["fractions"]) == s for s, part in parts.items() for rid in part)
     assert all(len(p) >= 3 for p in parts.values())
     # the comparison: the held-out requests only, each paired across the arms; its ratio and interval recomputed
     held = r["held_out"]["per_request"]

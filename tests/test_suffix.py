@@ -18,6 +18,7 @@ from sacpolicy.build import build_drafter
 from sacpolicy.decoding import (
     DecoderConfig,
     DraftRow,
+    Peekable,
     RequestInfo,
     SamplingConfig,
     SpeculativeDecoder,
@@ -317,6 +318,36 @@ def test_batched_sampling_at_t07_follows_the_target_distribution(one_thread):
     assert chi_square_pvalue(results, P, prompt) > 1e-3
 
 
+def test_each_policy_evaluated_live_starts_from_an_empty_global_index(tiny_target, prompts):
+    """The pipeline builds its drafters once: collection and every live evaluation on the same held-out prompts use
+    one suffix drafter. Each policy's live run must not read from its global index the answers that collection or the
+    policies decoded before it gave (greedy: the same answers, accepted whole): every policy accepts what a fresh
+    drafter accepts."""
+    from types import SimpleNamespace
+
+    from sacpolicy.evaluation.evaluate import EvalSettings, live_rows
+
+    rows = [{"input_ids": p, "category": "c"} for p in prompts[:3]]
+
+    def decode(drafter):
+        dec = SpeculativeDecoder(tiny_target.model, [drafter], Static(4, "suffix"), stop_token_ids=[])
+        res = [dec.generate(r["input_ids"], 24) for r in rows]
+        return sum(len(r.tokens) for r in res) / sum(r.target_calls for r in res)
+
+    shared = SuffixDrafter()
+    fresh = decode(shared)  # as collection would: the prompts' answers are in the global index from now on
+    assert decode(shared) > fresh  # the leak this guards against: a second run on them accepts more
+    settings = EvalSettings(ks=(4,), k_max=4, live_prompts=None, max_new_tokens=24, price_per_hour=1.0,
+                            confidence_grid=(0.5,), live_policies=("static-k4", "best-static"), speed_probe_every=0)
+    chosen = {"best_static": {"drafter": "suffix", "k": 4}, "confidence_threshold": 0.5}
+    live = live_rows(settings, chosen, None, {}, SimpleNamespace(model=tiny_target.model, eos_token_ids=[]), [shared],
+                     rows, progress=False)
+    assert [r["name"] for r in live] == ["static-k4", "best-static"]
+    assert [r["tokens_per_call"] for r in live] == [pytest.approx(fresh)] * 2
+    shared.reset()
+    assert decode(shared) == pytest.approx(fresh)
+
+
 # ---------------------------------------------------------------------- spec and config
 def test_spec_round_trip_builds_the_drafter(tiny_target):
     spec = DrafterSpec(kind="suffix", name="sfx", max_depth=16, spec_factor=2.0, min_token_prob=0.2, max_nodes=5000,
@@ -326,7 +357,7 @@ def test_spec_round_trip_builds_the_drafter(tiny_target):
                  "max_requests": 7}
     assert DrafterSpec.from_dict("sfx", d) == spec
     drafter = build_drafter(spec, tiny_target)
-    assert isinstance(drafter, SuffixDrafter) and drafter.name == "sfx" and drafter.peekable
+    assert isinstance(drafter, SuffixDrafter) and drafter.name == "sfx" and isinstance(drafter, Peekable)
     assert (drafter.max_depth, drafter.spec_factor, drafter.min_token_prob) == (16, 2.0, 0.2)
     assert (drafter.index.max_nodes, drafter.index.max_requests) == (5000, 7)
     assert build_drafter(DrafterSpec(kind="suffix", name="s", max_requests=0), tiny_target).index is None

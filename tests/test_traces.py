@@ -498,6 +498,7 @@ def test_expected_best_static_prefers_the_drafter_accepted_more():
 def test_fit_stage_tunes_the_rule_on_sampled_traces_in_expectation():
     """Fit tunes the rule by replay on both kinds of traces: exactly on greedy ones, in expectation on sampled ones,
     and the tuning table says which."""
+    from sacpolicy.pipeline.context import RunTraces
     from sacpolicy.pipeline.fit import decision_rule
 
     rows = synthetic_traces(12, length=16, drafters=("draft",))
@@ -507,7 +508,7 @@ def test_fit_stage_tunes_the_rule_on_sampled_traces_in_expectation():
         grouped = group_traces(rows, {"kind": "teacher_forced", "sampling": {"temperature": temperature},
                                       "beta": "processed"}, draws=2)
         ctx = SimpleNamespace(cfg=cfg, cost=cost, vocab_size=1000, soft_labels=temperature > 0,
-                              traces=(grouped, {"val": grouped}, None, None))
+                              traces=RunTraces(grouped, {"val": grouped}, None, None))
         rule, tuning = decision_rule(ctx, "const", constant_predictor(), static)
         assert rule.fallback == ("draft", 3) and rule.drafters == ("draft",) and rule.k_max == 4
         assert len(tuning["grid"]) > 1 and "skipped" not in tuning

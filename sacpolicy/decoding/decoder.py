@@ -49,10 +49,12 @@ from sacpolicy.decoding.types import (
     Drafter,
     DraftRow,
     GenerationResult,
+    Peekable,
     Policy,
     PolicyRow,
     RequestInfo,
     StepRecord,
+    feature_layers,
 )
 from sacpolicy.runtime.features import next_accept_history
 
@@ -185,7 +187,10 @@ class SpeculativeDecoder:
         self.dtype = next(target.parameters()).dtype
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.sampling.seed or 0)
-        self.features = AuxCapture(target, [i for d in self.drafters.values() for i in d.aux_layers])
+        # each drafter's capabilities, read once: peeks before deciding, the target's hidden states after each pass
+        self.peekable = frozenset(n for n, d in self.drafters.items() if isinstance(d, Peekable))
+        self.feature_layers = {n: layers for n, d in self.drafters.items() if (layers := feature_layers(d))}
+        self.features = AuxCapture(target, [i for layers in self.feature_layers.values() for i in layers])
         self.clock: Clock = WallClock()  # every time the decoder reads or waits on (a replay sets a virtual one)
 
     # ------------------------------------------------------------------ helpers
@@ -404,7 +409,7 @@ class SpeculativeDecoder:
                 continue
             if self.policy.uses_peeks:
                 state.peeks = {name: self.drafters[name].peek(run.drafts[name], run.context)
-                               for name in state.drafters if self.drafters[name].peekable}
+                               for name in state.drafters if name in self.peekable}
             asking.append(i)
         if asking:
             for i, decision in zip(asking, self.policy.decide([batch[i].policy for i in asking])):
@@ -568,10 +573,10 @@ class SpeculativeDecoder:
         if not self.features.layers:
             return
         for name in run.state.drafters:
-            d = self.drafters[name]
-            if d.aux_layers:
+            layers = self.feature_layers.get(name)
+            if layers:
                 try:
-                    d.extend_features(run.drafts[name], self.features.rows(d.aux_layers, m, row))
+                    self.drafters[name].extend_features(run.drafts[name], self.features.rows(layers, m, row))
                 except Exception as exc:
                     self._drop(run, name, exc)
 

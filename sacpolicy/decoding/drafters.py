@@ -13,7 +13,7 @@ from torch import nn
 
 from sacpolicy.decoding.compat import with_cache
 from sacpolicy.decoding.sampling import draft_stats, select_token
-from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, TeacherForced
+from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, Peekable, TeacherForced, TeacherForcing
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
 
 _MAX_BATCHED_FEED = 8  # committed tokens a row may feed its draft in a batched proposal (more: it proposes alone)
@@ -28,7 +28,7 @@ class ModelDraftState:
     pending: int = 0  # drafted tokens fed into the cache during the last proposal
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(Drafter, TeacherForcing):
     """Any causal LM sharing the target's tokenizer, drafting autoregressively with a KV cache per row.
 
     Cache invariant: after ``accept`` a row's cache holds exactly its first ``valid`` committed tokens. A proposal
@@ -230,7 +230,7 @@ class NgramState:
     peeked: tuple | None = None  # (context length, match or None)
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(Drafter, Peekable):
     """Prompt lookup decoding: find the most recent earlier occurrence of the context's last n tokens (longest n
     first, ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
 
@@ -239,7 +239,6 @@ class NgramDrafter(Drafter):
     """
 
     vocab_size = None
-    peekable = True
 
     def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM, name: str = "ngram"):
         if not 1 <= min_ngram <= max_ngram:

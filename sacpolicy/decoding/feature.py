@@ -9,7 +9,7 @@ import torch
 
 from sacpolicy.decoding.eagle3 import Eagle3Head, KVCache, load_head
 from sacpolicy.decoding.sampling import draft_stats, probs_from_logits, sample
-from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, TeacherForced
+from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, ReadsFeatures, TeacherForced, TeacherForcing
 
 
 @dataclass
@@ -24,7 +24,7 @@ class FeatureDraftState:
     tail: tuple | None = None  # (pre-norm output [1, 1, H], draft logits [Vd]) of the last true entry
 
 
-class FeatureDrafter(Drafter):
+class FeatureDrafter(Drafter, ReadsFeatures, TeacherForcing):
     """Drafts a chain with an ``Eagle3Head`` from the target's hidden states.
 
     A row's state (``FeatureDraftState``): the feature rows of committed positions (``extend_features``; row t pairs

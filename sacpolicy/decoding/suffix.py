@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, TeacherForced
+from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, Peekable, Resettable, TeacherForced, TeacherForcing
 from sacpolicy.runtime.suffix import (
     MAX_DEPTH,
     MAX_NODES,
@@ -35,7 +35,7 @@ class SuffixState:
     peeked: tuple[int, SuffixDraft] | None = None  # (context length, draft)
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(Drafter, Peekable, Resettable, TeacherForcing):
     """SuffixDecoding over the request's prompt + output (its ``SuffixState``) and over every earlier request's output
     (one global ``SuffixIndex`` shared by all rows and requests of this drafter: a feedback loop across requests).
 
@@ -54,7 +54,6 @@ class SuffixDrafter(Drafter):
     """
 
     vocab_size = None
-    peekable = True
 
     def __init__(self, max_depth: int = MAX_DEPTH, spec_factor: float = SPEC_FACTOR,
                  min_token_prob: float = MIN_TOKEN_PROB, max_nodes: int = MAX_NODES, max_requests: int = MAX_REQUESTS,
@@ -93,8 +92,8 @@ class SuffixDrafter(Drafter):
             state.global_index = self.index
             state.global_seq = self.index.add_sequence() if self.index is not None else 0
         if n < state.seen:
-            raise ValueError(f"suffix drafter state has seen {state.seen} tokens but the row's context has {n}: a state "
-                             "belongs to one request (new_state() for each)")
+            raise ValueError(f"suffix drafter state has seen {state.seen} tokens but the row's context has {n}: a "
+                             "state belongs to one request (new_state() for each)")
         if n == state.seen:
             return
         new = context[state.seen :].tolist()

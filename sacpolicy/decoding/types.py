@@ -1,6 +1,6 @@
-"""The decoder's vocabulary: plain data and the two protocols (``Drafter``, ``Policy``). A leaf module: it imports
-nothing from sacpolicy but the sampling math, and every other layer (policies, traces, training, export) imports
-it, never the reverse.
+"""The decoder's vocabulary: plain data and the two protocols (``Drafter``, with its optional capabilities, and
+``Policy``). A leaf module: it imports nothing from sacpolicy but the sampling math, and every other layer (policies,
+traces, training, export) imports it, never the reverse.
 
 A policy sees three things, all plain data:
 - ``RequestInfo`` once per request (prompt length, category, load signal, drafters on offer), to start its memory
@@ -14,15 +14,18 @@ New inputs go into these dataclasses, never into new method parameters.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from sacpolicy.decoding.sampling import SamplingConfig
 
 __all__ = ["Autoregressive", "DecodeState", "Decision", "DraftBlock", "DraftRow", "DraftToken", "Drafter",
-           "GenerationResult", "Policy", "PolicyRow", "RequestInfo", "StepRecord", "StopFn", "TeacherForced"]
+           "GenerationResult", "Peekable", "Policy", "PolicyRow", "ReadsFeatures", "RequestInfo", "Resettable",
+           "StepRecord", "StopFn", "TeacherForced", "TeacherForcing", "feature_layers", "fresh_drafters",
+           "propose_each", "reset_drafters", "teacher_force"]
 
 
 # ---------------------------------------------------------------------- requests, state, decisions
@@ -228,25 +231,24 @@ class DraftRow:
     stop: StopFn | None = None  # called after each drafted token; True ends the block there
 
 
-class Drafter:
-    """The drafter protocol, with the defaults of the optional parts. A drafter holds what its rows share (weights, a
-    model); what one request needs between steps (a KV cache, nothing at all) lives in a state object it makes with
-    ``new_state`` and the decoder keeps for the row, handing it back in every call. After verification the drafter is
-    told how many of the row's tokens the target accepted (``accept``), so it can roll that state back exactly.
+class Drafter(Protocol):
+    """The drafter protocol's core, with the defaults of its optional parts (``new_state``, ``accept``): subclass it
+    and write ``propose``, or match it structurally. A drafter holds what its rows share (weights, a model); what one
+    request needs between steps (a KV cache, nothing at all) lives in a state object it makes with ``new_state`` and
+    the decoder keeps for the row, handing it back in every call. After verification the drafter is told how many of
+    the row's tokens the target accepted (``accept``), so it can roll that state back exactly.
 
     ``propose`` takes the rows of a batch together, one row being a list of one: model drafters run their rows
     through one forward per drafted token; others may propose row after row.
 
-    Feature drafters (EAGLE-3 heads) read the target's hidden states: they list the target layers they need in
-    ``aux_layers`` (HF ``output_hidden_states`` indices: the input of decoder layer i), and after every target pass
-    the decoder hands each row's state those states for the newly committed positions (``extend_features``).
-    Token-level drafters keep ``aux_layers = ()`` and never see a hidden state.
+    What only some drafters can do is a capability protocol of its own, which callers test with ``isinstance``:
+    ``Peekable`` (a cheap look at the next proposal), ``ReadsFeatures`` (the target's hidden states, EAGLE-3 heads),
+    ``TeacherForcing`` (a faster teacher-forced pass than proposing position by position: ``teacher_force``) and
+    ``Resettable`` (state kept across requests, which an evaluation starts afresh for each run).
     """
 
     name: str
     vocab_size: int | None = None  # logits width; None for drafters without a distribution (n-gram)
-    aux_layers: tuple[int, ...] = ()
-    peekable: bool = False  # ``peek`` tells what ``propose`` would make, as cheaply as proposing it
 
     def new_state(self) -> object:
         """The state of one request's row (a new request gets a new one). The default, None: nothing kept."""
@@ -259,35 +261,110 @@ class Drafter:
     def accept(self, state, n_accepted: int) -> None:
         """The target accepted the first n_accepted tokens of the row's last proposal."""
 
+
+@runtime_checkable
+class Peekable(Protocol):
+    """A drafter whose proposal is a cheap lookup (the n-gram, the suffix tree): ``peek`` tells what ``propose``
+    would make now, as cheaply as proposing it, so a policy (``Policy.uses_peeks``) may decide before drafting."""
+
     def peek(self, state, context: torch.Tensor) -> tuple[float, float, float] | None:
-        """For drafters whose proposal is a cheap lookup (``peekable``, the n-gram): the confidence (top-1, entropy,
-        margin) of the proposal ``propose`` would make now, or None when it would propose nothing."""
-        return None
+        """The confidence (top-1, entropy, margin) of the proposal ``propose`` would make now, or None when it would
+        propose nothing."""
+        ...
+
+
+@runtime_checkable
+class ReadsFeatures(Protocol):
+    """A feature drafter (EAGLE-3 heads) reads the target's hidden states: it lists the target layers it needs in
+    ``aux_layers`` (HF ``output_hidden_states`` indices: the input of decoder layer i), and after every target pass
+    the decoder hands each row's state those states for the newly committed positions (``extend_features``).
+    Token-level drafters do not implement it and never see a hidden state."""
+
+    aux_layers: tuple[int, ...]
 
     def extend_features(self, state, aux: torch.Tensor) -> None:
-        """Feature drafters: ``aux`` [m, len(aux_layers) * H], the target's hidden states at the row's next m
-        committed positions (in order; position t's row is read with token t + 1). After every target pass the row's
-        state holds rows for every committed position but the last."""
+        """``aux`` [m, len(aux_layers) * H], the target's hidden states at the row's next m committed positions (in
+        order; position t's row is read with token t + 1). After every target pass the row's state holds rows for
+        every committed position but the last."""
+        ...
+
+
+@runtime_checkable
+class TeacherForcing(Protocol):
+    """A drafter with its own teacher-forced pass (one batched forward for a model draft); the others are teacher
+    forced by proposing at each position (``teacher_force``)."""
 
     def teacher_force(self, ids: torch.Tensor, start: int, k_max: int,
                       aux: torch.Tensor | None = None) -> TeacherForced:
         """Proposals at every position ``start .. len(ids) - 1`` given the true prefix (see ``TeacherForced``);
-        ``aux`` [len(ids), A]: the target's hidden states at ``aux_layers`` for feature drafters. The default asks
-        ``propose`` position by position, each on a new state (chained blocks)."""
-        rows = []
-        for g in range(start, ids.shape[0]):
-            state = self.new_state()
-            if aux is not None and self.aux_layers:
-                self.extend_features(state, aux[: g - 1])
-            block = self.propose([DraftRow(state, ids[:g], k_max)])[0]
-            row = torch.full((k_max,), -1, dtype=torch.long, device=ids.device)
-            row[: block.k] = block.tokens
-            conf = block.confidence[0] if block.confidence is not None and block.k else None
-            rows.append((row, block.k, conf))
-        tokens = torch.stack([r[0] for r in rows]) if rows else torch.empty(0, k_max, dtype=torch.long)
-        conf = torch.tensor([[0.0, 0.0, 0.0] if n == 0 else ([1.0, 0.0, 1.0] if c is None else c.tolist())
-                             for _, n, c in rows]).view(-1, 3)
-        return TeacherForced(tokens, chained=True, confidence=conf)
+        ``aux`` [len(ids), A]: the target's hidden states at ``aux_layers`` for feature drafters."""
+        ...
+
+
+@runtime_checkable
+class Resettable(Protocol):
+    """A drafter that keeps state across requests (the suffix drafter's global index): ``reset`` forgets every
+    earlier request by binding a new, empty state, so a shallow copy reset this way shares nothing of it with the
+    original. Runs that must not see each other's outputs (policies evaluated live on the same prompts, in turn)
+    decode with their own copies (``fresh_drafters``) or reset between them (``reset_drafters``)."""
+
+    def reset(self) -> None:
+        ...
+
+
+def feature_layers(drafter) -> tuple[int, ...]:
+    """The target layers whose hidden states ``drafter`` reads (``ReadsFeatures``); () for token-level drafters."""
+    return tuple(drafter.aux_layers) if isinstance(drafter, ReadsFeatures) else ()
+
+
+def reset_drafters(drafters) -> None:
+    """Forget what ``drafters`` (an iterable) kept from earlier requests: ``reset`` every ``Resettable`` one."""
+    for d in drafters:
+        if isinstance(d, Resettable):
+            d.reset()
+
+
+def fresh_drafters(drafters) -> list:
+    """``drafters`` for a run of its own: each ``Resettable`` one a shallow copy, reset (its weights and settings
+    shared, its cross-request state new and its own), the others as they are (they keep no request's state)."""
+    out = []
+    for d in drafters:
+        if isinstance(d, Resettable):
+            d = copy.copy(d)
+            d.reset()
+        out.append(d)
+    return out
+
+
+def teacher_force(drafter, ids: torch.Tensor, start: int, k_max: int,
+                  aux: torch.Tensor | None = None) -> TeacherForced:
+    """``drafter``'s proposals at every position ``start .. len(ids) - 1`` given the true prefix (``TeacherForced``):
+    its own pass (``TeacherForcing``), else ``propose`` asked position by position, each on a new state (chained
+    blocks). ``aux`` [len(ids), A]: the target's hidden states at the drafter's ``aux_layers``."""
+    if isinstance(drafter, TeacherForcing):
+        return drafter.teacher_force(ids, start, k_max, aux)
+    return propose_each(drafter, ids, start, k_max, aux)
+
+
+def propose_each(drafter, ids: torch.Tensor, start: int, k_max: int,
+                 aux: torch.Tensor | None = None) -> TeacherForced:
+    """Teacher forcing by proposing: at each position ``start .. len(ids) - 1``, ``propose`` on the true prefix with
+    a new state (fed the features of the prefix first, for feature drafters)."""
+    features = aux is not None and bool(feature_layers(drafter))
+    rows = []
+    for g in range(start, ids.shape[0]):
+        state = drafter.new_state()
+        if features:
+            drafter.extend_features(state, aux[: g - 1])
+        block = drafter.propose([DraftRow(state, ids[:g], k_max)])[0]
+        row = torch.full((k_max,), -1, dtype=torch.long, device=ids.device)
+        row[: block.k] = block.tokens
+        conf = block.confidence[0] if block.confidence is not None and block.k else None
+        rows.append((row, block.k, conf))
+    tokens = torch.stack([r[0] for r in rows]) if rows else torch.empty(0, k_max, dtype=torch.long)
+    conf = torch.tensor([[0.0, 0.0, 0.0] if n == 0 else ([1.0, 0.0, 1.0] if c is None else c.tolist())
+                         for _, n, c in rows]).view(-1, 3)
+    return TeacherForced(tokens, chained=True, confidence=conf)
 
 
 # ---------------------------------------------------------------------- policies

@@ -251,16 +251,19 @@ def live_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, target, d
               probe=None) -> list[dict]:
     """Every policy decoding the prompts live, prompt by prompt with each policy in turn (machine noise hits all
     alike), after a warm-up generation each. ``probe`` (a ``profiling.drift.SpeedProbe``): timed before the first
-    prompt, every ``settings.speed_probe_every`` prompts and after the last."""
-    from sacpolicy.decoding import SpeculativeDecoder
+    prompt, every ``settings.speed_probe_every`` prompts and after the last. Each policy decodes with its own copies
+    of the drafters that keep state across requests (``fresh_drafters``: the suffix drafter's global index), reset
+    after its warm-up: no policy sees another's answers to the same prompts, nor the traces collected before."""
+    from sacpolicy.decoding import SpeculativeDecoder, fresh_drafters, reset_drafters
 
     factories = live_factories(settings, policy_factories(settings, chosen, cost, rules, live=True), headline)
-    decoders = {name: SpeculativeDecoder(target.model, drafters, Timed(make()), sampling=sampling, config=config,
-                                         stop_token_ids=target.eos_token_ids)
+    decoders = {name: SpeculativeDecoder(target.model, fresh_drafters(drafters), Timed(make()), sampling=sampling,
+                                         config=config, stop_token_ids=target.eos_token_ids)
                 for name, make in factories.items()}
     for dec in decoders.values():  # first calls pay for lazy initialisation
         dec.generate(prompts[0]["input_ids"], settings.warmup_tokens)
         dec.policy.seconds = 0.0
+        reset_drafters(dec.drafters.values())
     results = {name: [] for name in decoders}
     for i, row in enumerate(progress_iter(prompts, "live rows (prompt by prompt)", unit="prompt", enabled=progress)):
         if probe is not None and i % settings.speed_probe_every == 0:

@@ -1,6 +1,6 @@
-"""Exported policies in production decoders: sacpolicy's own drafters rebuilt from an artifact, transformers'
-assisted generation (``sacpolicy.export.hf``) and vLLM (``sacpolicy.export.vllm``). The artifact itself (save, load,
-verify) lives in ``sacpolicy.runtime.artifact``; ``scripts/export.py`` is the command line.
+"""Exported policies in production decoders (sacpolicy's own drafters are rebuilt from an artifact by
+``sacpolicy.build.build_drafters``): transformers' assisted generation (``sacpolicy.export.hf``) and vLLM
+(``sacpolicy.export.vllm``). The artifact itself (save, load, verify) lives in ``sacpolicy.runtime.artifact``; ``scripts/export.py`` is the command line.
 
 Decoders that take one static setting (a fixed k, a confidence threshold) get it from the rule at a *reference
 state*: the first block of a request, ``REFERENCE_CONTEXT`` committed tokens, no acceptance history, idle load and
@@ -119,18 +119,3 @@ def confidence_threshold(rule: DecisionRule, drafter: str, context_len: int = RE
     while i > 0 and keep[i - 1]:
         i -= 1
     return 0.0 if i == 0 else 1.0 if i == len(ts) else float(ts[i])
-
-
-def build_drafters(policy, target, names=None) -> list:
-    """sacpolicy drafters (in the rule's drafter order) rebuilt from an artifact's drafter specs, for
-    ``SpeculativeDecoder(target, drafters, LearnedPolicy(rule))``. ``target``: the ``LoadedModel`` the policy was
-    trained for; ``names``: a subset (default: all)."""
-    from sacpolicy.build import build_drafter
-
-    art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
-    names = list(art.rule.drafters if names is None else names)
-    unknown = [n for n in names if n not in art.drafters]
-    if unknown:
-        raise ArtifactError(f"policy artifact {art.path} has no drafter {unknown}; its drafters are "
-                            f"{list(art.drafters)}. Build one of those, or re-export the policy with this drafter")
-    return [build_drafter(art.drafters[name], target) for name in sorted(names, key=art.rule.drafters.index)]

@@ -37,11 +37,31 @@ from sacpolicy.pipeline.context import PipelineError, RunContext, eval_settings
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("distill", "head", "collect", "fit", "evaluate", "export", "decode", "refit")
+# Each stage's ``run(ctx) -> summary``, as "module:function", imported when the stage runs (so importing the pipeline
+# loads no training or evaluation code); STAGES, their order, is this registry's keys.
+STAGE_RUNNERS = {
+    "distill": "sacpolicy.pipeline.distill:run",
+    "head": "sacpolicy.pipeline.head:run",
+    "collect": "sacpolicy.pipeline.collect:run",
+    "fit": "sacpolicy.pipeline.fit:run",
+    "evaluate": "sacpolicy.pipeline.evaluate:run",
+    "export": "sacpolicy.pipeline.export:run",
+    "decode": "sacpolicy.pipeline.decode:run",
+    "refit": "sacpolicy.pipeline.refit:run",
+}
+STAGES = tuple(STAGE_RUNNERS)
 # the stages every rank of a distributed launch runs: training (Lightning DDP / FSDP) and sharded collection
 EVERY_RANK = ("distill", "head", "collect")
 
-__all__ = ["PipelineError", "RunContext", "STAGES", "EVERY_RANK", "build_drafters", "metric_of", "run", "validate"]
+__all__ = ["EVERY_RANK", "PipelineError", "RunContext", "STAGES", "metric_of", "run", "stage_runner", "validate"]
+
+
+def stage_runner(stage: str):
+    """The function that runs ``stage`` (``STAGE_RUNNERS``)."""
+    if stage not in STAGE_RUNNERS:
+        raise PipelineError(f"unknown stage {stage!r}; stages are {list(STAGES)} (e.g. stages=[collect,fit])")
+    module, function = STAGE_RUNNERS[stage].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -95,13 +115,6 @@ def check_refit(cfg: DictConfig) -> None:
     if rs.canary_fraction is not None and not (rs.deploy_root and 0.0 < rs.canary_fraction <= 1.0):
         raise PipelineError(f"refit.canary_fraction={rs.canary_fraction} puts an accepted candidate on trial in a "
                             "deploy root: it needs refit.deploy_root=<root> and a fraction in (0, 1]")
-
-
-def build_drafters(cfg: DictConfig, target, out_dir: Path) -> list:
-    """The drafters a run over ``out_dir`` builds for ``target`` (the distilled draft first, then ``cfg.draft``)."""
-    ctx = RunContext(cfg, out_dir)
-    ctx.target = target
-    return ctx.drafters
 
 
 def metric_of(outputs: dict) -> float:
@@ -181,7 +194,7 @@ def _run_stage(ctx: RunContext, stage: str, writes: bool) -> dict:
     t0 = time.perf_counter()
     logger.info("stage %s", stage)
     try:
-        summary = importlib.import_module(f"sacpolicy.pipeline.{stage}").run(ctx)
+        summary = stage_runner(stage)(ctx)
     except BaseException as exc:
         if writes:
             write_text(ctx.out_dir / f"{stage}.failed", f"{type(exc).__name__}: {exc}")

@@ -7,13 +7,14 @@ import json
 import logging
 import shlex
 import sys
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from sacpolicy.build import build_drafter
+from sacpolicy.build import build_drafters
 from sacpolicy.decoding import SpeculativeDecoder
 from sacpolicy.io import write_json
 from sacpolicy.runtime.spec import DrafterSpec
@@ -25,6 +26,16 @@ SPLITS = ("train", "val", "test")
 
 class PipelineError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class RunTraces:
+    """A run's teacher-forced traces, loaded once (``RunContext.traces``)."""
+
+    grouped: dict  # {prompt id: its traces, grouped by drafter (traces.simulate.group_traces)}
+    by_split: dict  # {"train" | "val" | "test": the same, of that split's prompts}
+    dir: Path  # the trace directory (traces/tf of this run or from_run)
+    meta: dict  # its meta (traces.schema.read_meta)
 
 
 class RunContext:
@@ -73,7 +84,7 @@ class RunContext:
 
     @cached_property
     def drafters(self) -> list:
-        return [build_drafter(s, self.target) for s in self.drafter_specs()]
+        return build_drafters(self.drafter_specs(), self.target)
 
     def decoder(self, policy=None, drafters=None) -> SpeculativeDecoder:
         """A decoder over the run's drafters (or ``drafters``) with ``policy`` (default: the configured one)."""
@@ -120,7 +131,7 @@ class RunContext:
     def test_prompts(self) -> list:
         """The held-out prompts with test traces, in the order evaluation decodes them live (the run's seeded
         shuffle of the test split)."""
-        held_out = self.traces[1]["test"]
+        held_out = self.traces.by_split["test"]
         return [r for r in self.take(self.prompts("test"), None) if r["prompt_id"] in held_out]
 
     def learned_rules(self, stage: str) -> tuple[dict, str | None]:
@@ -145,8 +156,8 @@ class RunContext:
         return CostModel.from_json(self.need("cost.json", "fit"))
 
     @cached_property
-    def traces(self):
-        """The run's teacher-forced traces (or from_run's): (grouped by prompt, {split: grouped}, trace dir, meta)."""
+    def traces(self) -> RunTraces:
+        """The run's teacher-forced traces (or from_run's)."""
         from sacpolicy.data import assign_split
         from sacpolicy.traces.schema import TraceError, load_traces, read_meta
         from sacpolicy.traces.shards import MANIFEST, SHARDS_DIR, merge_shards
@@ -164,7 +175,7 @@ class RunContext:
         by_split = {s: {} for s in SPLITS}
         for pid, p in grouped.items():
             by_split[assign_split(pid)][pid] = p
-        return grouped, by_split, tf_dir, meta
+        return RunTraces(grouped, by_split, tf_dir, meta)
 
     @property
     def soft_labels(self) -> bool:
@@ -172,12 +183,12 @@ class RunContext:
         replay in expectation: ``traces.draws``)."""
         from sacpolicy.traces.schema import trace_temperature
 
-        return trace_temperature(self.traces[3]) > 0.0
+        return trace_temperature(self.traces.meta) > 0.0
 
     @cached_property
     def vocab_size(self) -> int:
         """The target's vocabulary size (its LM head's rows), as the traces recorded it."""
-        meta = self.traces[3]
+        meta = self.traces.meta
         return int(meta["vocab_size"]) if "vocab_size" in meta else int(
             self.target.model.get_output_embeddings().out_features)
 
@@ -190,7 +201,7 @@ class RunContext:
         path = self.out_dir / "best_static.json"
         if path.is_file():
             return json.loads(path.read_text())
-        val, k_max = self.traces[1]["val"], self.cfg.fit.k_max
+        val, k_max = self.traces.by_split["val"], self.cfg.fit.k_max
         best = best_static(val, self.cost, vocab_size=self.vocab_size, k_max=k_max)
         write_json(path, best["all"])
         return best["all"]

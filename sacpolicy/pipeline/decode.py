@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from sacpolicy.decoding import Autoregressive, RequestInfo
+from sacpolicy.decoding import Autoregressive, RequestInfo, reset_drafters
 from sacpolicy.pipeline.context import RunContext
 
 
@@ -14,6 +14,7 @@ def run(ctx: RunContext) -> dict:
     for dec in decoders.values():  # warm-up: first calls pay for lazy initialisation
         for row in prompts[: cfg.run.warmup_prompts]:
             dec.generate(row["input_ids"], 8)
+        reset_drafters(dec.drafters.values())  # timed from an empty global index (suffix): no warm-up's answers
     results = {}
     for name, dec in decoders.items():
         tokens = seconds = calls = 0

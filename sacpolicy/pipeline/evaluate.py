@@ -15,7 +15,7 @@ def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.report import write_eval
 
     cfg, out_dir, tracker = ctx.cfg, ctx.out_dir, ctx.tracker
-    _, by_split, _, _ = ctx.traces
+    by_split = ctx.traces.by_split
     rules, headline = ctx.learned_rules("evaluate")
     drafters = ctx.drafters
     order = list(next(iter(by_split["val"].values()))["drafters"]) if by_split["val"] else []

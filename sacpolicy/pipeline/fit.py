@@ -18,7 +18,7 @@ def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
 
     cfg = ctx.cfg
-    tf_dir = ctx.traces[2]
+    tf_dir = ctx.traces.dir
     ex = examples(ctx)
     summary = {"examples": {s: int((ex.split == s).sum()) for s in SPLITS}, "soft_labels": ctx.soft_labels,
                "predictors": {}}
@@ -57,7 +57,7 @@ def examples(ctx: RunContext):
     """The acceptance examples of the run's traces, every split (``training.predictor.acceptance_examples``)."""
     from sacpolicy.training.predictor import acceptance_examples
 
-    return acceptance_examples(ctx.traces[0], ctx.cost, vocab_size=ctx.vocab_size, k=ctx.cfg.fit.k,
+    return acceptance_examples(ctx.traces.grouped, ctx.cost, vocab_size=ctx.vocab_size, k=ctx.cfg.fit.k,
                                soft=ctx.soft_labels)
 
 
@@ -71,7 +71,7 @@ def fit_rule(ctx: RunContext, name: str, ex, static: dict, *, out_dir=None, ligh
 
     spec = instantiate(ctx.cfg.predictor[name], _convert_="all")
     pred, metrics = fit_predictor(name, spec, ex, out_dir, logger=lightning_logger)
-    pred.meta.update({f"fitted_{k}": v for k, v in trace_sampling(ctx.traces[3]).items()})
+    pred.meta.update({f"fitted_{k}": v for k, v in trace_sampling(ctx.traces.meta).items()})
     return (pred, metrics, *decision_rule(ctx, name, pred, static))
 
 
@@ -94,7 +94,7 @@ def decision_rule(ctx: RunContext, name: str, pred, static: dict):
     from sacpolicy.traces.draws import replay_kind
     from sacpolicy.training.predictor import tune_rule
 
-    val, k_max = ctx.traces[1]["val"], ctx.cfg.fit.k_max
+    val, k_max = ctx.traces.by_split["val"], ctx.cfg.fit.k_max
     if not val:
         raise PipelineError("no validation traces to choose the decision rule on; collect traces over val prompts")
     rule, table = tune_rule(pred, ctx.cost, val, static, vocab_size=ctx.vocab_size, k_max=k_max,

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from sacpolicy.io import write_text
-from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext, command
+from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext, RunTraces, command
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class RefitContext(RunContext):
     """The run's context with the production traces (and any mixed-in run traces) in place of collected ones, so the
     fit stage's code (examples, rule tuning, best static) reads them unchanged."""
 
-    def __init__(self, ctx: RunContext, traces: tuple):
+    def __init__(self, ctx: RunContext, traces: RunTraces):
         super().__init__(ctx.cfg, ctx.out_dir, ctx.tracker)
-        self.traces = traces  # (grouped, {split: grouped}, trace dir, meta), as RunContext.traces
+        self.traces = traces
 
 
 def run(ctx: RunContext) -> dict:
@@ -61,7 +61,8 @@ def run(ctx: RunContext) -> dict:
     spec = meta["drafter"]
     mixed = run_traces(ctx, spec["name"], set(grouped)) if rs.include_run_traces else {}
     fit_grouped = {**grouped, **mixed}
-    rctx = RefitContext(ctx, (fit_grouped, {**by_split, "train": {**by_split["train"], **mixed}}, tf_dir, meta))
+    rctx = RefitContext(ctx, RunTraces(fit_grouped, {**by_split, "train": {**by_split["train"], **mixed}}, tf_dir,
+                                       meta))
     ex = examples(rctx)
     ex = dataclasses.replace(ex, split=np.array([split_of.get(p, "train") for p in ex.prompt_id]))
     static = rctx.best_static()
@@ -173,8 +174,10 @@ def production_traces(ctx: RunContext) -> tuple[dict, Path]:
 
 
 def split_requests(ctx: RunContext, tf_dir: Path, meta: dict) -> tuple[dict, dict, dict]:
-    """(grouped, {split: grouped}, {request: split}) of the production traces: each request's split from its log id
-    (``assign_split``, ``refit.fractions``); refused when a split has fewer than ``refit.min_requests``."""
+    """(grouped, {split: grouped}, {request: split}) of the production traces: each request's split from its prompt
+    (``assign_split`` of ``traces.production.prompt_key``, ``refit.fractions``: the same prompt served twice lands in
+    one split, and a split does not depend on the server run's log ids); refused when a split has fewer than
+    ``refit.min_requests``."""
     from sacpolicy.data.splits import SplitError, assign_split
     from sacpolicy.traces.schema import load_traces
     from sacpolicy.traces.simulate import group_traces
@@ -183,7 +186,7 @@ def split_requests(ctx: RunContext, tf_dir: Path, meta: dict) -> tuple[dict, dic
     fractions = dict(rs.fractions)
     grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=ctx.cfg.target.spec), meta)
     try:
-        split_of = {rid: assign_split(rid, fractions) for rid in grouped}
+        split_of = {rid: assign_split(meta["log"]["prompts"][rid], fractions) for rid in grouped}
     except SplitError as e:
         raise PipelineError(f"refit.fractions: {e}") from e
     by_split = {s: {rid: grouped[rid] for rid in sorted(grouped) if split_of[rid] == s} for s in SPLITS}

@@ -28,7 +28,7 @@ import torch
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.sampling import SamplingConfig
-from sacpolicy.decoding.types import DraftRow
+from sacpolicy.decoding.types import DraftRow, feature_layers
 from sacpolicy.profiling.fit import MIN_REPEATS, fit_cost_model, fit_step_overhead
 from sacpolicy.profiling.loop import decoder_steps
 from sacpolicy.runtime.cost import CostModel
@@ -211,7 +211,7 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
         logger.info("profiling context %d on %s", c, device)
         prefill_rows.append((c, _prefill_times(target, c, device, gen, repeats, warmup)))
         for name, drafter in drafters.items():
-            if drafter.aux_layers:  # a feature head: a feed of the new rows, then one chain step per drafted token
+            if feature_layers(drafter):  # a feature head: a feed of the new rows, then one chain step per drafted token
                 per_token_s, fixed_s = _feature_step_times(target, drafter, c, k_max, device, gen, repeats, warmup)
                 draft_rows[name].append((c, per_token_s))
                 fixed_rows.setdefault(name, []).append((c, fixed_s))
@@ -239,8 +239,8 @@ def _feature_cells(target, drafter, c: int, sizes: Sequence[int], ks: Sequence[i
 
     pending = 2
     context = torch.randint(target.config.vocab_size, (c + pending,), generator=gen).to(device)
-    _, capture = aux_pass(target, context, 1, drafter.aux_layers)
-    feats = capture.rows(drafter.aux_layers, c + pending - 1)
+    _, capture = aux_pass(target, context, 1, feature_layers(drafter))
+    feats = capture.rows(feature_layers(drafter), c + pending - 1)
     states = {r: [] for r in sizes}
 
     def propose(r: int, ctx: torch.Tensor, k: int) -> None:
@@ -299,7 +299,7 @@ def _batch_shares(target, drafter, c: int, k_max: int, batch_sizes: Sequence[int
     seconds of r rows' proposals over r, as a fraction of one row's, blocks of 1 and of K tokens counted alike (the
     share of their sum). Every size is timed in the same rounds."""
     K, sizes = max(k_max, 2), sorted({1, *batch_sizes})
-    cells = (_feature_cells(target, drafter, c, sizes, (1, K), device, gen) if drafter.aux_layers
+    cells = (_feature_cells(target, drafter, c, sizes, (1, K), device, gen) if feature_layers(drafter)
              else _model_cells(target, drafter, c, sizes, (1, K), device, gen))
     t = _interleaved_times(cells, device, repeats, warmup)
     one = t[(1, 1)] + t[(1, K)]
@@ -359,7 +359,7 @@ def _profile(target, named: dict, ks, context_lens, repeats: int, device, warmup
         raise ValueError(f"profile needs ks >= 0, context_lens >= 1 and repeats >= 1; "
                          f"got ks={ks}, context_lens={context_lens}, repeats={repeats}")
     gen = torch.Generator().manual_seed(seed)  # CPU generator: same token ids on every device
-    per_token = {name: isinstance(getattr(d, "model", None), torch.nn.Module) or bool(d.aux_layers)
+    per_token = {name: isinstance(getattr(d, "model", None), torch.nn.Module) or bool(feature_layers(d))
                  for name, d in named.items()}
     if not batch_sizes or min(batch_sizes) < 1 or 1 not in batch_sizes:
         raise ValueError(f"batch_sizes must hold 1 and sizes >= 1, got {batch_sizes}")
@@ -374,7 +374,8 @@ def _profile(target, named: dict, ks, context_lens, repeats: int, device, warmup
     if len(set(batch_sizes)) > 1:
         c, K = middle_context(context_lens), max(max(ks), 2)  # K: the longest block _batch_shares times
         for name, drafter in named.items():
-            fits = _fits(target, c, 2) if drafter.aux_layers else per_token[name] and _fits(drafter.model, c, K + 1)
+            fits = (_fits(target, c, 2) if feature_layers(drafter)
+                    else per_token[name] and _fits(drafter.model, c, K + 1))
             if fits:
                 logger.info("profiling %s drafting rows together at batch sizes %s", name, sorted(set(batch_sizes)))
                 shares[name] = _batch_shares(target, drafter, c, max(max(ks), 1), batch_sizes, device, gen, repeats,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from sacpolicy.decoding import RequestInfo, SamplingConfig, SpeculativeDecoder
+from sacpolicy.decoding import RequestInfo, SamplingConfig, SpeculativeDecoder, feature_layers, teacher_force
 from sacpolicy.decoding.aux import aux_pass
 from sacpolicy.decoding.sampling import draft_stats, probs_from_logits
 from sacpolicy.progress import progress_iter
@@ -71,7 +71,7 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
                         target_logits: torch.Tensor | None = None,
                         sampling: SamplingConfig | None = None) -> list[dict]:
     """Per generated position and drafter: the draft's proposal given the target's own prefix (each drafter
-    teacher-forces itself: ``Drafter.teacher_force``) and the accepted run from there.
+    teacher-forced by ``decoding.types.teacher_force``) and the accepted run from there.
 
     ``target_logits`` ([G, V]): the target's logits behind each generated token, as kept by the decode that produced
     them (``generate(keep_logits=True)``); without them the target runs one teacher-forced pass to recompute them.
@@ -83,9 +83,10 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
     L, G = len(prompt), len(generated)
     ids = torch.tensor(prompt + generated, device=target.device)
     aux = None
-    if target_logits is None or any(d.aux_layers for d in drafters):
+    layers = [feature_layers(d) for d in drafters]
+    if target_logits is None or any(layers):
         # logits_to_keep: the LM head runs only where a generated token is predicted, not over the prompt
-        logits, aux = aux_pass(target.model, ids, G + 1, [i for d in drafters for i in d.aux_layers])
+        logits, aux = aux_pass(target.model, ids, G + 1, [i for ls in layers for i in ls])
         target_logits = logits[:-1] if target_logits is None else target_logits
     if target_logits.shape[0] != G:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {G} generated tokens")
@@ -94,8 +95,8 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
     gen = torch.tensor(generated, device=target.device)
     p_target = p.gather(-1, gen.view(-1, 1)).squeeze(-1)
     out = []
-    for d in drafters:
-        tf = d.teacher_force(ids, L, k_max, aux.rows(d.aux_layers) if d.aux_layers else None)
+    for d, ls in zip(drafters, layers):
+        tf = teacher_force(d, ids, L, k_max, aux.rows(ls) if ls else None)
         first = tf.tokens[:, 0]
         run, plen = proposal_runs(tf, gen, k_max)
         if tf.logits is not None:

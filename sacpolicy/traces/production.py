@@ -9,7 +9,7 @@ Writes two trace directories (``meta.source = "vllm"``):
 - ``live``: one row per logged step whose outcome is known (the block's accepted tokens are read from the next
   step's committed tokens; the block drafted after a request's last step is never verified and has no row);
 - ``tf``: ``teacher_forced`` rows rebuilt from each request's token sequence (the context on first sight, then the
-  tokens committed each step) with the n-gram drafter's token-only teacher forcing (``Drafter.teacher_force``). For
+  tokens committed each step) with the n-gram drafter's token-only teacher forcing (``types.teacher_force``). For
   greedy serving they are exact: a drafted token is accepted when it equals the target's, so ``run_len`` and
   ``beta`` (1 where the first drafted token matches, else 0) need no target pass; ``p_target`` is unknown (NaN).
   Sampled serving would need ``beta``/``p_target`` from a target pass over the sequences: not built here
@@ -23,12 +23,14 @@ tokenizer than the one asked for, are refused with the file and the fix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -146,6 +148,11 @@ def _sequence(steps: list[dict]) -> list[int] | None:
     return tokens
 
 
+def prompt_key(prompt) -> str:
+    """A request's prompt token ids, hashed (hex): the key production requests are split by."""
+    return hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
 def compare_with_vllm(requests: dict, served: list[tuple[list[int], list[int], dict | None]]) -> dict:
     """The log's (drafted, accepted) per verified step against vLLM's own per-request arrays
     (``--per-request-spec-decode-metrics detailed``: ``per_step_drafted`` / ``per_step_accepted``). ``requests``:
@@ -198,13 +205,14 @@ def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
 
 
 def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[dict]:
-    """``teacher_forced`` rows of a request from its tokens alone (``Drafter.teacher_force``, runs as
+    """``teacher_forced`` rows of a request from its tokens alone (``decoding.types.teacher_force``, runs as
     ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN)."""
+    from sacpolicy.decoding.types import teacher_force
     from sacpolicy.traces.collect import proposal_runs
 
     ids, L = torch.tensor(req["tokens"]), req["prompt_len"]
     gen = ids[L:]
-    tf = drafter.teacher_force(ids, L, k_max)
+    tf = teacher_force(drafter, ids, L, k_max)
     run, plen = proposal_runs(tf, gen, k_max)
     first, stats = tf.tokens[:, 0].tolist(), tf.confidence.tolist()
     return [{"prompt_id": rid, "category": CATEGORY, "prompt_len": L, "drafter": drafter.name, "position": g,
@@ -240,7 +248,9 @@ def build_production_traces(log_dir, out_dir, *, target: str | None = None, toke
                     "dropped": log["dropped"], "shards": log["shards"], "k_cap": k_max,
                     "max_model_len": log["max_model_len"], "load_aware": log["load_aware"],
                     "rule_drafters": log["rule_drafters"],
-                    "policies": sorted({s["policy"] for r in reqs.values() for s in r["steps"]})}}
+                    "policies": sorted({s["policy"] for r in reqs.values() for s in r["steps"]}),
+                    # each request's prompt, hashed: what splits requests (identical prompts land in one split)
+                    "prompts": {rid: prompt_key(r["tokens"][: r["prompt_len"]]) for rid, r in reqs.items()}}}
     out = Path(out_dir)
     ids = sorted(reqs)
     for kind, sub, make in (("live", "live", lambda rid: live_rows(rid, reqs[rid], spec["name"])),

@@ -28,6 +28,7 @@ from sacpolicy.decoding import (
     DraftBlock,
     Drafter,
     DraftRow,
+    Peekable,
     RequestInfo,
     SpeculativeDecoder,
 )
@@ -131,18 +132,19 @@ class ReplayDrafter(Drafter):
         self.name, self.V, self.clock, self.cost = name, vocab_size, clock, cost
         self.by_seq = rows if isinstance(prompt_len, dict) else {0: rows}
         self.lens = prompt_len if isinstance(prompt_len, dict) else {0: prompt_len}
-        first = next(iter(self.by_seq.values()))
-        self.peekable = bool(first["proposal"][0])  # only one-proposal drafters (n-gram) can peek
+
+    @staticmethod
+    def of(name: str, rows: dict, prompt_len, vocab_size: int, clock: VirtualClock | None = None,
+           cost: CostModel | None = None) -> ReplayDrafter:
+        """The replay of drafter ``name``'s traces: one that peeks (``PeekableReplayDrafter``) when they are of a
+        one-proposal drafter (n-gram), whose live counterpart peeks too."""
+        first = next(iter(rows.values())) if isinstance(prompt_len, dict) else rows
+        cls = PeekableReplayDrafter if first["proposal"][0] else ReplayDrafter
+        return cls(name, rows, prompt_len, vocab_size, clock, cost)
 
     def _rows(self, context):
         i = int(context[0]) if len(self.by_seq) > 1 else next(iter(self.by_seq))
         return self.by_seq[i], context.shape[0] - self.lens[i]  # rows, generated tokens so far
-
-    def peek(self, state, context):
-        rows, g = self._rows(context)
-        if g >= len(rows["proposal_len"]) or rows["proposal_len"][g] == 0:
-            return None
-        return tuple(confidence(rows, g, 0))
 
     def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:
         """Every row's proposal, drafted together as the decoder drafts a batch's rows: with a clock, each row that
@@ -169,6 +171,16 @@ class ReplayDrafter(Drafter):
         if not tokens:
             return DraftBlock(torch.empty(0, dtype=torch.long), None)
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(conf))
+
+
+class PeekableReplayDrafter(ReplayDrafter, Peekable):
+    """The replay of a one-proposal drafter (n-gram): it peeks at its recorded proposal, as the live drafter does."""
+
+    def peek(self, state, context):
+        rows, g = self._rows(context)
+        if g >= len(rows["proposal_len"]) or rows["proposal_len"][g] == 0:
+            return None
+        return tuple(confidence(rows, g, 0))
 
 
 def confidence(rows: dict, g: int, j: int) -> list[float]:
@@ -245,7 +257,7 @@ def _replay(policy: Policy, p: dict, names: list[str], cost: CostModel, vocab_si
     any_rows = p["drafters"][names[0]]
     seq = [0] * p["prompt_len"] + list(any_rows["target_token"])
     G = len(any_rows["target_token"])
-    replay = [ReplayDrafter(n, p["drafters"][n], p["prompt_len"], vocab_size) for n in names]
+    replay = [ReplayDrafter.of(n, p["drafters"][n], p["prompt_len"], vocab_size) for n in names]
     if hasattr(policy, "current"):  # policies that read the traces (the oracle, example recorders): this draw's
         policy.current = p
     if is_sampled(p):
@@ -309,7 +321,7 @@ def simulate_batch(policy: Policy, grouped: dict, cost: CostModel, *, vocab_size
     clock = VirtualClock()
     seqs = [[i] * grouped[pid]["prompt_len"] + list(grouped[pid]["drafters"][names[0]]["target_token"])
             for i, pid in enumerate(pids)]
-    replay = [ReplayDrafter(n, {i: grouped[pid]["drafters"][n] for i, pid in enumerate(pids)},
+    replay = [ReplayDrafter.of(n, {i: grouped[pid]["drafters"][n] for i, pid in enumerate(pids)},
                             {i: grouped[pid]["prompt_len"] for i, pid in enumerate(pids)}, vocab_size, clock, cost)
               for n in names]
     cfg = replace(config or DecoderConfig(), max_batch=load_batch or max_batch, timing=False)
