@@ -1,6 +1,7 @@
 """Exported policies in production decoders (sacpolicy's own drafters are rebuilt from an artifact by
 ``sacpolicy.build.build_drafters``): transformers' assisted generation (``sacpolicy.export.hf``) and vLLM
-(``sacpolicy.export.vllm``). The artifact itself (save, load, verify) lives in ``sacpolicy.runtime.artifact``; ``scripts/export.py`` is the command line.
+(``sacpolicy.export.vllm``). The artifact itself (save, load, verify) lives in ``sacpolicy.runtime.artifact``;
+``scripts/export.py`` is the command line.
 
 Decoders that take one static setting (a fixed k, a confidence threshold) get it from the rule at a *reference
 state*: the first block of a request, ``REFERENCE_CONTEXT`` committed tokens, no acceptance history, idle load and
