@@ -18,7 +18,8 @@ Steps: (1) capacity: the no-speculation server takes every request at once (rate
 second are the capacity C, and its outputs the reference; (2) every configuration (``--configs``: none, none-sync
 (no speculation with async scheduling off, as vLLM runs n-gram and custom_class speculation), spec-idle
 (speculation on, a proposer that never drafts), vLLM's
-n-gram at its documented example, the export's static setting, its learned rule, the EAGLE-3 head at a fixed k,
+n-gram at its documented example, the export's static setting, its learned rule (learned-logged: with the
+proposer's step log on, the feedback loop's overhead as its TPOT to learned's), the EAGLE-3 head at a fixed k,
 the learned rule's head under its k-by-batch-size map: ``--head-export``) gets its own
 server, started once per repeat in alternating order (ABC CBA ...), and runs every rate (``--rates``, multiples of
 C) in turn. Greedy. Every completion is compared with the reference's for the same request (lossless over HTTP,
@@ -71,7 +72,7 @@ def configs_of(args, tmp: Path, target_dir: Path) -> dict:
     for n in names:
         try:
             out[n] = serve_config(n, export=args.export, head=head, head_export=args.head_export,
-                                  served_model=str(target_dir))
+                                  served_model=str(target_dir), log_dir=tmp / "steplog")
         except ServeError as e:
             raise SystemExit(f"bench_serve: {e}") from None
     return out

@@ -58,6 +58,22 @@ def test_serve_config_reads_an_export(tmp_path):
     assert idle.speculative_config["model"].endswith(IdleProposer.__name__)
     assert IdleProposer(None).propose([[5], [7, 8], []], [3, 4, 5], None) == [[], [], []]
     assert serve_config("vllm-ngram").speculative_config["num_speculative_tokens"] == 5
+    logged = serve_config("learned-logged", export=out, log_dir=tmp_path / "steplog")  # learned, its step log on
+    assert logged.speculative_config == learned.speculative_config
+    assert logged.env == {**learned.env, "SACPOLICY_PROPOSER_LOG": str(tmp_path / "steplog"),
+                          "SACPOLICY_PROPOSER_LOG_RATE": "1"}
+    assert "SACPOLICY_PROPOSER_LOG" not in learned.env
+
+
+def test_bench_serve_prices_the_step_log_against_learned_with_it_off():
+    """learned-logged gets its own verdict row: its mean TPOT to learned's is the logging overhead."""
+    cli = load_script("bench_serve")
+    run = lambda tpot: [{"mean_tpot_ms": tpot, "output_throughput": 100.0, "p99_e2el_ms": 900.0, "identical": 4,
+                         "compared": 4, "failed": 0}]  # noqa: E731
+    results = {"none": {"1.0": run(80)}, "learned": {"1.0": run(50)}, "learned-logged": {"1.0": run(51)}}
+    rows = {x["policy"]: x for x in cli.verdict(results, [1.0])}
+    assert rows["learned-logged"]["tpot_vs_learned"] == pytest.approx(1.02)
+    assert "tpot_vs_learned" not in rows["learned"]  # never against itself
 
 
 def test_broken_or_mismatched_exports_are_refused_before_a_server_starts(tmp_path):
@@ -300,7 +316,7 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
     assert x["p99_e2el_vs_best"] == pytest.approx(840 / 800)
     assert x["p99_e2el_vs_none_sync"] == pytest.approx(8.4)
     assert x["p99_e2el_vs_best_ci"] is None  # runs without per-request latencies: no interval, the ratio alone
-    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | 0.50 | 8.40 | 2.00 | none |" in cli.markdown(results, [1.0], 2.0)
+    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | 0.50 | 8.40 | 2.00 | - | none |" in cli.markdown(results, [1.0], 2.0)
 
 
 def _raw_run(latencies, errors=None):

@@ -15,6 +15,8 @@ Configurations (``CONFIGS``):
 - ``vllm-ngram``: vLLM's own n-gram lookup at its documented example (k = 5, ``prompt_lookup_max`` 4);
 - ``learned``: the learned rule of an export (``scripts/export.py format=vllm``): ``speculative_config.json`` (our
   ``custom_class`` proposer) with ``vllm.env`` (the policy directory it reads);
+- ``learned-logged``: ``learned`` with the proposer's step log on for every request (``sacpolicy.export.steplog``,
+  into ``log_dir``): the feedback loop's logging overhead, side by side with ``learned``;
 - ``static``: the same export's ``static_speculative_config.json`` (the rule's static k, with its k-by-batch-size
   map where the policy's cost model was profiled over batch sizes);
 - ``head``: an EAGLE-3 head in vLLM's speculators format (``scripts/export.py format=speculators``), at a fixed k;
@@ -40,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -53,7 +56,8 @@ from sacpolicy.export.vllm_run import cuda_available, engine_defaults, engine_en
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "static", "head", "learned-head")
+CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "learned-logged", "static", "head",
+           "learned-head")
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
@@ -155,11 +159,12 @@ def check_head_export(head, served_model: str) -> dict:
 
 
 def serve_config(name: str, *, export=None, head=None, head_export=None, target: str | None = None,
-                 served_model: str | None = None) -> ServeConfig:
+                 served_model: str | None = None, log_dir=None) -> ServeConfig:
     """The checked ``ServeConfig`` of configuration ``name`` (one of ``CONFIGS``). ``export``: a ``scripts/export.py
     format=vllm`` directory (learned, static); ``head``: a speculators-format head (head); ``head_export``: a
     ``format=vllm drafter=feature`` directory (learned-head); ``target``: the sacpolicy model spec served (default:
-    the embedded target); ``served_model``: the directory vLLM loads (default: the target's)."""
+    the embedded target); ``served_model``: the directory vLLM loads (default: the target's); ``log_dir``: where
+    ``learned-logged`` writes its step log (default: a new temporary directory)."""
     from sacpolicy.models import EMBEDDED_TARGET, model_dir
 
     target = target or EMBEDDED_TARGET
@@ -198,10 +203,16 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
     elif name == "learned-head":
         raise ServeError(f"{Path(export) / file} runs {spec.get('method')!r}, not the rule's EAGLE-3 head; export "
                          "it with drafter=<the policy's feature drafter>")
-    if name == "learned" and spec.get("method") not in ("custom_class", "eagle3"):
+    if name in ("learned", "learned-logged") and spec.get("method") not in ("custom_class", "eagle3"):
         logger.warning("%s holds a static setting (%s), not the learned rule: vLLM runs a model drafter with a "
                        "static k", Path(export) / file, spec.get("method"))
-    return ServeConfig(name, spec, env if name == "learned" else {}, policy)
+    if name == "learned-logged":
+        from sacpolicy.export.steplog import RATE_ENV
+        from sacpolicy.export.vllm import LOG_ENV
+
+        log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sacpolicy-steplog-"))
+        env = {**env, LOG_ENV: str(log_dir), RATE_ENV: "1"}
+    return ServeConfig(name, spec, env if name in ("learned", "learned-logged") else {}, policy)
 
 
 def free_port() -> int:
