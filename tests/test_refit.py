@@ -47,10 +47,11 @@ def weak_rule():
     return dataclasses.replace(rule, predictor=dataclasses.replace(rule.predictor, arrays=arrays))
 
 
-def make_run(tmp_path, rule) -> tuple:
-    """A minimal ``from_run``: its config (the embedded target), cost model and headline policy ``rule``."""
+def make_run(tmp_path, rule, *overrides) -> tuple:
+    """A minimal ``from_run``: its config (the embedded target unless ``overrides`` say), cost model and headline
+    policy ``rule``."""
     run = tmp_path / "run"
-    cfg = cfg_for(tmp_path=run)
+    cfg = cfg_for(*overrides, tmp_path=run)
     run.mkdir()
     OmegaConf.save(cfg, run / "config.yaml")
     rule.cost.to_json(run / "cost.json")
@@ -206,6 +207,27 @@ def test_bad_input_is_refused_with_the_fix(served, tmp_path, monkeypatch):
         refit(tmp_path / "h", run, logs)
     with pytest.raises(pipeline.PipelineError, match="not a policy artifact.*refit.policy"):
         refit(tmp_path / "i", run, logs, f"refit.policy={tmp_path}")
+
+
+def test_live_arms_decode_the_held_out_requests_in_our_decoder(tmp_path, monkeypatch):
+    """refit.live_requests: the first held-out requests decoded live by candidate, current and best static (a tiny
+    random target: its tokens are not the log's, so none is the same as logged; the arms must agree with each
+    other), each to the length the server generated; ratios with intervals beside the simulated ones."""
+    tiny = "tiny:llama-4l"
+    logs = serve(tmp_path, monkeypatch, 30, seed=7, target=tiny)
+    run, _ = make_run(tmp_path, weak_rule(), "target=tiny")
+    out = tmp_path / "refit"
+    refit(out, run, logs, "target=tiny", "refit.live_requests=3")
+    r = json.loads((out / "refit.json").read_text())
+    live = r["live"]
+    assert live["requests"] == 3 and live["identical_across_arms"] == 3
+    assert set(live["tokens_per_s"]) == {"candidate", "current", "best-static"}
+    served_lengths = r["held_out"]["per_request"]["tokens"][:3]  # simulated arms emit each request's logged length
+    assert live["per_request"]["candidate"]["tokens"] == live["per_request"]["current"]["tokens"]
+    assert all(0 < n <= m for n, m in zip(live["per_request"]["candidate"]["tokens"], served_lengths))
+    ratio = live["ratios"]["candidate_vs_current"]
+    assert ratio["ci"][0] <= ratio["ratio"] <= ratio["ci"][1]
+    assert "ratio (live)" in (out / "refit.md").read_text()
 
 
 def test_refit_settings_compose_under_hydra():

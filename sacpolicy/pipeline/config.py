@@ -97,6 +97,10 @@ class RefitSettings:
     threshold: float = 1.0  # accept when the lower end of the candidate/current interval is at least this
     level: float = 0.95  # the interval's confidence level
     resamples: int = 2000  # paired bootstrap resamples over held-out requests
+    # Held-out requests also decoded live in our decoder by each arm (candidate, current, best static), to the length
+    # the server generated, prompt by prompt with the arms in turn: measured tokens/s beside the simulated ones.
+    # 0: simulated only. The decision stays on the simulated comparison (every held-out request, no machine noise)
+    live_requests: int = 0
     deploy_root: str | None = None  # deploy an accepted candidate there (sacpolicy.export.deploy)
     canary_fraction: float | None = None  # with deploy_root: deploy as a candidate on trial for this share of requests
 

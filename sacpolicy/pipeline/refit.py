@@ -77,6 +77,16 @@ def run(ctx: RunContext) -> dict:
     per = {arm: replay(rctx, policy, test, log, spec["name"])
            for arm, policy in (("candidate", candidate_path), ("current", current_path), ("best-static", static))}
     ratios = compare(per, seed=cfg.seed, resamples=rs.resamples, level=rs.level)
+    live_part = None
+    if rs.live_requests > 0:
+        arms = {"candidate": candidate_path, "current": current_path, "best-static": static}
+        live_per, agree = decode_live(ctx, arms, list(test)[: rs.live_requests], spec, int(log["k_cap"]),
+                                     int(log["max_model_len"]))
+        live_part = {"requests": len(live_per["candidate"]["tokens"]), **agree,
+                     "mode": "live: our decoder, prompt by prompt with the arms in turn, to the served lengths",
+                     "tokens_per_s": {arm: _tps(live_per[arm]) for arm in ARMS},
+                     "ratios": compare(live_per, seed=cfg.seed, resamples=rs.resamples, level=rs.level),
+                     "per_request": {arm: live_per[arm] for arm in ARMS}}
     accepted = ratios["candidate_vs_current"]["ci"][0] >= rs.threshold
     summary = {
         "logs": provenance["logs"], "from_run": provenance["from_run"], "traces": str(tf_dir.parent),
@@ -93,7 +103,7 @@ def run(ctx: RunContext) -> dict:
                      "tokens_per_s": {arm: _tps(per[arm]) for arm in ARMS},
                      "per_request": {"request": list(test), "tokens": per["candidate"]["tokens"],
                                      "seconds": {arm: per[arm]["seconds"] for arm in ARMS}}},
-        "ratios": ratios, "threshold": rs.threshold, "level": rs.level, "resamples": rs.resamples,
+        "ratios": ratios, "live": live_part, "threshold": rs.threshold, "level": rs.level, "resamples": rs.resamples,
         "accepted": bool(accepted),
         "decision": (f"accepted: the lower end of the candidate/current interval is at least {rs.threshold}"
                      if accepted else f"rejected: the lower end of the candidate/current interval is below "
@@ -244,6 +254,59 @@ def replay(ctx: RunContext, policy, test: dict, log: dict, drafter: str) -> dict
             "seconds": [float(out.total_s) for _, out in sim.results]}
 
 
+def decode_live(ctx: RunContext, arms: dict, ids: list, spec: dict, k_cap: int, max_model_len: int) \
+        -> tuple[dict, dict]:
+    """({arm: {"tokens", "seconds"}}, agreement) of each arm (a policy directory or a best static {"drafter", "k"})
+    decoding the held-out requests ``ids`` live in our decoder with the served drafter: each request's logged prompt,
+    to the length the server generated, prompt by prompt with the arms in turn (machine noise hits all alike), after
+    one warm-up generation each; wall seconds per request. Greedy: every arm must emit the same tokens (lossless;
+    otherwise an error), and ``agreement`` counts the requests whose tokens equal what the server logged (vLLM's
+    kernels may round differently: reported, not required)."""
+    import time
+
+    from sacpolicy.decoding import DecoderConfig, NgramDrafter, SpeculativeDecoder
+    from sacpolicy.policy import Static
+    from sacpolicy.policy.learned import LearnedPolicy
+    from sacpolicy.runtime.artifact import load_artifact
+    from sacpolicy.traces.production import AsServed, read_step_log, requests_of
+
+    reqs, _ = requests_of(read_step_log(ctx.cfg.refit.logs, target=ctx.cfg.target.spec)[0])
+    target = ctx.target
+
+    def decoder(policy):  # each arm as the server runs it (AsServed: the server's k cap and room), as replay does
+        if isinstance(policy, dict):
+            pol, k_max = Static(int(policy["k"]), policy["drafter"]), k_cap
+        else:
+            rule = load_artifact(policy).rule
+            pol = AsServed(LearnedPolicy(rule), tuple(rule.drafters), k_cap, int(max_model_len))
+            k_max = max(rule.k_max, k_cap)
+        drafter = NgramDrafter(spec["max_ngram"], spec["min_ngram"], name=spec["name"])
+        return SpeculativeDecoder(target.model, [drafter], pol, config=DecoderConfig(k_max=k_max),
+                                  stop_token_ids=target.eos_token_ids)
+
+    decoders = {arm: decoder(p) for arm, p in arms.items()}
+    first = reqs[ids[0]]
+    for dec in decoders.values():  # first calls pay for lazy initialisation
+        dec.generate(first["tokens"][: first["prompt_len"]], 8)
+    per = {arm: {"tokens": [], "seconds": []} for arm in arms}
+    same_as_logged = 0
+    for rid in ids:
+        req = reqs[rid]
+        prompt, served = req["tokens"][: req["prompt_len"]], req["tokens"][req["prompt_len"]:]
+        outs = {}
+        for arm, dec in decoders.items():
+            t0 = time.perf_counter()
+            res = dec.generate(prompt, len(served))
+            per[arm]["seconds"].append(time.perf_counter() - t0)
+            per[arm]["tokens"].append(len(res.tokens))
+            outs[arm] = res.tokens
+        if len({tuple(t) for t in outs.values()}) != 1:
+            raise PipelineError(f"request {rid}: the arms decoded different tokens greedily ({outs}); speculation "
+                                "must not change the output: this is a decoder bug")
+        same_as_logged += outs["candidate"] == served[: len(outs["candidate"])]
+    return per, {"identical_across_arms": len(ids), "same_as_logged": int(same_as_logged)}
+
+
 def compare(per: dict, *, seed: int, resamples: int, level: float) -> dict:
     """The candidate's tokens/s over the current policy's and over the best static's, the current's over the best
     static's, each with a paired bootstrap interval over the held-out requests (one draw for all three)."""
@@ -298,6 +361,13 @@ def write_report(path: Path, s: dict) -> Path:
         "|---|---:|---|"]
     for key, r in s["ratios"].items():
         lines.append(f"| {key.replace('_vs_', ' / ')} | {r['ratio']:.3f} | [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |")
+    live = s.get("live")
+    if live:
+        lines += ["", f"Live: {live['requests']} held-out requests, {live['mode']}; identical across arms: "
+                      f"{live['identical_across_arms']}, same as the server logged: {live['same_as_logged']}", "",
+                  "| ratio (live) | value | interval |", "|---|---:|---|"]
+        for key, r in live["ratios"].items():
+            lines.append(f"| {key.replace('_vs_', ' / ')} | {r['ratio']:.3f} | [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |")
     lines += ["", f"Decision: {s['decision']} (threshold {s['threshold']}).", ""]
     if s["deployed"]:
         d = s["deployed"]
@@ -310,6 +380,8 @@ def track(tracker, s: dict) -> None:
     metrics = {f"tokens_per_s_{arm.replace('-', '_')}": v for arm, v in s["held_out"]["tokens_per_s"].items()}
     for key, r in s["ratios"].items():
         metrics.update({key: r["ratio"], f"{key}_lo": r["ci"][0], f"{key}_hi": r["ci"][1]})
+    for key, r in ((s.get("live") or {}).get("ratios") or {}).items():
+        metrics.update({f"live_{key}": r["ratio"], f"live_{key}_lo": r["ci"][0], f"live_{key}_hi": r["ci"][1]})
     metrics.update({"accepted": int(s["accepted"]), "held_out_requests": s["held_out"]["requests"],
                     **{f"{k}_requests": s["split"][k] for k in SPLITS}})
     tracker.log(metrics, "refit")
