@@ -141,6 +141,23 @@ def test_prefill_logits_and_cache_equal_each_prompt_prefilled_alone(tiny_target,
                 torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-4)
     assert batch.counts == lengths and batch.valid.sum(1).tolist() == lengths
     assert prefill_inputs([5, 5], torch.device("cpu"), dtype) == {}  # equal lengths: the plain causal pass
+    inputs = prefill_inputs([2, 4], torch.device("cpu"), torch.bfloat16)
+    assert inputs["position_ids"].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    allowed = inputs["attention_mask"][:, 0] == 0
+    assert allowed[0].tolist() == [[True, False, False, False], [False, True, False, False],
+                                   [False, False, True, False], [False, False, True, True]]  # pads: themselves only
+    assert allowed[1].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
+
+
+def test_several_rows_prefilled_together_need_full_attention_caches():
+    """A sliding-window target's cache cannot hold a ragged batch: refused as every batch of it is (one row is fine)."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(num_hidden_layers=2, sliding_window=4, hidden_size=16, num_attention_heads=2,
+                           num_key_value_heads=1, intermediate_size=16, vocab_size=32)
+    with pytest.raises(ValueError, match="full-attention KV caches.*max_batch=1"):
+        RaggedCache.prefilled(new_cache(config), [3, 5], torch.device("cpu"))
+    assert RaggedCache.prefilled(new_cache(config), [3], torch.device("cpu")).counts == [3]
 
 
 def test_feature_drafters_get_each_prompts_hidden_states(tiny_target, head, prompts):

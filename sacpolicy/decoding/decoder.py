@@ -2,9 +2,8 @@
 
 One loop serves every setting: k = 0 (no drafter) is plain autoregressive decoding, so AR and speculative timings
 come from the same code, and one request (``generate``) is a batch of one row (``generate_batch``: continuous batching
-over B rows, each with its own draft block and accepted prefix, verified together in one target pass; requests
-admitted together prefill in one pass too; the ragged KV cache is ``sacpolicy.decoding.ragged``). The decoder never
-knows which policy it runs; the policy never sees a cache.
+over B rows, each with its own draft block and accepted prefix, verified together in one target pass; the ragged KV
+cache is ``sacpolicy.decoding.ragged``). The decoder never knows which policy it runs; the policy never sees a cache.
 
 The decoder owns every request's state (``sacpolicy.decoding.rows.Row``: its tokens, the policy's memory of it, each
 drafter's state); the policy and the drafters are shared by all rows and called once per step with all of them

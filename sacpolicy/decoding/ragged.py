@@ -1,7 +1,6 @@
 """The target's KV cache for a batch of rows of different lengths (``RaggedCache``), over transformers' ``DynamicCache``.
 
-Rows join with their prompts' cache (requests admitted together are prefilled together in one pass over their
-prompts left-padded to the longest: ``prefill_inputs`` and ``RaggedCache.prefilled``) and leave when they finish; every step feeds T tokens per row
+Rows join with their prompts' cache (prefilled together) and leave when they finish; every step feeds T tokens per row
 (the last committed token, the row's draft block, then padding up to the longest block) and keeps the first
 ``kept[i]`` of them (the committed ones). Rejected and padded columns are not copied out: a [B, width] ``valid`` map
 masks them from every later query, and each row's positions count only its own valid columns. The garbage all rows
@@ -166,9 +165,13 @@ class RaggedCache:
         return batch
 
     @classmethod
-    def prefilled(cls, cache: DynamicCache, lengths: list[int], device: torch.device, slack: float = 0.25) -> RaggedCache:
+    def prefilled(cls, cache: DynamicCache, lengths: list[int], device: torch.device,
+                  slack: float = 0.25) -> RaggedCache:
         """The batch of a cache just filled by one pass over prompts of these lengths left-padded to the longest (the
-        pass ``prefill_inputs`` describes): row i's valid columns are its last lengths[i]."""
+        pass ``prefill_inputs`` describes): row i's valid columns are its last lengths[i]. Several rows need
+        full-attention caches, as every batch does (one row is the single-sequence cache, of any kind)."""
+        if len(lengths) > 1:
+            _layers(cache)
         W = max(lengths)
         batch = cls(cache, W, device, slack)
         batch.counts = [int(n) for n in lengths]
@@ -184,7 +187,7 @@ class RaggedCache:
         return out
 
     def join(self, other: RaggedCache) -> None:
-        """Append the rows of ``other`` (a new request's prefilled cache), left-padding the narrower side."""
+        """Append the rows of ``other`` (the cache of requests prefilled together), left-padding the narrower side."""
         a, b = _layers(self.cache), _layers(other.cache)
         if len(a) != len(b):
             raise ValueError(f"caches of {len(a)} and {len(b)} layers cannot be batched")
