@@ -232,9 +232,9 @@ def prefill_inputs(lengths: list[int], device: torch.device, dtype: torch.dtype)
     every row's last position is its prompt's last token): nothing when all have one length (the default causal mask
     and positions are right), else per-row positions (0 at each prompt's first token, as the prompt alone has them)
     and the additive 4D mask [B, 1, W, W] of ``RaggedCache.inputs``: a token attends to its own prompt up to itself.
-    A pad attends to itself only, so its query stays finite (a row of masked keys would be all minimum values, which
-    overflow to -inf, and NaN, in half precision), and no real token ever reads it (nor, after the pass, any later
-    query: ``RaggedCache.prefilled`` marks it invalid)."""
+    A pad attends to itself only, so no query has every key masked (a case attention kernels may turn into NaN, e.g.
+    boolean masks, or minimum values summed in half precision), and no real token ever reads it (nor, after the pass,
+    any later query: ``RaggedCache.prefilled`` marks it invalid)."""
     W = max(lengths)
     if all(n == W for n in lengths):
         return {}
