@@ -89,7 +89,8 @@ def run(target, drafters, policy, prompts, requests, args, B: int, max_batch: in
             "acceptance": sum(s.accepted for r in res for s in r.steps) / drafted if drafted else 0.0,
             "mean_k": float(np.mean([s.drafted for r in res for s in r.steps])),
             "latency_sum_s": float(lat.sum()),
-            # the prompts' prefills (each admitted request's pass over its prompt), which no policy changes
+            # the prompts' prefills (one pass over the prompts of the requests admitted together; each request's
+            # prefill_s is its share of its pass, so they add up to the passes' time), which no policy changes
             "prefill_share": prefill / wall,
             "policy_share": timed.seconds / wall,
             # of the decoding steps' time (the wall time but the prefills, which run between steps)

@@ -30,7 +30,7 @@ from torch import nn
 
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
-from sacpolicy.decoding.ragged import RaggedCache, new_cache
+from sacpolicy.decoding.ragged import RaggedCache, new_cache, prefill_inputs
 from sacpolicy.decoding.rows import Clock, Row, WallClock, stop_callback
 from sacpolicy.decoding.stats import block_stats
 from sacpolicy.decoding.sampling import (
@@ -278,24 +278,16 @@ class SpeculativeDecoder:
         return [r.result for r in runs]
 
     def _run(self, runs: list[Row], B: int) -> None:
-        """Continuous batching: admit arrived requests while rows are free, step the batch, retire finished rows."""
+        """Continuous batching: admit arrived requests while rows are free (those admitted together prefill in one
+        pass), step the batch, retire finished rows."""
         waiting = sorted(runs, key=lambda r: r.arrival)[::-1]  # pop() takes the earliest
         batch: list[Row] = []
         cache: RaggedCache | None = None
         t0 = self._now()
         while waiting or batch:
-            while waiting and len(batch) < B and waiting[-1].arrival <= self._now() - t0:
-                run = waiting.pop()
-                run.queued_s = self._now() - t0 - run.arrival
-                row_cache = self._prefill(run)
-                if run.active:
-                    if cache is None:
-                        cache = row_cache
-                    else:
-                        cache.join(row_cache)
-                    batch.append(run)
-                else:
-                    self._finish(run)
+            # again after each prefill: requests that arrived during it join before the next step
+            while joining := self._admit(waiting, B - len(batch), t0):
+                cache = self._join(joining, batch, cache)
             if not batch:
                 if waiting:
                     self.clock.sleep(max(0.0, waiting[-1].arrival - (self._now() - t0)))
@@ -311,6 +303,33 @@ class SpeculativeDecoder:
                     cache.select(live)
                 else:
                     cache = None
+
+    def _admit(self, waiting: list[Row], room: int, t0: float) -> list[Row]:
+        """The waiting requests that have arrived, earliest first, as many as there are free rows (taken out of
+        ``waiting``; each one's ``queued_s`` set)."""
+        joining: list[Row] = []
+        while waiting and len(joining) < room and waiting[-1].arrival <= self._now() - t0:
+            run = waiting.pop()
+            run.queued_s = self._now() - t0 - run.arrival
+            joining.append(run)
+        return joining
+
+    def _join(self, joining: list[Row], batch: list[Row], cache: RaggedCache | None) -> RaggedCache | None:
+        """Prefill the joining requests together; those still decoding join ``batch`` (in place) and their rows the
+        batch's cache, the others finish at once. -> the batch's cache."""
+        new = self._prefill(joining)
+        live = [i for i, r in enumerate(joining) if r.active]
+        for r in joining:
+            if not r.active:
+                self._finish(r)
+        if not live:
+            return cache
+        new.select(live)
+        batch.extend(joining[i] for i in live)
+        if cache is None:
+            return new
+        cache.join(new)
+        return cache
 
     def _new_run(self, index, input_ids, max_new_tokens, request, arrival, stops, keep_logits) -> Row:
         if max_new_tokens < 1:
@@ -338,28 +357,50 @@ class SpeculativeDecoder:
         run.n = L
         return run
 
-    def _prefill(self, run: Row) -> RaggedCache:
-        """Admit a request: prefill its prompt alone, pick its first token. -> its one-row cache."""
-        request, L = run.state.request, run.n
-        if request.seed is not None:
-            run.generator.manual_seed(request.seed)
-        run.drafts = {name: d.new_state() for name, d in self.drafters.items()}
-        run.policy.memory = self.policy.start(request)
-        run.t_start = self._now()
+    def _prefill(self, runs: list[Row]) -> RaggedCache:
+        """Admit requests together: prefill their prompts in one target pass and pick each one's first token. -> their
+        cache, one row per request in order.
+
+        Prompts of different lengths are left-padded to the longest (``ragged.prefill_inputs``: each prompt's own
+        positions, a mask keeping every token to its own prompt), so every row's last position is its prompt's last
+        token; one request is the unpadded single-sequence pass. Per request, in order, as when each prefilled alone:
+        its seed, its drafters' fresh states and the policy's memory before the pass; its first token (drawn from its
+        own generator, or the decoder's in request order: the same draws), its kept logits and its feature drafters'
+        hidden states of its prompt's positions after it. A row's ``prefill_s`` is its share of the pass (the rows'
+        seconds add up to the pass's, as a drafter's rows share a proposal's)."""
+        for run in runs:
+            if run.state.request.seed is not None:
+                run.generator.manual_seed(run.state.request.seed)
+            run.drafts = {name: d.new_state() for name, d in self.drafters.items()}
+            run.policy.memory = self.policy.start(run.state.request)
+        lengths = [run.n for run in runs]
+        W = max(lengths)
+        t0 = self._now()
+        # pads repeat the row's first token: any id serves (masked), and a replay target names the row by it
+        ids = torch.stack([torch.cat([run.buf[:1].expand(W - run.n), run.context]) for run in runs])
         cache = new_cache(self.target.config)
         with self.features:
-            prefill = self.target(input_ids=run.buf[:L].view(1, -1), **with_cache(self.target, cache),
-                                  use_cache=True, logits_to_keep=1).logits[0]
-        first = select_token(prefill[-1], run.sampling, run.generator)
-        self._extend_features(run, 0, L)
+            last = self.target(input_ids=ids, **with_cache(self.target, cache), use_cache=True, logits_to_keep=1,
+                               **prefill_inputs(lengths, self.device, self.dtype)).logits[:, -1]
+        for i, run in enumerate(runs):
+            self._first_token(run, last[i], i, W - run.n)
+        seconds = (self._now() - t0) / len(runs)
+        for run in runs:
+            run.t_start, run.prefill_s = t0, seconds
+        return RaggedCache.prefilled(cache, lengths, self.device, self.config.compact_slack)
+
+    def _first_token(self, run: Row, logits: torch.Tensor, row: int, pad: int) -> None:
+        """Row ``row`` of the prefill pass (its prompt after ``pad`` pads; ``logits`` [V] at its last token): the
+        request's first token, its kept logits and its feature drafters' hidden states of the prompt."""
+        L = run.n
+        first = select_token(logits, run.sampling, run.generator)
+        self._extend_features(run, row, L, pad)
         if run.logits is not None:
-            run.logits.append(prefill[-1:])
+            run.logits.append(logits[None])
         run.buf[L] = first
         run.out, run.n = [int(first)], L + 1
-        run.prefill_s = self._now() - run.t_start
         if run.out[0] in run.stops:
             run.finish = "eos"
-        return RaggedCache(cache, L, self.device, self.config.compact_slack)
 
     def _finish(self, run: Row) -> None:
         if run.finish is None:
@@ -566,17 +607,17 @@ class SpeculativeDecoder:
             return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
         return probs_from_logits(block.logits, cfg)
 
-    def _extend_features(self, run: Row, row: int, m: int) -> None:
-        """Hand the row's feature drafters the target's hidden states of the first m positions of its row in the
-        last pass: the ones that are now committed (the prompt after prefill; the last token and the accepted drafts
-        after a verify)."""
+    def _extend_features(self, run: Row, row: int, m: int, start: int = 0) -> None:
+        """Hand the row's feature drafters the target's hidden states of m positions of its row in the last pass,
+        from ``start`` on: the ones that are now committed (the prompt after prefill, after its row's pads; the last
+        token and the accepted drafts after a verify)."""
         if not self.features.layers:
             return
         for name in run.state.drafters:
             layers = self.feature_layers.get(name)
             if layers:
                 try:
-                    self.drafters[name].extend_features(run.drafts[name], self.features.rows(layers, m, row))
+                    self.drafters[name].extend_features(run.drafts[name], self.features.rows(layers, m, row, start))
                 except Exception as exc:
                     self._drop(run, name, exc)
 

@@ -1,6 +1,6 @@
 """The target's KV cache for a batch of rows of different lengths (``RaggedCache``), over transformers' ``DynamicCache``.
 
-Rows join with their own prompt cache (prefilled alone) and leave when they finish; every step feeds T tokens per row
+Rows join with their prompts' cache (prefilled together) and leave when they finish; every step feeds T tokens per row
 (the last committed token, the row's draft block, then padding up to the longest block) and keeps the first
 ``kept[i]`` of them (the committed ones). Rejected and padded columns are not copied out: a [B, width] ``valid`` map
 masks them from every later query, and each row's positions count only its own valid columns. The garbage all rows
@@ -164,6 +164,20 @@ class RaggedCache:
                                  for n in lengths])
         return batch
 
+    @classmethod
+    def prefilled(cls, cache: DynamicCache, lengths: list[int], device: torch.device,
+                  slack: float = 0.25) -> RaggedCache:
+        """The batch of a cache just filled by one pass over prompts of these lengths left-padded to the longest (the
+        pass ``prefill_inputs`` describes): row i's valid columns are its last lengths[i]. Several rows need
+        full-attention caches, as every batch does (one row is the single-sequence cache, of any kind)."""
+        if len(lengths) > 1:
+            _layers(cache)
+        W = max(lengths)
+        batch = cls(cache, W, device, slack)
+        batch.counts = [int(n) for n in lengths]
+        batch.valid = _left_padded(lengths, device)
+        return batch
+
     def row_cache(self, i: int, config) -> DynamicCache:
         """Row i alone, its valid columns in order: a one-row cache as a single-sequence decode would hold."""
         cols = self.valid[i].nonzero().squeeze(-1)
@@ -173,7 +187,7 @@ class RaggedCache:
         return out
 
     def join(self, other: RaggedCache) -> None:
-        """Append the rows of ``other`` (a new request's prefilled cache), left-padding the narrower side."""
+        """Append the rows of ``other`` (the cache of requests prefilled together), left-padding the narrower side."""
         a, b = _layers(self.cache), _layers(other.cache)
         if len(a) != len(b):
             raise ValueError(f"caches of {len(a)} and {len(b)} layers cannot be batched")
@@ -211,6 +225,32 @@ class RaggedCache:
         self.valid = self.valid.gather(1, index)
         self.width = W
         self.compactions += 1
+
+
+def prefill_inputs(lengths: list[int], device: torch.device, dtype: torch.dtype) -> dict:
+    """Keyword arguments of one forward over prompts of these lengths, each left-padded to the longest (pads first, so
+    every row's last position is its prompt's last token): nothing when all have one length (the default causal mask
+    and positions are right), else per-row positions (0 at each prompt's first token, as the prompt alone has them)
+    and the additive 4D mask [B, 1, W, W] of ``RaggedCache.inputs``: a token attends to its own prompt up to itself.
+    A pad attends to itself only, so no query has every key masked (a case attention kernels may turn into NaN, e.g.
+    boolean masks, or minimum values summed in half precision), and no real token ever reads it (nor, after the pass,
+    any later query: ``RaggedCache.prefilled`` marks it invalid)."""
+    W = max(lengths)
+    if all(n == W for n in lengths):
+        return {}
+    real = _left_padded(lengths, device)  # [B, W]
+    pos = (torch.arange(W, device=device) - (W - torch.tensor(lengths, device=device))[:, None]).clamp_(min=0)
+    causal = torch.ones(W, W, dtype=torch.bool, device=device).tril_()
+    keys = (causal & real[:, None, :]) | torch.eye(W, dtype=torch.bool, device=device)  # [B, W queries, W keys]
+    mask = torch.zeros(len(lengths), 1, W, W, dtype=dtype, device=device)
+    mask.masked_fill_(~keys[:, None], torch.finfo(dtype).min)
+    return {"position_ids": pos, "attention_mask": mask}
+
+
+def _left_padded(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[B, max(lengths)] bool: True on row i's last lengths[i] columns."""
+    W = max(lengths)
+    return torch.arange(W, device=device)[None] >= (W - torch.tensor(lengths, device=device))[:, None]
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

@@ -16,6 +16,9 @@ Model of a step drafting k tokens on top of `context` committed tokens:
 
 Prefill: a prompt of n tokens fed at once, where profiled (``prefill``, a line over the profiled contexts):
     prefill = f_p(n)                        else the verify curve at n tokens fed (older files: an extrapolation)
+Requests admitted to a batch together prefill in one pass over their prompts left-padded to the longest (n tokens):
+    prefill = f_p(rows * n)                 a prompt's pass is compute-bound, so the pass costs the tokens it feeds,
+                                            pads included, and its fixed cost once (profiled at one row only)
 
 Batches: a target pass verifying B rows of k + 1 tokens each costs a_B(k + 1) + b_B * context (context: the rows'
 mean), profiled at a few batch sizes (``batch``) and interpolated linearly in B between them; each row drafts its own
@@ -159,13 +162,17 @@ class CostModel:
         per = curves["per_context"]
         return max(_MIN_S, curves["tokens"](k + 1) + (per(k + 1) if callable(per) else per) * context_len)
 
-    def prefill_time(self, prompt_len: int) -> float:
-        """Seconds of the target's pass over a prompt of ``prompt_len`` tokens (no cache). A model without a profiled
-        prefill curve extends its verify curve to that many tokens fed, which a noisy last knot can make far too
-        steep: re-profile for a measured one."""
+    def prefill_time(self, prompt_len: int, rows: int = 1) -> float:
+        """Seconds of the target's pass over a prompt of ``prompt_len`` tokens (no cache), or over ``rows`` prompts
+        prefilled together, left-padded to ``prompt_len`` tokens (the longest): priced as one prompt of
+        rows * prompt_len tokens (module docstring). A model without a profiled prefill curve extends its verify curve
+        to that many tokens fed, which a noisy last knot can make far too steep: re-profile for a measured one."""
+        if rows < 1:
+            raise ValueError(f"a prefill pass has at least one row, got rows={rows}")
+        tokens = rows * prompt_len
         if self.prefill is None:
-            return self.verify_time(prompt_len - 1, 0)
-        return max(_MIN_S, self.prefill(prompt_len))
+            return self.verify_time(tokens - 1, 0)
+        return max(_MIN_S, self.prefill(tokens))
 
     def draft_time(self, drafter: str | None, k: int, context_len: int, rows: int = 1) -> float:
         """Seconds one row spends drafting k tokens on ``context_len`` committed ones, ``rows`` rows drafting with this

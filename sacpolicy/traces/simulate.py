@@ -73,7 +73,8 @@ class ReplayTarget(nn.Module):
     """A stand-in target whose greedy choice at every position is the recorded token of its sequence. Several
     sequences can be decoded together (a batched replay): sequence i's prompt is the token i repeated, and each row
     of the cache carries i + 1 in its entries, so rows are told apart as they join, leave and are compacted. With a
-    ``clock`` and ``cost``, every pass advances the clock by the cost model's seconds for it (at its batch size)."""
+    ``clock`` and ``cost``, every pass advances the clock by the cost model's seconds for it (at its batch size; a
+    prefill of rows admitted together, left-padded to the longest prompt, as one pass of that many rows)."""
 
     def __init__(self, sequences, vocab_size: int, max_context: int | None = None, clock: VirtualClock | None = None,
                  cost: CostModel | None = None):
@@ -110,7 +111,7 @@ class ReplayTarget(nn.Module):
         logits.scatter_(-1, nxt.unsqueeze(-1), 1.0)
         if self.clock is not None:
             ctx = float((pos[:, 0] + 1).float().mean())
-            self.clock.t += (self.cost.prefill_time(T) if start == 0
+            self.clock.t += (self.cost.prefill_time(T, B) if start == 0
                              else self.cost.verify_time(T - 1, ctx, B))
 
         class Out:
