@@ -169,11 +169,16 @@ def check_tokenizers_compatible(
     *,
     target_name: str = "target",
     draft_name: str = "draft",
+    prefix: bool = False,
 ) -> None:
-    """Raise TokenizerMismatchError unless both tokenizers map the same ids to the same tokens and share eos."""
+    """Raise TokenizerMismatchError unless both tokenizers map the same ids to the same tokens and share eos.
+    ``prefix``: the draft's tokenizer may hold fewer ids than the target's, when each id it holds is the target's (a
+    draft with a smaller vocabulary, whose logits are padded to the target's)."""
     a, b = _id_to_token(target_tok), _id_to_token(draft_tok)
     problems = []
-    if len(target_tok) != len(draft_tok):
+    if prefix and len(draft_tok) <= len(target_tok) and len(b) <= len(a):
+        a = a[: len(b)]  # the target's ids past the draft's are the target's alone
+    elif len(target_tok) != len(draft_tok):
         problems.append(f"vocab size: {target_name} has {len(target_tok)}, {draft_name} has {len(draft_tok)}")
     if a != b:
         width = max(len(a), len(b))
