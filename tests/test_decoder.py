@@ -259,6 +259,23 @@ def test_a_smaller_vocabulary_draft_is_padded_and_greedy_equals_target(tiny_targ
     assert block.logits.shape == (3, V) and torch.isinf(block.logits[:, SMALL_VOCAB:]).all()
 
 
+def test_a_smaller_vocabulary_draft_drafts_rows_together_exactly(tiny_target, tiny_prompts):
+    """Batched rows (their caches stacked, ``_propose_together``) read ids past the draft's vocabulary too."""
+    target, seen = tiny_target.model, []
+    draft = smaller_vocab_copy(target)
+    hook = draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    g = torch.Generator().manual_seed(4)
+    prompts = [p + torch.randint(SMALL_VOCAB, 49152, (3,), generator=g).tolist() for p in tiny_prompts]
+    try:
+        dec = SpeculativeDecoder(target, [ModelDrafter(draft, name="cut", vocab_size=49152)], Static(3),
+                                 stop_token_ids=[], config=DecoderConfig(max_batch=4))
+        results = dec.generate_batch(prompts, 16)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in results] == [hf_greedy(target, p, 16) for p in prompts]
+    assert max(seen) > 1 and not any(r.dropped_drafters for r in results)
+
+
 def test_a_larger_vocabulary_draft_is_refused_with_both_sizes(tiny_target, tiny_draft):
     from transformers import LlamaForCausalLM
 
