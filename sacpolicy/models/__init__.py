@@ -17,10 +17,11 @@ from sacpolicy.models.loading import (
     model_dir,
     resolve_device,
     resolve_dtype,
+    served_model,
 )
 
 __all__ = [
     "EMBEDDED_MODELS", "EMBEDDED_TARGET", "TINY_PRESETS", "LoadedModel", "ModelSpecError", "TokenizerMismatchError",
     "cache_root", "check_tokenizers_compatible", "load_model", "load_tokenizer", "model_dir", "resolve_device",
-    "resolve_dtype",
+    "resolve_dtype", "served_model",
 ]

@@ -248,6 +248,20 @@ def model_dir(spec: str = EMBEDDED_TARGET) -> pathlib.Path:
     return _local_model_dir(kind, arg)
 
 
+def served_model(spec: str = EMBEDDED_TARGET) -> str:
+    """What an engine that loads the model itself (vLLM; the verifier a speculators export names) is given for
+    ``spec``: its local Hugging Face directory (embedded, ``.gguf`` converted once, a directory), or a hub id as it is
+    (the engine downloads it, or reads the Hugging Face cache)."""
+    kind, arg = _parse_spec(spec)
+    if kind == "hub":
+        return arg
+    if kind == "tiny":
+        raise ModelSpecError(f"{spec!r} is a random-init test model with no weights on disk, so an engine cannot load "
+                             f"it. Fix: pass a model it can load: {EMBEDDED_TARGET!r}, a .gguf file, a Hugging Face "
+                             "directory or a hub id")
+    return str(_local_model_dir(kind, arg))
+
+
 def _local_model_dir(kind: str, arg: str) -> pathlib.Path:
     """A directory `from_pretrained` can read for an embedded, gguf or dir spec (converting GGUF if needed)."""
     if kind == "embedded":
