@@ -12,8 +12,8 @@ that the learned rule is tuned for vLLM (sacpolicy.export.vllm_cost).
 target (its config.yaml), the embedded target where that is a random-init tiny model (no weights for vLLM to load,
 and the tiny models share the embedded tokenizer).
 
-With ``--head <head dir | speculators dir | shipped>`` it also times vLLM's ``eagle3`` method with that head at every k >= 1
-and B, and prices the run's feature drafter (``--head-name``, default ``feature``) by those steps, so the rule's
+With ``--head <head dir | speculators dir | shipped>`` it also times vLLM's ``eagle3`` method with that head at every
+k >= 1 and B, and prices the run's feature drafter (``--head-name``, default ``feature``) by those steps, so the rule's
 k-by-batch-size map for the head is vLLM's (export it with ``scripts/export.py ... format=vllm drafter=feature``).
 A head directory of ours is first exported for the target (``export_head_for``: checked against it); ``shipped`` is
 the head that ships for the target (the embedded one's).

@@ -591,7 +591,8 @@ def test_head_export_names_any_target_and_checks_the_head_against_it(tiny_target
     from sacpolicy.models import EMBEDDED_TARGET
 
     with pytest.raises(SystemExit, match="belongs to another target(.|\n)*hidden size: head 64, target 576"):
-        export.main([f"head_dir={head}", "format=speculators", f"out={tmp_path / 'other'}", f"target={EMBEDDED_TARGET}"])
+        export.main([f"head_dir={head}", "format=speculators", f"out={tmp_path / 'other'}",
+                     f"target={EMBEDDED_TARGET}"])
     with pytest.raises(SystemExit, match="random-init test model"):
         export.main([f"head_dir={head}", "format=speculators", f"out={tmp_path / 'tiny'}", "target=tiny:llama-4l"])
     assert not (tmp_path / "other").exists() and not (tmp_path / "tiny").exists()

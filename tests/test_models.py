@@ -399,7 +399,7 @@ def test_changed_token_and_eos_are_named():
 
 
 def test_a_prefix_tokenizer_passes_only_when_asked_and_only_when_its_ids_agree():
-    """A draft with a smaller vocabulary (padded to the target's) may have a tokenizer holding the target's first ids."""
+    """A draft with a smaller vocabulary (padded to the target's) may have a tokenizer with the target's first ids."""
     target = _StubTokenizer(["<unk>", "<eos>", "foo", "baz", "<extra>"], "<eos>")
     prefix = _StubTokenizer(["<unk>", "<eos>", "foo", "baz"], "<eos>")
     with pytest.raises(TokenizerMismatchError, match="vocab size: target has 5, draft has 4"):

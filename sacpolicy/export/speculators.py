@@ -176,7 +176,8 @@ def export_head_for(head_dir, out_dir, target: str | None = None, num_speculativ
                               architectures=list(target_config.architectures or []) or None)
 
 
-def export_shipped_head(out_dir, verifier_path: str, num_speculative_tokens: int = 3, target: str | None = None) -> Path:
+def export_shipped_head(out_dir, verifier_path: str, num_speculative_tokens: int = 3,
+                        target: str | None = None) -> Path:
     """The EAGLE-3 head shipped for ``target`` (default: the embedded target, the one head that ships) in the
     speculators format at ``out_dir``, in float32 (what vLLM runs on a CPU): ``export_speculators`` of
     ``sacpolicy.heads.shipped_head``."""

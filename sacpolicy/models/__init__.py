@@ -12,6 +12,7 @@ from sacpolicy.models.loading import (
     TINY_PRESETS,
     LoadedModel,
     check_tokenizers_compatible,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     model_dir,
@@ -22,6 +23,6 @@ from sacpolicy.models.loading import (
 
 __all__ = [
     "EMBEDDED_MODELS", "EMBEDDED_TARGET", "TINY_PRESETS", "LoadedModel", "ModelSpecError", "TokenizerMismatchError",
-    "cache_root", "check_tokenizers_compatible", "load_model", "load_tokenizer", "model_dir", "resolve_device",
-    "resolve_dtype", "served_model",
+    "cache_root", "check_tokenizers_compatible", "eos_token_ids", "load_model", "load_tokenizer", "model_dir",
+    "resolve_device", "resolve_dtype", "served_model",
 ]

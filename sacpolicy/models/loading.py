@@ -91,14 +91,19 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        # generate() stops on any id in generation_config (chat models often list several), plus the tokenizer's.
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        candidates = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
-        ids: list[int] = []
-        for i in [*candidates, self.tokenizer.eos_token_id]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-        return ids
+        return eos_token_ids(getattr(self.model, "generation_config", None), self.tokenizer)
+
+
+def eos_token_ids(generation_config, tokenizer) -> list[int]:
+    """The ids ``generate()`` stops on: any in ``generation_config`` (chat models often list several; None: none),
+    plus the tokenizer's eos."""
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    candidates = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    ids: list[int] = []
+    for i in [*candidates, tokenizer.eos_token_id]:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return ids
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
