@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     print(md)
     if head_steps is not None:
         print(f"the head's drafting in vLLM: {cost.meta['vllm_head_draft']}")
-    bench.write_results(out / "vllm_profile.json", {"target": target, "served": served, "head": None if head is None else str(head),
+    bench.write_results(out / "vllm_profile.json", {"target": target, "served": served,
+                                                    "head": None if head is None else str(head),
                                                     "mean_context": mean_context,
                                                     "step_s": {str(k): v for k, v in steps.items()},
                                                     "batch_step_s": {str(b): {str(k): v for k, v in s.items()}
