@@ -92,13 +92,17 @@ def load_vocab_map(model_dir) -> torch.Tensor | None:
 def model_drafter(target, spec: str, name: str = "draft", seed: int = 0, trim: bool = True) -> ModelDrafter:
     """Load a draft model from any model spec (see ``sacpolicy.models``) on the target's device and dtype, after
     checking that it shares the target's tokenizer. A draft directory with a vocab map (a distilled draft with a
-    trimmed vocabulary) drafts with its trimmed head unless ``trim=False``."""
+    trimmed vocabulary) drafts with its trimmed head unless ``trim=False``. A draft scoring fewer ids than the target
+    (Qwen2.5-0.5B for Qwen2.5-7B) drafts over the target's first ids, its logits padded to the target's vocabulary,
+    once its tokenizer is found to hold the target's tokens at the ids it has; one scoring more is refused."""
     from sacpolicy.models import check_tokenizers_compatible, load_model
 
     draft = load_model(spec, device=target.device, dtype=target.dtype, seed=seed)
-    check_tokenizers_compatible(target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=spec)
+    vocab = int(target.model.get_output_embeddings().out_features)
+    smaller = int(draft.model.get_output_embeddings().out_features) < vocab
+    check_tokenizers_compatible(target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=spec,
+                                prefix=smaller)
     d2t = load_vocab_map(spec) if trim else None
     if d2t is None:
-        return ModelDrafter(draft.model, name=name)
-    vocab = int(target.model.get_output_embeddings().out_features)
+        return ModelDrafter(draft.model, name=name, vocab_size=vocab)
     return ModelDrafter(trim_lm_head(draft.model, d2t), name=name, d2t=d2t, vocab_size=vocab)

@@ -11,10 +11,12 @@
             env $(cat deploy/vllm/vllm.env) vllm serve <target> --speculative-config "$(cat deploy/vllm/speculative_config.json)"
         --check: first check that vLLM imports in this environment (a clear error if it does not)
 
-    python scripts/export.py head_dir=out/run/head/head format=speculators out=deploy/eagle3 [policy_dir=...]
+    python scripts/export.py head_dir=out/run/head/head format=speculators out=deploy/eagle3 [policy_dir=...] \
+        [target=Qwen/Qwen2.5-7B-Instruct]
         an EAGLE-3 head in vLLM's speculators format (``speculative_tokens``: the policy's static k for its feature
-        drafter when policy_dir= is given, else 3; ``verifier=`` the target's hub id or directory, default: the
-        embedded target's cached directory)
+        drafter when policy_dir= is given, else 3), checked against and naming its target: ``target=`` any model
+        spec (hub id, directory, .gguf, embedded:...; ``verifier=`` is its older name), default the target the head
+        was trained for (its config's verifier: the run's target), else the embedded target
     python scripts/export.py head_dir=out/run/head/head format=sglang out=deploy/eagle3-sglang
         the same head in SGLang's EAGLE-3 layout (``LlamaForCausalLMEagle3``, ``midlayer.*``)
 
@@ -30,7 +32,7 @@ from pathlib import Path
 
 FORMATS = ("runtime", "transformers", "vllm", "speculators", "sglang")
 HEAD_FORMATS = ("speculators", "sglang")
-KEYS = ("policy_dir", "format", "draft_dir", "out", "drafter", "head_dir", "verifier")
+KEYS = ("policy_dir", "format", "draft_dir", "out", "drafter", "head_dir", "verifier", "target")
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -55,7 +57,7 @@ def parse(argv: list[str]) -> dict[str, str]:
 
 
 def export_head(args: dict) -> None:
-    from sacpolicy.export.speculators import export_sglang, export_speculators
+    from sacpolicy.export.speculators import export_head_for, export_sglang, head_target
 
     if args["format"] == "sglang":
         print(f"wrote {export_sglang(args['head_dir'], args['out'])}")
@@ -71,13 +73,9 @@ def export_head(args: dict) -> None:
             raise SystemExit(f"export: the policy at {args['policy_dir']} has no feature drafter; drop policy_dir= "
                              "or pass a policy trained with the head")
         k = max(1, static_k(art.rule, feature[0]))
-    verifier = args.get("verifier")
-    if verifier is None:
-        from sacpolicy.models import model_dir
-
-        verifier = str(model_dir())
-    print(f"wrote {export_speculators(args['head_dir'], args['out'], verifier, num_speculative_tokens=k)} "
-          f"(speculative_tokens={k})")
+    target = args.get("target") or args.get("verifier") or head_target(args["head_dir"])
+    print(f"wrote {export_head_for(args['head_dir'], args['out'], target, num_speculative_tokens=k)} "
+          f"(speculative_tokens={k}, target {target})")
 
 
 def main(argv: list[str]) -> int:

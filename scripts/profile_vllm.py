@@ -1,5 +1,5 @@
-"""Profile the embedded target's verify cost inside a real vLLM engine and write a run directory whose cost model
-holds it, so that the learned rule is tuned for vLLM (sacpolicy.export.vllm_cost).
+"""Profile a target's verify cost inside a real vLLM engine and write a run directory whose cost model holds it, so
+that the learned rule is tuned for vLLM (sacpolicy.export.vllm_cost).
 
     python scripts/train.py experiment=vllm_ngram hydra.run.dir=runs/vllm_ngram            # traces + our cost model
     python scripts/profile_vllm.py --run runs/vllm_ngram --out runs/vllm_ngram_vcost \
@@ -8,9 +8,15 @@ holds it, so that the learned rule is tuned for vLLM (sacpolicy.export.vllm_cost
         hydra.run.dir=runs/vllm_ngram_vcost                                                 # the rule, retuned
     python scripts/bench_vllm.py --policy runs/vllm_ngram_vcost/policies/hgb                # measured in vLLM
 
-With ``--head <speculators dir | shipped>`` it also times vLLM's ``eagle3`` method with that head at every k >= 1
-and B, and prices the run's feature drafter (``--head-name``, default ``feature``) by those steps, so the rule's
+``--target``: the model vLLM serves, any model spec (hub id, directory, .gguf, embedded:...); default the run's
+target (its config.yaml), the embedded target where that is a random-init tiny model (no weights for vLLM to load,
+and the tiny models share the embedded tokenizer).
+
+With ``--head <head dir | speculators dir | shipped>`` it also times vLLM's ``eagle3`` method with that head at every
+k >= 1 and B, and prices the run's feature drafter (``--head-name``, default ``feature``) by those steps, so the rule's
 k-by-batch-size map for the head is vLLM's (export it with ``scripts/export.py ... format=vllm drafter=feature``).
+A head directory of ours is first exported for the target (``export_head_for``: checked against it); ``shipped`` is
+the head that ships for the target (the embedded one's).
 With ``--idle K`` it also times, at each B, a step with speculation on (up to K tokens, as the learned rule's export
 runs it) and nothing drafted against one without speculation, engines interleaved: what vLLM's speculative path
 costs before any draft (``cost.meta["vllm_spec_idle"]``: the ratio per B).
@@ -25,16 +31,19 @@ of the step seconds per k and B next to what the run's own cost model predicts a
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 from sacpolicy import bench
-from sacpolicy.export.speculators import export_shipped_head
+from sacpolicy.export.speculators import export_head_for, export_shipped_head
 from sacpolicy.export.vllm_cost import eagle3_config, profile_vllm_idle, profile_vllm_steps, vllm_cost_model
 from sacpolicy.export.vllm_run import vllm_status
-from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
+from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, served_model
 from sacpolicy.runtime.cost import CostModel
 
 
@@ -47,8 +56,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default="1", help="batch sizes to time (1: one request at a time; B > 1: waves "
                     "of B requests)")
     ap.add_argument("--repeats", type=int, default=2, help="engines per k, interleaved over k")
-    ap.add_argument("--head", default=None, help="also time vLLM's eagle3 with this EAGLE-3 head (speculators "
-                    "format, or 'shipped': the embedded target's shipped head)")
+    ap.add_argument("--target", default=None, help="the model vLLM serves: any model spec (default: the run's "
+                    "target; the embedded one for a tiny run)")
+    ap.add_argument("--head", default=None, help="also time vLLM's eagle3 with this EAGLE-3 head (our head "
+                    "directory, a speculators export, or 'shipped': the head that ships for the target)")
     ap.add_argument("--idle", type=int, default=0, metavar="K", help="also time speculation on (up to K tokens) with "
                     "nothing drafted (spec-idle) against no speculation at each batch size (0: not)")
     ap.add_argument("--head-name", default="feature", help="the run's drafter that head is (its cost is replaced)")
@@ -62,10 +73,16 @@ def main(argv=None) -> int:
     if not ok:
         raise SystemExit(f"profile_vllm: {why}")
     base = CostModel.from_json(base_path)
-    tok = load_tokenizer(EMBEDDED_TARGET)
+    target = args.target or run_target(Path(args.run))
+    try:
+        served = served_model(target)
+    except ValueError as e:  # ModelSpecError: names the spec and the fix
+        raise SystemExit(f"profile_vllm: --target: {e}") from e
+    tok = load_tokenizer(target)
     prompts = [r["input_ids"] for r in bench.held_out_prompts(args.source, tok, split="val", n=args.prompts)]
     ks, sizes = bench.int_list(args.ks), bench.int_list(args.batch_sizes) or [1]
-    print(f"vLLM {why}; {len(prompts)} {args.source} validation prompts, {args.max_tokens} tokens, k in {ks}, "
+    print(f"vLLM {why} serving {target} ({served}); {len(prompts)} {args.source} validation prompts, "
+          f"{args.max_tokens} tokens, k in {ks}, "
           f"batch sizes {sizes}, {args.repeats} engine(s) per k", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,24 +91,23 @@ def main(argv=None) -> int:
         if args.head_name not in base.draft:
             raise SystemExit(f"profile_vllm: the run's cost model has no drafter {args.head_name!r} (it has "
                              f"{sorted(base.draft)}); pass --head-name <the run's feature drafter>")
-        head = (export_shipped_head(out / "head", str(model_dir())) if args.head == "shipped"
-                else Path(args.head))
-    by_batch = profile_vllm_steps(model_dir(), prompts, ks, sizes, max_tokens=args.max_tokens, repeats=args.repeats)
+        head = head_for(args.head, target, served, out / "head")
+    by_batch = profile_vllm_steps(served, prompts, ks, sizes, max_tokens=args.max_tokens, repeats=args.repeats)
     head_steps = None
     if head is not None:
         print(f"vLLM eagle3 with the head at {head}", flush=True)
-        head_steps = profile_vllm_steps(model_dir(), prompts, [k for k in ks if k >= 1], sizes,
+        head_steps = profile_vllm_steps(served, prompts, [k for k in ks if k >= 1], sizes,
                                         max_tokens=args.max_tokens, repeats=args.repeats,
                                         config=functools.partial(eagle3_config, head))
     idle = None
     if args.idle > 0:
         print(f"vLLM with speculation on (up to {args.idle} tokens) and nothing drafted, against no speculation",
               flush=True)
-        idle = profile_vllm_idle(model_dir(), prompts, sizes, k=args.idle, max_tokens=args.max_tokens,
+        idle = profile_vllm_idle(served, prompts, sizes, k=args.idle, max_tokens=args.max_tokens,
                                  repeats=args.repeats)
     steps = by_batch[1]
     mean_context = statistics.fmean(len(p) for p in prompts) + args.max_tokens / 2
-    meta = {"vllm": why, "vllm_prompts": len(prompts)}
+    meta = {"vllm": why, "vllm_prompts": len(prompts), "vllm_target": target}
     if idle is not None:
         meta["vllm_spec_idle"] = {str(b): statistics.median(v["idle"]) / statistics.median(v["none"])
                                   for b, v in idle.items()}
@@ -106,7 +122,9 @@ def main(argv=None) -> int:
     print(md)
     if head_steps is not None:
         print(f"the head's drafting in vLLM: {cost.meta['vllm_head_draft']}")
-    bench.write_results(out / "vllm_profile.json", {"mean_context": mean_context,
+    bench.write_results(out / "vllm_profile.json", {"target": target, "served": served,
+                                                    "head": None if head is None else str(head),
+                                                    "mean_context": mean_context,
                                                     "step_s": {str(k): v for k, v in steps.items()},
                                                     "batch_step_s": {str(b): {str(k): v for k, v in s.items()}
                                                                      for b, s in by_batch.items()},
@@ -119,6 +137,33 @@ def main(argv=None) -> int:
     print(f"wrote {out / 'cost.json'}; next: python scripts/train.py experiment=<the run's, e.g. vllm_ngram or "
           f"vllm_head> \"stages=[fit,export]\" from_run={args.run} hydra.run.dir={out}")
     return 0
+
+
+def run_target(run: Path) -> str:
+    """The target of the run at ``run`` (its config.yaml's ``target.spec``), the embedded target where that is a
+    random-init tiny model (vLLM has no weights to load for it; it shares the embedded tokenizer) or the run has no
+    config.yaml."""
+    if not (run / "config.yaml").is_file():
+        return EMBEDDED_TARGET
+    from omegaconf import OmegaConf
+
+    spec = str(OmegaConf.load(run / "config.yaml").target.spec)
+    return EMBEDDED_TARGET if spec.startswith("tiny:") else spec
+
+
+def head_for(head: str, target: str, served: str, out: Path) -> Path:
+    """The speculators directory vLLM runs for ``--head``: the head that ships for ``target`` (``shipped``), a head
+    directory of ours exported for ``target`` (checked against it), or a speculators export as it is."""
+    try:
+        if head == "shipped":
+            return export_shipped_head(out, served, target=target)
+        config = Path(head) / "config.json"
+        if config.is_file() and "speculators_model_type" not in json.loads(config.read_text()):
+            return export_head_for(head, out, target, dtype=torch.float32)
+    except (ValueError, FileNotFoundError) as e:  # no head ships for the target; one for another target; no head
+        raise SystemExit(f"profile_vllm: --head {head}: {e}\nFix: pass --head <a head trained for {target}> or "
+                         "--target <the model it was trained for>") from e
+    return Path(head)
 
 
 def markdown(steps: dict, ks: list[int], base: CostModel, mean_context: float, batch: int = 1,

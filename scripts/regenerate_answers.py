@@ -10,6 +10,10 @@ cache too), then the train and val prompts of MT-Bench, HumanEval and HumanEval 
 code, which ShareGPT's human answers do not show it). Answers are greedy, at most ``--max-tokens`` tokens, generated
 by the faster generator here (``--engine``; ``--compare`` measures both on the same prompts).
 
+``--engine vllm`` (the default) answers every part still missing in one engine, which loads the target itself: no
+copy of the target is loaded here (only its tokenizer and end-of-turn ids), and ``--compare`` frees ours before the
+engine starts. Its parts are written when the engine returns.
+
 Output directory (resumable: a part is written atomically once its prompts are answered; a rerun skips the parts
 it finds and refuses a directory whose prompt list differs): ``meta.json`` (target, engine, version, settings, the
 prompt list's hash, the command) and ``part-NNNNN.jsonl.gz``, one row per prompt: ``prompt_id``, ``split``,
@@ -19,6 +23,7 @@ prompt list's hash, the command) and ``part-NNNNN.jsonl.gz``, one row per prompt
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import hashlib
 import json
@@ -66,11 +71,28 @@ def list_hash(rows: list[dict]) -> str:
     return h.hexdigest()[:16]
 
 
-def generate_vllm(spec: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
-    from sacpolicy.export.vllm_run import run_engine
-    from sacpolicy.models.loading import model_dir
+def tokens_of(spec: str) -> tuple[object, list[int]]:
+    """(tokenizer, end-of-turn ids) of the target ``spec`` without loading its weights (the vLLM engine loads its own):
+    the ids ``LoadedModel.eos_token_ids`` gives, from the generation config beside the weights."""
+    from transformers import GenerationConfig
 
-    r = run_engine(model_dir(spec), prompts, max_tokens=max_tokens, phases=("concurrent",), concurrency=64)
+    from sacpolicy.models import eos_token_ids, load_tokenizer, served_model
+
+    tokenizer = load_tokenizer(spec)
+    try:
+        generation = GenerationConfig.from_pretrained(served_model(spec))
+    except OSError:  # no generation_config.json: the tokenizer's eos alone, as for a model without one
+        generation = None
+    return tokenizer, eos_token_ids(generation, tokenizer)
+
+
+def generate_vllm(spec: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
+    """One engine (a child process) answering every prompt, 64 at once; no time limit (it answers every part left)."""
+    from sacpolicy.export.vllm_run import run_engine
+    from sacpolicy.models import served_model
+
+    r = run_engine(served_model(spec), prompts, max_tokens=max_tokens, phases=("concurrent",), concurrency=64,
+                   timeout=None)
     return r["outputs"]["concurrent"], {"seconds": r["seconds"]["concurrent"], "startup_s": r["startup_s"],
                                         "vllm": r["vllm"]}
 
@@ -88,11 +110,20 @@ def generate_ours(target, prompts: list[list[int]], max_tokens: int, max_batch: 
     return [list(map(int, r.tokens)) for r in out], {"seconds": time.perf_counter() - t}
 
 
-def compare(args, target) -> None:
+def compare(args) -> None:
     """Both generators on the same prompts: tokens/s and how many answers agree token for token."""
+    import torch
+
+    from sacpolicy.models import load_model
+
+    target = load_model(args.target, dtype="float32")
     rows = prompt_list(target.tokenizer, args.compare, False, args.max_prompt_tokens)
     prompts = [r["prompt_ids"] for r in rows]
     ours, t_ours = generate_ours(target, prompts, args.max_tokens, args.max_batch)
+    del target  # ours is done: free its copy (CUDA's cached blocks too) before vLLM loads its own
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     theirs, t_vllm = generate_vllm(args.target, prompts, args.max_tokens)
     n_ours, n_vllm = sum(map(len, ours)), sum(map(len, theirs))
     same = sum(a == b for a, b in zip(ours, theirs))
@@ -110,9 +141,11 @@ def compare(args, target) -> None:
                                  "command": " ".join(sys.argv)})
 
 
-def regenerate(args, target) -> None:
+def regenerate(args, tokenizer, eos_ids: list[int], target=None) -> None:
+    """Answer the prompts of every part not yet in ``args.out``: in one vLLM engine (``args.engine == "vllm"``), or
+    part by part with our decoder on ``target`` (a ``LoadedModel``)."""
     out = Path(args.out)
-    rows = prompt_list(target.tokenizer, args.sharegpt, args.mix, args.max_prompt_tokens)
+    rows = prompt_list(tokenizer, args.sharegpt, args.mix, args.max_prompt_tokens)
     digest = list_hash(rows)
     meta = {"format": 1, "target": args.target, "engine": args.engine, "temperature": 0.0,
             "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens, "sharegpt": args.sharegpt,
@@ -128,31 +161,35 @@ def regenerate(args, target) -> None:
     else:
         out.mkdir(parents=True, exist_ok=True)
         write_json(meta_file, {**meta, "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d")})
-    eos = set(target.eos_token_ids)
-    parts = range(0, len(rows), args.part_size)
+    eos = set(eos_ids)
+    n_parts = -(-len(rows) // args.part_size)
+    todo = {k: rows[k * args.part_size : (k + 1) * args.part_size] for k in range(n_parts)
+            if not (out / f"part-{k:05d}.jsonl.gz").is_file()}
     t0, done_tokens = time.perf_counter(), 0
-    for k, start in enumerate(parts):
-        path = out / f"part-{k:05d}.jsonl.gz"
-        if path.is_file():
-            continue
-        chunk = rows[start : start + args.part_size]
-        prompts = [r["prompt_ids"] for r in chunk]
+    if args.engine == "vllm" and todo:  # one engine for every part left: one model load (and CUDA graph capture)
+        flat, info = generate_vllm(args.target, [r["prompt_ids"] for chunk in todo.values() for r in chunk],
+                                   args.max_tokens)
+        print(f"vLLM {info['vllm']}: {len(flat)} prompts in {info['seconds']:.0f} s generating (start-up "
+              f"{info['startup_s']:.0f} s)", flush=True)
+        left = iter(flat)
+        answered = {k: [next(left) for _ in chunk] for k, chunk in todo.items()}
+    for k, chunk in todo.items():
         if args.engine == "vllm":
-            answers, info = generate_vllm(args.target, prompts, args.max_tokens)
+            answers = answered[k]
         else:
-            answers, info = generate_ours(target, prompts, args.max_tokens, args.max_batch)
+            answers, info = generate_ours(target, [r["prompt_ids"] for r in chunk], args.max_tokens, args.max_batch)
         lines = [json.dumps({**r, "answer_ids": a, "finished": bool(a) and a[-1] in eos})
                  for r, a in zip(chunk, answers)]
-        write_bytes(path, gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0))
+        write_bytes(out / f"part-{k:05d}.jsonl.gz", gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0))
         done_tokens += sum(map(len, answers))
         rate = done_tokens / (time.perf_counter() - t0)
-        print(f"part {k + 1}/{len(parts)}: {len(chunk)} prompts, {sum(map(len, answers))} tokens in "
-              f"{info['seconds']:.0f} s generating ({rate:.0f} tokens/s with start-ups)", flush=True)
+        print(f"part {k + 1}/{n_parts}: {len(chunk)} prompts, {sum(map(len, answers))} tokens "
+              f"({rate:.0f} tokens/s so far, start-up included)", flush=True)
     info = json.loads(meta_file.read_text())
     write_json(meta_file, {**info, "finished": time.strftime("%Y-%m-%d")})
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--out", help="output directory (resumable)")
@@ -165,16 +202,18 @@ def main() -> None:
     ap.add_argument("--part-size", type=int, default=512)
     ap.add_argument("--compare", type=int, default=0, help="measure both generators on this many prompts instead")
     ap.add_argument("--json", default="regenerate_compare.json")
-    args = ap.parse_args()
-    from sacpolicy.models import load_model
-
-    target = load_model(args.target, dtype="float32")
+    args = ap.parse_args(argv)
     if args.compare:
-        compare(args, target)
-    elif args.out:
-        regenerate(args, target)
-    else:
+        compare(args)
+    elif not args.out:
         ap.error("give --out (regenerate) or --compare N (measure the generators)")
+    elif args.engine == "vllm":
+        regenerate(args, *tokens_of(args.target))
+    else:
+        from sacpolicy.models import load_model
+
+        target = load_model(args.target, dtype="float32")
+        regenerate(args, target.tokenizer, target.eos_token_ids, target)
 
 
 if __name__ == "__main__":

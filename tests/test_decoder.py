@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from toys import Markov
+from toys import Markov, propose_one
 from transformers import LlamaConfig
 
 from sacpolicy.decoding import (
@@ -217,6 +217,118 @@ def test_bad_input_is_rejected_before_decoding(tiny_target, make, match):
                                          num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ValueError, match=match):
         make(tiny_target.model, other)
+
+
+# ---------------------------------------------------------------- a draft with a smaller vocabulary (padded)
+SMALL_VOCAB = 40_000  # of the tiny target's 49,152 ids: about a fifth of its tokens are past the draft's vocabulary
+
+
+def smaller_vocab_copy(target, vocab: int = SMALL_VOCAB):
+    """The target with its embedding and LM head cut to the first ``vocab`` ids: it agrees with the target wherever the
+    target's next token and the context's ids are among them (a Qwen2.5-0.5B draft for a 7B target, in miniature)."""
+    import copy
+
+    draft = copy.deepcopy(target)
+    draft.resize_token_embeddings(vocab)
+    assert draft.get_output_embeddings().out_features == vocab == draft.config.vocab_size
+    return draft
+
+
+def test_a_smaller_vocabulary_draft_is_padded_and_greedy_equals_target(tiny_target, tiny_draft, tiny_prompts):
+    from transformers import LlamaForCausalLM
+
+    target, V = tiny_target.model, 49152
+    random_small = LlamaForCausalLM(LlamaConfig(**{**tiny_draft.model.config.to_dict(), "vocab_size": SMALL_VOCAB}))
+    drafters = [ModelDrafter(smaller_vocab_copy(target), name="cut", vocab_size=V),
+                ModelDrafter(random_small.eval(), name="small", vocab_size=V)]
+    assert [(d.vocab_size, d.pad) for d in drafters] == [(V, V - SMALL_VOCAB)] * 2
+    g = torch.Generator().manual_seed(3)
+    past = torch.randint(SMALL_VOCAB, V, (6,), generator=g).tolist()  # ids the drafts cannot embed, in the context
+    prompts = [*tiny_prompts, tiny_prompts[-1] + past, past + [5, 6, 7]]
+    accepted = 0
+    for drafter in drafters:
+        for prompt in prompts:
+            ref = hf_greedy(target, prompt, 20)
+            for policy in (Static(3), Heuristic(k0=2), Confidence(0.2, k=5)):
+                res = SpeculativeDecoder(target, [drafter], policy, config=DecoderConfig(step_stats=True),
+                                         stop_token_ids=[]).generate(prompt, 20)
+                assert res.tokens == ref and not res.dropped_drafters, (drafter.name, policy, prompt)
+                accepted += sum(s.accepted for s in res.steps if s.drafter == "cut")
+    assert accepted > 0  # the cut draft's proposals are target ids, so the target accepts them
+    block = propose_one(drafters[0], torch.tensor(prompts[-1]), 3)
+    assert block.logits.shape == (3, V) and torch.isinf(block.logits[:, SMALL_VOCAB:]).all()
+
+
+def test_a_smaller_vocabulary_draft_drafts_rows_together_exactly(tiny_target, tiny_prompts):
+    """Batched rows (their caches stacked, ``_propose_together``) read ids past the draft's vocabulary too."""
+    target, seen = tiny_target.model, []
+    draft = smaller_vocab_copy(target)
+    hook = draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    g = torch.Generator().manual_seed(4)
+    prompts = [p + torch.randint(SMALL_VOCAB, 49152, (3,), generator=g).tolist() for p in tiny_prompts]
+    try:
+        dec = SpeculativeDecoder(target, [ModelDrafter(draft, name="cut", vocab_size=49152)], Static(3),
+                                 stop_token_ids=[], config=DecoderConfig(max_batch=4))
+        results = dec.generate_batch(prompts, 16)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in results] == [hf_greedy(target, p, 16) for p in prompts]
+    assert max(seen) > 1 and not any(r.dropped_drafters for r in results)
+
+
+def test_a_larger_vocabulary_draft_is_refused_with_both_sizes(tiny_target, tiny_draft):
+    from transformers import LlamaForCausalLM
+
+    big = LlamaForCausalLM(LlamaConfig(**{**tiny_draft.model.config.to_dict(), "vocab_size": 50_000}))
+    with pytest.raises(ValueError, match="scores 50000 token ids but the target's vocabulary has 49152") as info:
+        ModelDrafter(big, name="big", vocab_size=49152)
+    assert "Fix:" in str(info.value)
+    unpadded = ModelDrafter(smaller_vocab_copy(tiny_target.model), name="cut")  # no vocab_size: its own width
+    with pytest.raises(ValueError, match=r"40000 tokens but the target has 49152.*vocab_size=49152"):
+        SpeculativeDecoder(tiny_target.model, [unpadded], Static(2))
+
+
+def test_model_drafter_pads_a_smaller_draft_and_refuses_a_larger_one(tiny_target, tiny_draft, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from sacpolicy.build import model_drafter
+
+    def save(vocab, name):
+        model = LlamaForCausalLM(LlamaConfig(**{**tiny_draft.model.config.to_dict(), "vocab_size": vocab}))
+        model.save_pretrained(tmp_path / name)
+        tiny_target.tokenizer.save_pretrained(tmp_path / name)  # the same tokenizer, a smaller head
+        return str(tmp_path / name)
+
+    drafter = model_drafter(tiny_target, save(SMALL_VOCAB, "small"))
+    assert drafter.vocab_size == 49152 and drafter.pad == 49152 - SMALL_VOCAB
+    prompt = [5, 6, 7, 8, 45_000, 9]
+    res = SpeculativeDecoder(tiny_target.model, [drafter], Static(3), stop_token_ids=[]).generate(prompt, 12)
+    assert res.tokens == hf_greedy(tiny_target.model, prompt, 12) and not res.dropped_drafters
+    with pytest.raises(ValueError, match="scores 50000 token ids but the target's vocabulary has 49152"):
+        model_drafter(tiny_target, save(50_000, "big"))
+
+
+def test_sampling_with_a_smaller_vocabulary_draft_matches_the_target_at_t07():
+    """The draft knows the first 4 of 6 ids (q = 0 for the others); the target emits all 6, so the draft also reads
+    ids it has no embedding for. At T = 0.7 the output follows the target's tempered chain."""
+    v, vd, t = 6, 4, 0.7
+    g = torch.Generator().manual_seed(7)
+    P = torch.rand(v, v, generator=g) + 0.05
+    P = P / P.sum(-1, keepdim=True)
+    Q = torch.rand(vd, vd, generator=g) + 0.05
+    Q = Q / Q.sum(-1, keepdim=True)
+    dec = SpeculativeDecoder(Markov(P.log()), [ModelDrafter(Markov(Q.log()), name="q", vocab_size=v)],
+                             Heuristic(k0=2), sampling=SamplingConfig(temperature=t), stop_token_ids=[])
+    draws, counts = 6000, np.zeros((v, v))
+    for i in range(draws):
+        res = dec.generate([0], 3, request=RequestInfo(seed=i))
+        assert not res.dropped_drafters  # the draft read every id the target emitted
+        counts[res.tokens[1], res.tokens[2]] += 1
+    Pt = torch.softmax(P.log() / t, -1).double()
+    expected = ((Pt[0] @ Pt)[:, None] * Pt).numpy().ravel()
+    assert counts[:, vd:].sum() > 0 and counts[vd:, :].sum() > 0  # the target's ids past the draft's were emitted
+    _, pval = chisquare(counts.ravel(), expected / expected.sum() * draws)
+    assert pval > 1e-3, pval
 
 
 # ---------------------------------------------------------------- sampling through the real decoder loop

@@ -317,3 +317,14 @@ def test_synthetic_prompts_join_the_training_data(tiny_target, tiny_data, monkey
         assert [t[0] for t in r["topk_ids"]] == r["input_ids"][r["prompt_len"]:]
     with pytest.raises(ValueError, match="unknown distill.data.synthetic keys"):
         DistillDataModule(tiny_target, tiny_data.train_prompts, tiny_data.val_prompts, synthetic={"n": 2})
+
+
+def test_a_pretrained_draft_of_another_vocabulary_size_is_refused_for_distillation(tiny_target, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaForCausalLM(LlamaConfig(**{**tiny_target.model.config.to_dict(), "vocab_size": 40_000,
+                                            "num_hidden_layers": 1}))
+    small.save_pretrained(tmp_path / "small")
+    tiny_target.tokenizer.save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="scores 40000 token ids, the target 49152(.|\n)*Fix: decode with this draft"):
+        build_draft(tiny_target, arch="pretrained", spec=str(tmp_path / "small"), vocab_size=None)

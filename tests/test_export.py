@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_traces import cost_model
-from toys import PREDICTORS, Markov, load_script, propose_one, synthetic_traces
+from toys import PREDICTORS, Markov, load_script, ngram_rule, propose_one, synthetic_traces
 
 from sacpolicy.data import assign_split
 from sacpolicy.decoding import (
@@ -563,3 +563,74 @@ def test_cli(fitted, draft_dir, tmp_path, capsys):
         assert r.returncode != 0 and message in r.stderr, (args, r.stderr)
     r = _cli(f"policy_dir={tmp_path}", "format=runtime")
     assert r.returncode != 0 and "policy.json is missing" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- the head export and profile_vllm for any target
+@pytest.fixture(scope="module")
+def tiny_target_dir(tiny_target, tmp_path_factory):
+    """(directory, LoadedModel): the tiny target saved as a Hugging Face directory (an engine could load it), loaded
+    back from there, so its spec is the directory; a head for it in ``<directory>-head/head``."""
+    from conftest import tiny_head_dir
+
+    from sacpolicy.models import load_model
+
+    root = tmp_path_factory.mktemp("tiny_target")
+    tiny_target.model.save_pretrained(root / "target")
+    tiny_target.tokenizer.save_pretrained(root / "target")
+    loaded = load_model(str(root / "target"), device="cpu", dtype="float32")
+    return root / "target", tiny_head_dir(loaded, root)
+
+
+def test_head_export_names_any_target_and_checks_the_head_against_it(tiny_target_dir, tmp_path, capsys):
+    target_dir, head = tiny_target_dir
+    export = load_script("export")
+    assert export.main([f"head_dir={head}", "format=speculators", f"out={tmp_path / 'spec'}"]) == 0
+    verifier = json.loads((tmp_path / "spec" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]}  # the head's target
+    assert f"target {target_dir}" in capsys.readouterr().out
+    from sacpolicy.models import EMBEDDED_TARGET
+
+    with pytest.raises(SystemExit, match="belongs to another target(.|\n)*hidden size: head 64, target 576"):
+        export.main([f"head_dir={head}", "format=speculators", f"out={tmp_path / 'other'}",
+                     f"target={EMBEDDED_TARGET}"])
+    with pytest.raises(SystemExit, match="random-init test model"):
+        export.main([f"head_dir={head}", "format=speculators", f"out={tmp_path / 'tiny'}", "target=tiny:llama-4l"])
+    assert not (tmp_path / "other").exists() and not (tmp_path / "tiny").exists()
+
+
+def test_profile_vllm_serves_the_runs_target_or_the_one_given(tiny_target_dir, tmp_path, monkeypatch):
+    """Without an engine (a stand-in records what vLLM would be given): the run's target by default, --target
+    otherwise; --head with a head of ours exports it for that target first; the profile names the target."""
+    from sacpolicy.export.vllm_cost import profile_vllm_steps
+
+    target_dir, head = tiny_target_dir
+    run = tmp_path / "run"
+    run.mkdir()
+    cost_model_of_run = ngram_rule("k").cost
+    cost_model_of_run.to_json(run / "cost.json")
+    (run / "config.yaml").write_text(f"target:\n  spec: {target_dir}\n")
+    profile = load_script("profile_vllm")
+    served = []
+
+    def fake_run(model, prompts, *, max_tokens, speculative_config, **kw):
+        served.append((model, (speculative_config or {}).get("model")))
+        return {"tokens": {"serial": 20}, "seconds": {"serial": 1.0},
+                "spec": {"serial": {"num_accepted_tokens": 0, "num_drafts": 20 if speculative_config else 0}}}
+
+    monkeypatch.setattr(profile, "vllm_status", lambda: (True, "stand-in"))
+    monkeypatch.setattr(profile, "profile_vllm_steps", lambda *a, **kw: profile_vllm_steps(*a, **kw, run=fake_run))
+    out = tmp_path / "out"
+    args = ["--run", str(run), "--out", str(out), "--prompts", "2", "--ks", "0,2", "--repeats", "1"]
+    assert profile.main([*args, "--head", str(head), "--head-name", "ngram"]) == 0
+    result = json.loads((out / "vllm_profile.json").read_text())
+    assert result["target"] == result["served"] == str(target_dir) and result["head"] == str(out / "head")
+    assert {m for m, _ in served} == {str(target_dir)} and served[-1][1] == str((out / "head").resolve())
+    spec = json.loads((out / "head" / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert spec == str(target_dir)
+    assert json.loads((out / "cost.json").read_text())["meta"]["vllm_target"] == str(target_dir)
+    with pytest.raises(SystemExit, match="random-init test model"):
+        profile.main([*args, "--target", "tiny:llama-4l"])
+    with pytest.raises(SystemExit, match="no EAGLE-3 head ships for target"):
+        profile.main([*args, "--head", "shipped", "--head-name", "ngram"])
+    (run / "config.yaml").write_text("target:\n  spec: tiny:llama-4l\n")
+    assert profile.run_target(run) == profile.EMBEDDED_TARGET  # a tiny run is profiled on the embedded target

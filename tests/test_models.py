@@ -396,3 +396,16 @@ def test_changed_token_and_eos_are_named():
     message = str(info.value)
     assert "token id 2: target has 'foo', draft has 'bar'" in message
     assert "eos token: target has '<eos>' (id 1), draft has '</s>' (id 3)" in message
+
+
+def test_a_prefix_tokenizer_passes_only_when_asked_and_only_when_its_ids_agree():
+    """A draft with a smaller vocabulary (padded to the target's) may have a tokenizer with the target's first ids."""
+    target = _StubTokenizer(["<unk>", "<eos>", "foo", "baz", "<extra>"], "<eos>")
+    prefix = _StubTokenizer(["<unk>", "<eos>", "foo", "baz"], "<eos>")
+    with pytest.raises(TokenizerMismatchError, match="vocab size: target has 5, draft has 4"):
+        check_tokenizers_compatible(target, prefix)
+    assert check_tokenizers_compatible(target, prefix, prefix=True) is None
+    with pytest.raises(TokenizerMismatchError, match="token id 3: target has 'baz', draft has 'bar'"):
+        check_tokenizers_compatible(target, _StubTokenizer(["<unk>", "<eos>", "foo", "bar"], "<eos>"), prefix=True)
+    with pytest.raises(TokenizerMismatchError, match="vocab size"):  # a larger draft tokenizer is no prefix
+        check_tokenizers_compatible(prefix, target, prefix=True)

@@ -221,3 +221,40 @@ def test_regenerated_answers_mix_with_sharegpt_into_one_cache_per_split(tiny_tar
     assert [x for x in caches["train"].sequences()][-1]["input_ids"] == train[1]["input_ids"]
     assert caches["train"][len(caches["train"]) - 1]["input_ids"].tolist() in [r["input_ids"] for r in train]
     assert len(caches["val"]) >= 1 and caches["train"].aux_layer_ids == AUX
+
+
+def test_regenerate_answers_answers_every_part_in_one_engine_and_loads_no_target(tiny_target, tmp_path, monkeypatch):
+    """--engine vllm (a stand-in engine here): one engine for every part left, no copy of the target loaded beside it;
+    a rerun answers only the parts missing; the rows read back as regenerated sequences."""
+    from toys import load_script
+
+    from sacpolicy.models import load_model
+
+    target = tmp_path / "target"
+    tiny_target.model.save_pretrained(target)
+    tiny_target.tokenizer.save_pretrained(target)
+    eos = load_model(str(target), device="cpu", dtype="float32").eos_token_ids
+    regen = load_script("regenerate_answers")
+    assert regen.tokens_of(str(target))[1] == eos  # the same end-of-turn ids, no weights loaded
+    calls = []
+
+    def engine(model, prompts, *, max_tokens, phases, concurrency, timeout):
+        calls.append((model, [p[:3] for p in prompts]))
+        answers = [[7, 8, 9, eos[0]] if i % 2 else [7, 8, 9, 10] for i in range(len(prompts))]
+        return {"outputs": {"concurrent": answers}, "seconds": {"concurrent": 1.0}, "startup_s": 0.5,
+                "vllm": "stand-in"}
+
+    monkeypatch.setattr("sacpolicy.export.vllm_run.run_engine", engine)
+    monkeypatch.setattr("sacpolicy.models.load_model", lambda *a, **kw: pytest.fail("a copy of the target was loaded"))
+    out = tmp_path / "answers"
+    argv = ["--target", str(target), "--out", str(out), "--sharegpt", "0", "--part-size", "40", "--max-tokens", "4"]
+    regen.main(argv)
+    parts = sorted(out.glob("part-*.jsonl.gz"))
+    rows = [json.loads(line) for p in parts for line in gzip.decompress(p.read_bytes()).decode().splitlines()]
+    assert len(parts) > 2 and len(calls) == 1 and calls[0][0] == str(target)  # one engine for every part
+    assert [r["prompt_ids"][:3] for r in rows] == calls[0][1]
+    assert [r["finished"] for r in rows[:4]] == [False, True, False, True]
+    parts[1].unlink()
+    regen.main(argv)
+    assert len(calls) == 2 and len(calls[1][1]) == 40  # the rerun answers the missing part alone
+    assert sorted(out.glob("part-*.jsonl.gz")) == parts

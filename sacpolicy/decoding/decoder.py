@@ -172,10 +172,14 @@ class SpeculativeDecoder:
         self.vocab_size = int(target.get_output_embeddings().out_features)
         for d in self.drafters.values():
             if d.vocab_size is not None and d.vocab_size != self.vocab_size:
+                fix = (f"build it with ModelDrafter(draft, vocab_size={self.vocab_size}) (sacpolicy.build."
+                       "model_drafter does), which pads its logits to the target's vocabulary"
+                       if d.vocab_size < self.vocab_size else
+                       "pick a draft whose vocabulary is the target's or a prefix of it")
                 raise ValueError(
                     f"drafter {d.name!r} has a vocabulary of {d.vocab_size} tokens but the target has "
-                    f"{self.vocab_size}; drafts must share the target's tokenizer and vocabulary: pick a draft from "
-                    "the target's model family, or use the n-gram or layer-skip drafters"
+                    f"{self.vocab_size}; drafts must share the target's tokenizer (the same id for the same token). "
+                    f"Fix: {fix}, or use the n-gram or layer-skip drafters"
                 )
         self.policy.validate(tuple(self.drafters), self.config.k_max)
         self.max_context = getattr(target.config, "max_position_embeddings", None)

@@ -43,6 +43,13 @@ class ModelDrafter(Drafter, TeacherForcing):
     Trimmed vocabulary (EAGLE-3's d2t, FR-Spec): when the model's LM head scores only a subset of the target's
     tokens, ``d2t[i]`` is the target id of draft logit i. Draft logits are scattered into the target's vocabulary with
     -inf elsewhere, so q(x) = 0 for tokens the draft cannot propose and verification stays exact.
+
+    Smaller vocabulary (a Qwen2.5-0.5B draft, 151,936 ids, for a 7B target, 152,064): with ``vocab_size=`` the
+    target's and no ``d2t``, a draft whose LM head scores fewer ids is taken to score the target's first ids (the
+    condition: its token id i is the target's id i for every i it has; ``sacpolicy.build.model_drafter`` checks the
+    tokenizers agree on those ids). Its logits are padded with -inf to the target's width (q = 0 for the ids it
+    lacks), so verification stays exact; a committed id the draft has no embedding for (the target may emit one)
+    is read by the draft as its last id: worse proposals after it, never a wrong output.
     """
 
     def __init__(self, model: nn.Module, name: str = "model", d2t: torch.Tensor | None = None,
@@ -52,6 +59,18 @@ class ModelDrafter(Drafter, TeacherForcing):
         head = int(model.get_output_embeddings().out_features)
         self.d2t = None
         self.vocab_size = head
+        self.pad = 0  # target ids past the draft's head (a smaller-vocabulary draft): their logits are -inf
+        self.max_input_id = None  # the draft's last embedded id, when the target has ids past it
+        if d2t is None and vocab_size is not None and vocab_size != head:
+            if head > vocab_size:
+                raise ValueError(
+                    f"draft {name!r} scores {head} token ids but the target's vocabulary has {vocab_size}: it could "
+                    f"propose ids the target does not have. Fix: pick a draft whose vocabulary is the target's or a "
+                    f"prefix of it (same tokenizer, at most {vocab_size} ids), e.g. a smaller model of the target's "
+                    "family, or use the n-gram or layer-skip drafters")
+            self.pad, self.vocab_size = vocab_size - head, vocab_size
+            embedded = int(model.config.vocab_size)  # rows of the draft's input embedding (HF convention)
+            self.max_input_id = embedded - 1 if embedded < vocab_size else None
         if d2t is not None:
             d2t = torch.as_tensor(d2t, dtype=torch.long)
             if vocab_size is None:
@@ -97,7 +116,7 @@ class ModelDrafter(Drafter, TeacherForcing):
         st, context = row.state, row.context
         if st.cache is None:
             st.cache = self._new_cache()
-        feed = context[st.valid :]
+        feed = self.draft_ids(context[st.valid :])
         tokens, logits = [], []
         for i in range(row.k):
             out = self.model(input_ids=feed.view(1, -1), **with_cache(self.model, st.cache), use_cache=True,
@@ -118,7 +137,7 @@ class ModelDrafter(Drafter, TeacherForcing):
         from sacpolicy.decoding.ragged import RaggedCache
 
         device, dtype = rows[0].context.device, next(self.model.parameters()).dtype
-        feeds = [row.context[row.state.valid :] for row in rows]
+        feeds = [self.draft_ids(row.context[row.state.valid :]) for row in rows]
         cache = RaggedCache.stack([row.state.cache for row in rows], [row.state.valid for row in rows], device,
                                   self.model.config)
         live = list(range(len(rows)))  # rows still drafting, in cache order
@@ -154,9 +173,16 @@ class ModelDrafter(Drafter, TeacherForcing):
                 ids, T, last = torch.stack(nxt).view(-1, 1), 1, [0] * len(live)
         return [DraftBlock(torch.stack(t), torch.stack(lg)) for t, lg in zip(tokens, logits)]
 
+    def draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> ids the draft embeds: unchanged, but for a smaller-vocabulary draft the ids past its
+        embedding (which it cannot read) become its last id."""
+        return ids if self.max_input_id is None else ids.clamp(max=self.max_input_id)
+
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits [..., head] -> [..., vocab_size] over the target's ids (-inf where a trimmed draft has no
-        logit); unchanged for a full-vocabulary draft."""
+        """Draft logits [..., head] -> [..., vocab_size] over the target's ids (-inf where a trimmed or smaller
+        draft has no logit); unchanged for a full-vocabulary draft."""
+        if self.pad:
+            return torch.nn.functional.pad(logits, (0, self.pad), value=float("-inf"))
         if self.d2t is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
@@ -166,7 +192,8 @@ class ModelDrafter(Drafter, TeacherForcing):
     def teacher_force(self, ids, start, k_max, aux=None) -> TeacherForced:
         """One batched pass over the true sequence: row g is the draft's next token after ``ids[:start + g]``."""
         G = ids.shape[0] - start
-        logits = self.full_logits(self.model(input_ids=ids.view(1, -1), logits_to_keep=G + 1).logits[0, :-1].float())
+        logits = self.model(input_ids=self.draft_ids(ids).view(1, -1), logits_to_keep=G + 1).logits[0, :-1]
+        logits = self.full_logits(logits.float())
         return TeacherForced(logits.argmax(-1, keepdim=True), chained=False, logits=logits)
 
     def accept(self, state: ModelDraftState, n_accepted: int) -> None:

@@ -1,6 +1,7 @@
 """An EAGLE-3 head (our checkpoint directory, ``sacpolicy.decoding.eagle3``) in the serving engines' formats.
 
     export_speculators("runs/eagle3/head", "out/spec", verifier_path="HuggingFaceTB/SmolLM2-135M-Instruct", 3)
+    export_head_for("runs/eagle3/head", "out/spec", target="Qwen/Qwen2.5-7B-Instruct")  # any model spec, checked
     #  vllm serve <verifier> --speculative-config '{"model": "out/spec", "num_speculative_tokens": 3}'
     export_sglang("runs/eagle3/head", "out/sglang")
     #  python -m sglang.launch_server --model <verifier> --speculative-algorithm EAGLE3 \
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -29,17 +31,21 @@ from sacpolicy.decoding.eagle3 import (
     WEIGHTS_FILE,
     Eagle3Config,
 )
+from sacpolicy.decoding.eagle3_formats import check_target
 from sacpolicy.io import write_dir, write_json
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose Eagle3SpeculatorConfig this layout follows
 
 
-def _read_head(head_dir) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+def _read_config(head_dir) -> Eagle3Config:
     head_dir = Path(head_dir)
     if not (head_dir / CONFIG_FILE).is_file() or not (head_dir / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{head_dir} is not an EAGLE-3 head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = Eagle3Config.from_dict(json.loads((head_dir / CONFIG_FILE).read_text()))
-    return _in_layer_order(config, load_file(str(head_dir / WEIGHTS_FILE)))
+    return Eagle3Config.from_dict(json.loads((head_dir / CONFIG_FILE).read_text()))
+
+
+def _read_head(head_dir) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    return _in_layer_order(_read_config(head_dir), load_file(str(Path(head_dir) / WEIGHTS_FILE)))
 
 
 def _in_layer_order(config: Eagle3Config, tensors: dict) -> tuple[Eagle3Config, dict]:
@@ -92,9 +98,10 @@ def _verifier_architectures(verifier_path: str) -> list[str]:
 
 
 def speculators_config(config: Eagle3Config, verifier_path: str, num_speculative_tokens: int,
-                       dtype: torch.dtype = torch.float32) -> dict:
+                       dtype: torch.dtype = torch.float32, architectures: list[str] | None = None) -> dict:
     """The config.json of speculators' ``Eagle3SpeculatorConfig`` (every field written explicitly: vLLM defaults a
-    missing ``norm_before_residual`` to True, speculators to False)."""
+    missing ``norm_before_residual`` to True, speculators to False). ``architectures``: the verifier's (default: read
+    from its directory's config.json, Llama where there is none)."""
     if num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
     if config.qk_norm:
@@ -112,7 +119,8 @@ def speculators_config(config: Eagle3Config, verifier_path: str, num_speculative
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier_path), "architectures": _verifier_architectures(verifier_path)},
+            "verifier": {"name_or_path": str(verifier_path),
+                         "architectures": architectures or _verifier_architectures(verifier_path)},
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": config.draft_vocab_size,
@@ -128,25 +136,55 @@ def speculators_config(config: Eagle3Config, verifier_path: str, num_speculative
 
 
 def export_speculators(head_dir, out_dir, verifier_path: str, num_speculative_tokens: int = 3,
-                       dtype: torch.dtype | None = None) -> Path:
+                       dtype: torch.dtype | None = None, architectures: list[str] | None = None) -> Path:
     """Write the head in the vLLM speculators format (``config.json`` + ``model.safetensors``). ``verifier_path``: the
-    target's hub id or HF directory (speculators loads the embedding from it; vLLM serves it as the target)."""
+    target's hub id or HF directory (speculators loads the embedding from it; vLLM serves it as the target), written
+    as given: ``export_head_for`` takes any model spec and checks the head against it first."""
     config, tensors = _read_head(head_dir)
     if config.draft_vocab_size == config.target_vocab_size:  # speculators keeps no vocabulary map then
         tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     tensors = _cast(tensors, dtype)
     saved = dtype or tensors["fc.weight"].dtype
-    return _write_dir(out_dir, speculators_config(config, verifier_path, num_speculative_tokens, saved), tensors,
-                      head_dir)
+    return _write_dir(out_dir, speculators_config(config, verifier_path, num_speculative_tokens, saved,
+                                                  architectures), tensors, head_dir)
 
 
-def export_shipped_head(out_dir, verifier_path: str, num_speculative_tokens: int = 3) -> Path:
-    """The embedded target's shipped EAGLE-3 head in the speculators format at ``out_dir``, in float32 (what vLLM runs
-    on a CPU): ``export_speculators`` of ``sacpolicy.heads.shipped_head``."""
+def head_target(head_dir) -> str:
+    """The model spec the head at ``head_dir`` was trained for (its config's ``verifier``), else the embedded target."""
+    from sacpolicy.models import EMBEDDED_TARGET
+
+    return _read_config(head_dir).verifier or EMBEDDED_TARGET
+
+
+def export_head_for(head_dir, out_dir, target: str | None = None, num_speculative_tokens: int = 3,
+                    dtype: torch.dtype | None = None) -> Path:
+    """The head at ``head_dir`` in the speculators format for ``target``: any model spec (embedded, ``.gguf``,
+    directory, hub id; default ``head_target``, the one it was trained for). The head is first checked against the
+    target's config and tokenizer (``check_target``; no weights are loaded), and the export names, as its verifier,
+    what vLLM loads for the target (``served_model``: its directory or hub id) and the target's architectures."""
+    from transformers import AutoConfig
+
+    from sacpolicy.models import load_tokenizer, served_model
+
+    target = target or head_target(head_dir)
+    served = served_model(target)
+    target_config = AutoConfig.from_pretrained(served)
+    # check_target reads a LoadedModel's spec, tokenizer and model.config: the same without the weights
+    view = SimpleNamespace(spec=target, tokenizer=load_tokenizer(target), model=SimpleNamespace(config=target_config))
+    check_target(_read_config(head_dir), view, where=f"the head at {head_dir}")
+    return export_speculators(head_dir, out_dir, served, num_speculative_tokens, dtype=dtype,
+                              architectures=list(target_config.architectures or []) or None)
+
+
+def export_shipped_head(out_dir, verifier_path: str, num_speculative_tokens: int = 3,
+                        target: str | None = None) -> Path:
+    """The EAGLE-3 head shipped for ``target`` (default: the embedded target, the one head that ships) in the
+    speculators format at ``out_dir``, in float32 (what vLLM runs on a CPU): ``export_speculators`` of
+    ``sacpolicy.heads.shipped_head``."""
     from sacpolicy.heads import shipped_head
     from sacpolicy.models import EMBEDDED_TARGET
 
-    return export_speculators(shipped_head(EMBEDDED_TARGET), out_dir, verifier_path, num_speculative_tokens,
+    return export_speculators(shipped_head(target or EMBEDDED_TARGET), out_dir, verifier_path, num_speculative_tokens,
                               dtype=torch.float32)
 
 

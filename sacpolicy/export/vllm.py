@@ -163,14 +163,14 @@ def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -
     k and, where its cost model has batch sizes, its k-by-batch-size map (vLLM runs the head under that map: the
     learned rule's choice by load), plus ``policy/`` and ``vllm.env`` as for the other drafters."""
     from sacpolicy.export.speculators import export_speculators
-    from sacpolicy.models import EMBEDDED_TARGET, model_dir
+    from sacpolicy.models import EMBEDDED_TARGET, served_model
 
     spec = art.drafters[drafter]
     out.mkdir(parents=True, exist_ok=True)
     config = speculative_config(art, "<head>", drafter=drafter)  # checks the drafter before anything is written
     if draft_dir is None:
         target = (art.provenance or {}).get("target") or EMBEDDED_TARGET
-        draft_dir = export_speculators(spec.path, out / "head", str(model_dir(target)),
+        draft_dir = export_speculators(spec.path, out / "head", served_model(target),
                                        num_speculative_tokens=config["num_speculative_tokens"], dtype=torch.float32)
     config["model"] = str(Path(draft_dir).resolve())
     return _write_export(art, out, drafter, config, config)

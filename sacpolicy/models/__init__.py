@@ -12,15 +12,17 @@ from sacpolicy.models.loading import (
     TINY_PRESETS,
     LoadedModel,
     check_tokenizers_compatible,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     model_dir,
     resolve_device,
     resolve_dtype,
+    served_model,
 )
 
 __all__ = [
     "EMBEDDED_MODELS", "EMBEDDED_TARGET", "TINY_PRESETS", "LoadedModel", "ModelSpecError", "TokenizerMismatchError",
-    "cache_root", "check_tokenizers_compatible", "load_model", "load_tokenizer", "model_dir", "resolve_device",
-    "resolve_dtype",
+    "cache_root", "check_tokenizers_compatible", "eos_token_ids", "load_model", "load_tokenizer", "model_dir",
+    "resolve_device", "resolve_dtype", "served_model",
 ]

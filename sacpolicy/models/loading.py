@@ -91,14 +91,19 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        # generate() stops on any id in generation_config (chat models often list several), plus the tokenizer's.
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        candidates = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
-        ids: list[int] = []
-        for i in [*candidates, self.tokenizer.eos_token_id]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-        return ids
+        return eos_token_ids(getattr(self.model, "generation_config", None), self.tokenizer)
+
+
+def eos_token_ids(generation_config, tokenizer) -> list[int]:
+    """The ids ``generate()`` stops on: any in ``generation_config`` (chat models often list several; None: none),
+    plus the tokenizer's eos."""
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    candidates = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    ids: list[int] = []
+    for i in [*candidates, tokenizer.eos_token_id]:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return ids
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -169,11 +174,16 @@ def check_tokenizers_compatible(
     *,
     target_name: str = "target",
     draft_name: str = "draft",
+    prefix: bool = False,
 ) -> None:
-    """Raise TokenizerMismatchError unless both tokenizers map the same ids to the same tokens and share eos."""
+    """Raise TokenizerMismatchError unless both tokenizers map the same ids to the same tokens and share eos.
+    ``prefix``: the draft's tokenizer may hold fewer ids than the target's, when each id it holds is the target's (a
+    draft with a smaller vocabulary, whose logits are padded to the target's)."""
     a, b = _id_to_token(target_tok), _id_to_token(draft_tok)
     problems = []
-    if len(target_tok) != len(draft_tok):
+    if prefix and len(draft_tok) <= len(target_tok) and len(b) <= len(a):
+        a = a[: len(b)]  # the target's ids past the draft's are the target's alone
+    elif len(target_tok) != len(draft_tok):
         problems.append(f"vocab size: {target_name} has {len(target_tok)}, {draft_name} has {len(draft_tok)}")
     if a != b:
         width = max(len(a), len(b))
@@ -241,6 +251,20 @@ def model_dir(spec: str = EMBEDDED_TARGET) -> pathlib.Path:
         raise ModelSpecError(f"{spec!r} is a {kind} spec; model_dir needs an embedded, .gguf or directory spec "
                              "(a hub id is the engine's own to download)")
     return _local_model_dir(kind, arg)
+
+
+def served_model(spec: str = EMBEDDED_TARGET) -> str:
+    """What an engine that loads the model itself (vLLM; the verifier a speculators export names) is given for
+    ``spec``: its local Hugging Face directory (embedded, ``.gguf`` converted once, a directory), or a hub id as it is
+    (the engine downloads it, or reads the Hugging Face cache)."""
+    kind, arg = _parse_spec(spec)
+    if kind == "hub":
+        return arg
+    if kind == "tiny":
+        raise ModelSpecError(f"{spec!r} is a random-init test model with no weights on disk, so an engine cannot load "
+                             f"it. Fix: pass a model it can load: {EMBEDDED_TARGET!r}, a .gguf file, a Hugging Face "
+                             "directory or a hub id")
+    return str(_local_model_dir(kind, arg))
 
 
 def _local_model_dir(kind: str, arg: str) -> pathlib.Path:

@@ -85,6 +85,11 @@ def build_draft(
         loaded = load_model(spec, device=target.device, dtype=target.dtype)
         check_tokenizers_compatible(target.tokenizer, loaded.tokenizer, target_name=target.spec, draft_name=spec)
         model = loaded.model
+        head, vocab = model.get_output_embeddings().out_features, target.model.get_output_embeddings().out_features
+        if head != vocab:  # the distillation losses and the vocab map index the draft's head by target ids
+            raise ValueError(f"draft {spec!r} scores {head} token ids, the target {vocab}: distillation needs the "
+                             "target's vocabulary size. Fix: decode with this draft as it is (a smaller one is padded "
+                             "to the target's vocabulary), or distill a 'truncate' or 'fresh' draft")
     else:
         raise ValueError(f"unknown draft arch {arch!r}; choose one of {list(ARCHS)}")
     model.generation_config = copy.deepcopy(target.model.generation_config)
