@@ -221,3 +221,15 @@ def test_regenerated_answers_mix_with_sharegpt_into_one_cache_per_split(tiny_tar
     assert [x for x in caches["train"].sequences()][-1]["input_ids"] == train[1]["input_ids"]
     assert caches["train"][len(caches["train"]) - 1]["input_ids"].tolist() in [r["input_ids"] for r in train]
     assert len(caches["val"]) >= 1 and caches["train"].aux_layer_ids == AUX
+    # online features (head.features=online): the same sequences of each split, and nothing more written
+    from sacpolicy.training.head_data import head_sequences
+
+    files = sorted((tmp_path / "cache").rglob("*"))
+    online = head_sequences(tiny_target, s, path=tmp_path / "sg.json")
+    for split in ("train", "val"):
+        rows = sorted((r["prompt_len"], r["input_ids"]) for r in online[split])
+        assert rows == sorted((r["prompt_len"], r["input_ids"]) for r in caches[split].sequences()), split
+        assert online[split].lengths == [len(r["input_ids"]) for r in online[split]]
+    assert sorted((tmp_path / "cache").rglob("*")) == files
+    one = HeadDataSettings(min_answer_tokens=3, max_tokens=1)  # a budget is met at a sequence
+    assert len(sharegpt_train) > 1 and len(head_sequences(tiny_target, one, path=tmp_path / "sg.json")["train"]) == 1

@@ -237,25 +237,34 @@ class FeatureCaches(Dataset):
 
 
 class Sequences(Dataset):
-    """Token sequences for online features (``head.features=online``): rows with ``input_ids`` and ``prompt_len``.
-    Item: ``input_ids`` [n] long, ``prompt_len`` int."""
+    """Token sequences for online features (``head.features=online``), from rows with ``input_ids`` and
+    ``prompt_len`` (another ``Sequences`` too), held as one int32 tensor. Item: ``input_ids`` [n] long,
+    ``prompt_len`` int; iterating gives the rows back."""
 
     def __init__(self, rows):
-        self.rows = [{"input_ids": list(r["input_ids"]), "prompt_len": int(r["prompt_len"])} for r in rows]
+        ids, self.prompt_len = [], []
+        for r in rows:
+            ids.append(torch.as_tensor(r["input_ids"], dtype=torch.int32))
+            self.prompt_len.append(int(r["prompt_len"]))
+        self.ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+        self.offsets = torch.tensor([0] + [len(x) for x in ids]).cumsum(0).tolist()
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.prompt_len)
 
     @property
     def lengths(self) -> list[int]:
-        return [len(r["input_ids"]) for r in self.rows]
+        return [b - a for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
     def sequences(self):
-        yield from self.rows
+        for i in range(len(self)):
+            yield {"input_ids": self.ids[self.offsets[i] : self.offsets[i + 1]].tolist(),
+                   "prompt_len": self.prompt_len[i]}
+
+    __iter__ = sequences
 
     def __getitem__(self, i: int) -> dict:
-        r = self.rows[i]
-        return {"input_ids": torch.tensor(r["input_ids"], dtype=torch.long), "prompt_len": r["prompt_len"]}
+        return {"input_ids": self.ids[self.offsets[i] : self.offsets[i + 1]].long(), "prompt_len": self.prompt_len[i]}
 
 
 def collate_sequences(items: list[dict]) -> dict:
