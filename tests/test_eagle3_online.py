@@ -40,7 +40,7 @@ def test_online_features_train_as_a_cache_of_the_same_tokens_and_write_nothing(t
                             trainer(tmp_path), tmp_path / "cached", callbacks=[cached], progress=False, caches=caches)
     m_online = train_eagle3(tiny_target, train, val, Eagle3Settings(**{**s.__dict__, "features": "online"}),
                             trainer(tmp_path), tmp_path / "online", callbacks=[online, frozen], progress=False)
-    assert len(online.loss) == len(cached.loss) == 8 and m_online["global_step"] == 8
+    assert len(online.loss) == len(cached.loss) == 8 and m_online["global_step"] == m_cached["global_step"] == 8
     torch.testing.assert_close(torch.tensor(online.loss), torch.tensor(cached.loss), atol=1e-5, rtol=0)
     assert online.accept == pytest.approx(cached.accept, abs=1e-6) and len(online.accept) == 3  # sanity + 2 checks
     # the target ran in eval mode, frozen, outside the optimizer, on batches of token ids
@@ -85,3 +85,30 @@ def test_a_cache_reads_the_same_through_workers(tiny_target, sequences, tmp_path
     for x, y in zip(workers, alone):
         assert x["prompt_len"] == y["prompt_len"]
         assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "aux", "final", "top"))
+
+
+def test_the_online_modules_target_is_frozen_unsaved_and_outside_ddp(tiny_target, tmp_path):  # noqa: F811
+    """The module holding the target: its optimizer and its state dict hold the head alone, a head-only state dict
+    loads back strictly, and DDP (a 1-rank gloo group) neither broadcasts nor reduces the target's weights."""
+    import torch.distributed as dist
+    from test_eagle3 import random_head
+
+    from sacpolicy.training.eagle3 import Eagle3Module
+
+    head = random_head(tiny_target).train()
+    rows = tiny_target.model.get_output_embeddings().weight[head.draft_ids]
+    module = Eagle3Module(head, rows, Eagle3Settings(max_steps=1), target=tiny_target.model)
+    head_params = {id(p) for p in head.parameters()}
+    optimized = {id(p) for p in module.configure_optimizers()["optimizer"].param_groups[0]["params"]}
+    assert optimized == head_params
+    state = module.state_dict()
+    assert state.keys() == {f"head.{k}" for k in head.state_dict()}
+    module.load_state_dict(state)  # strict: the target's weights are not expected back
+    module.train()
+    assert module.head.training and not module.target.training
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(module)
+        assert {id(p) for p in ddp._module_parameters} == head_params
+    finally:
+        dist.destroy_process_group()

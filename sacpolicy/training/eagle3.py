@@ -160,9 +160,9 @@ def init_head(target, config: Eagle3Config, draft_ids: torch.Tensor, seed: int =
 
 class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
     """The head under training. With ``target`` (online features) the frozen target model is a submodule, so it moves
-    to the module's device, but its parameters do not train (``requires_grad`` off: not in the optimizer, never
-    reduced by DDP), it stays in eval mode, and its weights are left out of the state dict (checkpoints hold the
-    head alone) and not expected back when one is loaded. Batches of token ids (``collate_sequences``) then become
+    to the module's device, but its parameters do not train (``requires_grad`` off: not in the optimizer), DDP
+    neither broadcasts nor reduces them (every rank loaded the same target), it stays in eval mode, and its weights
+    are left out of the state dict (checkpoints hold the head alone) and not expected back when one is loaded. Batches of token ids (``collate_sequences``) then become
     feature batches in the step itself (``online_features``); feature batches from a cache pass through."""
 
     checkpoint_key, run_kind = "sacpolicy_eagle3_config", "EAGLE-3"
@@ -176,6 +176,8 @@ class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
         self.target = target
         if target is not None:
             target.requires_grad_(False).eval()
+            frozen = [f"target.{n}" for n, _ in (*target.named_parameters(), *target.named_buffers())]
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, frozen)
             self.register_state_dict_post_hook(_drop_target_weights)
             self.register_load_state_dict_post_hook(_target_weights_not_expected)
         s = settings
