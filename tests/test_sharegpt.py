@@ -233,3 +233,31 @@ def test_regenerated_answers_mix_with_sharegpt_into_one_cache_per_split(tiny_tar
     assert sorted((tmp_path / "cache").rglob("*")) == files
     one = HeadDataSettings(min_answer_tokens=3, max_tokens=1)  # a budget is met at a sequence
     assert len(sharegpt_train) > 1 and len(head_sequences(tiny_target, one, path=tmp_path / "sg.json")["train"]) == 1
+
+
+def test_the_head_stage_trains_online_on_head_data_and_caches_nothing(tiny_target, tmp_path, monkeypatch):
+    """Stage head with ``head_data=sharegpt head.features=online``: the installed ShareGPT text read to its budgets,
+    the head trained with the target in the step, no feature cache anywhere."""
+    from omegaconf import open_dict
+    from test_config import cfg_for
+
+    from sacpolicy.pipeline import head
+    from sacpolicy.pipeline.context import RunContext
+
+    monkeypatch.setenv("SACPOLICY_CACHE", str(tmp_path / "cache"))
+    cfg = cfg_for("head=eagle3", "head_data=sharegpt", "head.features=online", "head.max_steps=2",
+                  "head.budget_minutes=null", "head.aux_layer_ids=[0,1,2]", "head.draft_vocab_size=64",
+                  "head.batch_size=2", "head_data.max_tokens=400", "head_data.val_sequences=2",
+                  "head_data.max_seq_tokens=96", "head_data.max_prompt_tokens=64", "trainer.enable_progress_bar=false",
+                  tmp_path=tmp_path)
+    with open_dict(cfg):
+        cfg.logger = None
+    ctx = RunContext(cfg, tmp_path / "run")
+    ctx.target = tiny_target
+    out = head.run(ctx)
+    assert out["global_step"] == 2 and out["train_batches_per_rank"] >= 2
+    prov = json.loads((tmp_path / "run" / "head" / "head" / "provenance.json").read_text())
+    assert prov["legs"][-1]["data"]["sources"] == ["sharegpt"] and prov["legs"][-1]["val_sequences"] == 2
+    assert 400 <= prov["legs"][-1]["train_tokens"] < 400 + 96
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors")] == [
+        "run/head/head/model.safetensors"]
