@@ -272,17 +272,19 @@ def build_head_data(target, settings: HeadDataSettings, aux_layer_ids, path=None
 
 def head_sequences(target, settings: HeadDataSettings, path=None) -> dict[str, Sequences]:
     """The train and val sequences of ``settings`` for online features (``head.features=online``): the streams and
-    budgets ``build_head_data`` reads, no cache (a budget is met at its sequence rather than at a shard's end), the
-    sources concatenated. The budgets and ``dtype`` of the cache do not apply: nothing is stored."""
+    budgets ``build_head_data`` reads (a budget met at a sequence rather than at a shard's end), the sources
+    concatenated. The cache's own settings (``shard_tokens``, ``batch_tokens``, ``max_cache_gb``, ``dtype``) do not
+    apply: nothing is stored."""
     out = {"val": [], "train": []}
     for source, split, seqs, budget in _streams(target, settings, path):
+        most_tokens, most_seqs = budget["max_tokens"], budget.get("max_sequences")
         tokens, rows = 0, []
         for r in seqs:
-            if (budget["max_tokens"] is not None and tokens >= budget["max_tokens"]) or (
-                    budget.get("max_sequences") is not None and len(rows) >= budget["max_sequences"]):
-                break
             rows.append(r)
             tokens += len(r["input_ids"])
+            if (most_tokens is not None and tokens >= most_tokens) or (most_seqs is not None
+                                                                       and len(rows) >= most_seqs):
+                break
         logger.info("head data (online): %s %s, %d sequences, %d tokens", source, split, len(rows), tokens)
         out[split].append(Sequences(rows))
     return {split: Sequences(r for part in parts for r in part) for split, parts in out.items()}
