@@ -165,6 +165,10 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
     for opt in options("head"):
         assert instantiate(cfg_for(f"head={opt}").head).init_from == (None if opt == "eagle3" else opt)
     assert instantiate(cfg_for("head_data=sharegpt").head_data).sources
+    assert instantiate(cfg_for().head).features == "cached"  # the embedded target's features fit on disk
+    assert instantiate(cfg_for("head.features=online", "head.num_workers=1").head).features == "online"
+    assert {cfg_for(f"experiment={x}").head.features for x in options("experiment") if x.startswith("gpu_")} == {
+        "online"}  # a 7-8B target's feature cache would outgrow the disk
     assert instantiate(cfg_for().sampling).greedy and instantiate(cfg.sampling).greedy  # traces that replay exactly
     assert set(cfg.predictor) == set(options("predictor"))  # the default fits every predictor
     for opt in options("predictor"):

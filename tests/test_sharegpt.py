@@ -221,6 +221,46 @@ def test_regenerated_answers_mix_with_sharegpt_into_one_cache_per_split(tiny_tar
     assert [x for x in caches["train"].sequences()][-1]["input_ids"] == train[1]["input_ids"]
     assert caches["train"][len(caches["train"]) - 1]["input_ids"].tolist() in [r["input_ids"] for r in train]
     assert len(caches["val"]) >= 1 and caches["train"].aux_layer_ids == AUX
+    # online features (head.features=online): the same sequences of each split, and nothing more written
+    from sacpolicy.training.head_data import head_sequences
+
+    files = sorted((tmp_path / "cache").rglob("*"))
+    online = head_sequences(tiny_target, s, path=tmp_path / "sg.json")
+    for split in ("train", "val"):
+        rows = sorted((r["prompt_len"], r["input_ids"]) for r in online[split])
+        assert rows == sorted((r["prompt_len"], r["input_ids"]) for r in caches[split].sequences()), split
+        assert online[split].lengths == [len(r["input_ids"]) for r in online[split]]
+    assert sorted((tmp_path / "cache").rglob("*")) == files
+    one = HeadDataSettings(min_answer_tokens=3, max_tokens=1)  # a budget is met at a sequence
+    assert len(sharegpt_train) > 1 and len(head_sequences(tiny_target, one, path=tmp_path / "sg.json")["train"]) == 1
+
+
+def test_the_head_stage_trains_online_on_head_data_and_caches_nothing(tiny_target, tmp_path, monkeypatch):
+    """Stage head with ``head_data=sharegpt head.features=online``: the installed ShareGPT text read to its budgets,
+    the head trained with the target in the step, no feature cache anywhere."""
+    from omegaconf import open_dict
+    from test_config import cfg_for
+
+    from sacpolicy.pipeline import head
+    from sacpolicy.pipeline.context import RunContext
+
+    monkeypatch.setenv("SACPOLICY_CACHE", str(tmp_path / "cache"))
+    cfg = cfg_for("head=eagle3", "head_data=sharegpt", "head.features=online", "head.max_steps=2",
+                  "head.budget_minutes=null", "head.aux_layer_ids=[0,1,2]", "head.draft_vocab_size=64",
+                  "head.batch_size=2", "head_data.max_tokens=400", "head_data.val_sequences=2",
+                  "head_data.max_seq_tokens=96", "head_data.max_prompt_tokens=64", "trainer.enable_progress_bar=false",
+                  tmp_path=tmp_path)
+    with open_dict(cfg):
+        cfg.logger = None
+    ctx = RunContext(cfg, tmp_path / "run")
+    ctx.target = tiny_target
+    out = head.run(ctx)
+    assert out["global_step"] == 2 and out["train_batches_per_rank"] >= 2
+    prov = json.loads((tmp_path / "run" / "head" / "head" / "provenance.json").read_text())
+    assert prov["legs"][-1]["data"]["sources"] == ["sharegpt"] and prov["legs"][-1]["val_sequences"] == 2
+    assert 400 <= prov["legs"][-1]["train_tokens"] < 400 + 96
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors")] == [
+        "run/head/head/model.safetensors"]
 
 
 def test_regenerate_answers_answers_every_part_in_one_engine_and_loads_no_target(tiny_target, tmp_path, monkeypatch):

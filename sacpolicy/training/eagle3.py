@@ -67,10 +67,19 @@ class Eagle3Settings:
     # warm start: None (from scratch: fc random, the layer from the target's last), "shipped" (the head that ships
     # for this target, sacpolicy.heads) or a head directory; its vocabulary and aux layers are kept
     init_from: str | None = None
+    # "cached": the target's features computed once into a cache on disk, then read (small targets, several epochs);
+    # "online": the frozen target runs in every training step, nothing on disk (large targets, large data)
+    features: str = "cached"
+    num_workers: int = 0  # DataLoader workers per loader (persistent); 0 reads in the training process
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not 0 < self.step_decay <= 1 or self.lr <= 0:
             raise ValueError("eagle3 needs steps >= 1, 0 < step_decay <= 1 and lr > 0")
+        if self.features not in ("cached", "online"):
+            raise ValueError(f"head.features={self.features!r}; use 'cached' (a feature cache on disk) or 'online' "
+                             "(the target in the training step)")
+        if self.num_workers < 0:
+            raise ValueError(f"head.num_workers={self.num_workers}; use 0 (read in the training process) or more")
         if not (self.budget_minutes or self.max_steps or self.init_from):
             raise ValueError("give budget_minutes or max_steps: training from scratch needs a budget (a budget of 0 "
                              "is allowed with init_from: the warm-start head is then used as it is)")
@@ -80,9 +89,9 @@ class Eagle3Settings:
         return bool(self.budget_minutes or self.max_steps)
 
     def identity(self) -> dict:
-        """What a checkpoint must agree on to be resumed (the budget may change between runs; the warm-start head
-        enters by its checksum, not its path)."""
-        skip = ("budget_minutes", "max_steps", "patience", "init_from")
+        """What a checkpoint must agree on to be resumed (the budget and how features are read may change between
+        runs; the warm-start head enters by its checksum, not its path)."""
+        skip = ("budget_minutes", "max_steps", "patience", "init_from", "features", "num_workers")
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
@@ -150,19 +159,45 @@ def init_head(target, config: Eagle3Config, draft_ids: torch.Tensor, seed: int =
 
 
 class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
+    """The head under training. With ``target`` (online features) the frozen target model is a submodule, so it moves
+    to the module's device, but its parameters do not train (``requires_grad`` off: not in the optimizer), DDP
+    neither broadcasts nor reduces them (every rank loaded the same target), it stays in eval mode, and its weights
+    are left out of the state dict (checkpoints hold the head alone) and not expected back when one is loaded. Batches of token ids (``collate_sequences``) then become
+    feature batches in the step itself (``online_features``); feature batches from a cache pass through."""
+
     checkpoint_key, run_kind = "sacpolicy_eagle3_config", "EAGLE-3"
 
     def __init__(self, head: Eagle3Head, target_lm_rows: torch.Tensor, settings: Eagle3Settings,
-                 config_id: dict | None = None):
+                 config_id: dict | None = None, target: torch.nn.Module | None = None):
         super().__init__()
         self.head = head
         # [Vd, H]: the target's LM-head rows of the draft vocabulary (target logits on the fly); not saved
         self.register_buffer("target_rows", target_lm_rows.detach().float(), persistent=False)
+        self.target = target
+        if target is not None:
+            target.requires_grad_(False).eval()
+            frozen = [f"target.{n}" for n, _ in (*target.named_parameters(), *target.named_buffers())]
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, frozen)
+            self.register_state_dict_post_hook(_drop_target_weights)
+            self.register_load_state_dict_post_hook(_target_weights_not_expected)
         s = settings
         self.steps, self.step_decay, self.lr = s.steps, s.step_decay, s.lr
         self.acceptance_steps = s.steps
         self.weight_decay, self.warmup_steps, self.decay_steps = s.weight_decay, s.warmup_steps, s.decay_steps
         self.config_hash = config_hash(config_id)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.target is not None:  # frozen: eval mode even while the head trains
+            self.target.eval()
+        return self
+
+    def _features(self, batch: dict) -> dict:
+        if "aux" in batch:
+            return batch
+        from sacpolicy.training.eagle3_data import online_features
+
+        return online_features(self.target, batch, self.head.config.aux_layer_ids)
 
     def _ttt(self, batch):
         """-> (loss, per-step draft argmax [B, T] in target ids, per-step target top [B, T], per-step rows [B, T])."""
@@ -186,6 +221,7 @@ class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
         return loss, preds, tops, rows
 
     def training_step(self, batch, batch_idx):
+        batch = self._features(batch)
         loss, *_ = self._ttt(batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"EAGLE-3 loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); "
@@ -194,6 +230,7 @@ class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        batch = self._features(batch)
         loss, preds, tops, rows = self._ttt(batch)
         # chains that start where inference drafts (row t >= prompt_len - 1, i.e. first + 1) and stay in the sequence
         start = torch.arange(batch["input_ids"].shape[1], device=self.device)[None] > batch["first"][:, None]
@@ -212,35 +249,50 @@ class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
                                                                       freeze=True)
 
 
-class FeatureLoaders(L.LightningDataModule):
-    """The head's loaders over the feature caches, made once Lightning knows this rank: training batches from
-    ``LengthBuckets`` (this rank's share of the length buckets), validation sequences strided over the ranks."""
+def _drop_target_weights(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + "target.")]:
+        del state_dict[key]
 
-    def __init__(self, caches: dict, batch_size: int, seed: int = 0):
+
+def _target_weights_not_expected(module, incompatible_keys) -> None:
+    keys = incompatible_keys.missing_keys
+    keys[:] = [k for k in keys if not (k.startswith("target.") or ".target." in k)]
+
+
+class FeatureLoaders(L.LightningDataModule):
+    """The head's loaders, made once Lightning knows this rank: training batches from ``LengthBuckets`` (this rank's
+    share of the length buckets), validation sequences strided over the ranks. ``data``: {"train", "val"} feature
+    caches with ``collate_features`` (the default) or ``Sequences`` with ``collate_sequences`` (token ids, for online
+    features); ``num_workers`` persistent workers per loader."""
+
+    def __init__(self, data: dict, batch_size: int, seed: int = 0, num_workers: int = 0, collate=None):
         super().__init__()
-        self.caches, self.batch_size, self.seed = caches, batch_size, seed
+        self.data, self.batch_size, self.seed, self.num_workers = data, batch_size, seed, num_workers
+        self.collate = collate
 
     def _ranks(self) -> dict:
         t = self.trainer
         return {"num_replicas": t.world_size, "rank": t.global_rank} if t is not None else {}
 
-    def train_dataloader(self):
+    def _loader(self, split: str, **kw):
         from torch.utils.data import DataLoader
 
-        from sacpolicy.training.eagle3_data import LengthBuckets, collate_features
+        from sacpolicy.training.eagle3_data import collate_features
 
-        train = self.caches["train"]
-        return DataLoader(train, collate_fn=collate_features,
-                          batch_sampler=LengthBuckets(train.lengths, self.batch_size, seed=self.seed, **self._ranks()))
+        return DataLoader(self.data[split], collate_fn=self.collate or collate_features, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, **kw)
+
+    def train_dataloader(self):
+        from sacpolicy.training.eagle3_data import LengthBuckets
+
+        lengths = self.data["train"].lengths
+        return self._loader("train", batch_sampler=LengthBuckets(lengths, self.batch_size, seed=self.seed,
+                                                                  **self._ranks()))
 
     def val_dataloader(self):
-        from torch.utils.data import DataLoader
+        from sacpolicy.training.eagle3_data import Strided
 
-        from sacpolicy.training.eagle3_data import Strided, collate_features
-
-        val = self.caches["val"]
-        return DataLoader(val, batch_size=self.batch_size, collate_fn=collate_features,
-                          sampler=Strided(len(val), **self._ranks()))
+        return self._loader("val", batch_size=self.batch_size, sampler=Strided(len(self.data["val"]), **self._ranks()))
 
 
 # ---------------------------------------------------------------------- checkpoint files
@@ -259,16 +311,21 @@ def save_head(head: Eagle3Head, out_dir, provenance: dict) -> Path:
 def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer_factory, out_dir, logger=None,
                  callbacks=(), progress: bool = True, caches: dict | None = None, data: dict | None = None) -> dict:
     """Train a head for ``target`` on sequences (rows with ``input_ids``, ``prompt_len``), resuming from
-    ``out_dir/checkpoints/last.ckpt``; features cached under ``out_dir/features``; the best head (by
-    ``val/accept_len``) saved to ``out_dir/head``. ``trainer_factory(**kwargs)`` builds a ``lightning.Trainer``.
-    ``caches``: {"train", "val"} feature caches built elsewhere (``sacpolicy.training.head_data``) instead of
-    sequences; ``data``: their recipe, recorded in the head's provenance as this leg's data."""
+    ``out_dir/checkpoints/last.ckpt``; features cached under ``out_dir/features`` (``features="cached"``) or computed
+    by the target in each step (``"online"``: nothing written); the best head (by ``val/accept_len``) saved to
+    ``out_dir/head``. ``trainer_factory(**kwargs)`` builds a ``lightning.Trainer``. ``caches``: {"train", "val"}
+    feature caches built elsewhere (``sacpolicy.training.head_data``) instead of sequences; ``data``: their recipe,
+    recorded in the head's provenance as this leg's data."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     from sacpolicy import ranks
-    from sacpolicy.training.eagle3_data import build_feature_cache
+    from sacpolicy.training.eagle3_data import Sequences, build_feature_cache, collate_sequences
 
     s, out_dir = settings, Path(out_dir)
+    online = s.features == "online"
+    if online and caches is not None:
+        raise ValueError("head.features=online computes the features in the training step, yet feature caches were "
+                         "given; pass the sequences instead, or use head.features=cached")
     init_dir = warm_start_dir(s.init_from, target)
     if init_dir is None:
         size = s.draft_vocab_size or DEFAULT_DRAFT_VOCAB
@@ -288,18 +345,20 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
                                                "target": target.spec, "trained_here": False})
         ranks.barrier()
         return metrics
-    if caches is None:  # built by rank 0, read by the others
+    if online:
+        caches = {"train": Sequences(train_seqs), "val": Sequences(val_seqs)}
+    elif caches is None:  # built by rank 0, read by the others
         caches = ranks.rank_zero_first(lambda: {
             split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
                                        progress=progress)
             for split, seqs in (("train", train_seqs), ("val", val_seqs))}, "the head's feature caches")
-    for split, cache in caches.items():
+    for split, cache in ({} if online else caches).items():
         if cache.aux_layer_ids != list(config.aux_layer_ids):
             raise ValueError(f"the {split} feature cache {cache.dir} holds aux layers {cache.aux_layer_ids}, the head "
                              f"reads {list(config.aux_layer_ids)}; build the cache for the head's layers")
     rows = target.model.get_output_embeddings().weight[draft_ids.to(target.device)]
     module = Eagle3Module(head, rows, s, config_id={"target": target.spec, "draft_ids": draft_ids.tolist(),
-                                                 **origin, **s.identity()})
+                                                 **origin, **s.identity()}, target=target.model if online else None)
     ckpt_dir = out_dir / "checkpoints"
     best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/accept_len", mode="max", save_last=True)
     kwargs = {"callbacks": [best, EarlyStopping(monitor="val/accept_len", mode="max", patience=s.patience,
@@ -313,7 +372,8 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
         kwargs["max_steps"] = s.max_steps
     trainer = trainer_factory(**kwargs)
     last = ckpt_dir / "last.ckpt"
-    trainer.fit(module, datamodule=FeatureLoaders(caches, s.batch_size, s.seed),
+    loaders = FeatureLoaders(caches, s.batch_size, s.seed, s.num_workers, collate_sequences if online else None)
+    trainer.fit(module, datamodule=loaders,
                 ckpt_path=str(last) if last.is_file() else None)
     if best.best_model_path:
         module.load_state_dict(torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"])

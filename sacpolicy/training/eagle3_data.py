@@ -11,6 +11,11 @@ full-vocabulary argmax (which the draft vocabulary may miss). Stored as fp16 saf
                               offsets [S + 1] int64 (sequence s = rows offsets[s] .. offsets[s + 1]), prompt_len [S]
 
 A shard that exists is complete (written to a temporary name, then renamed), so an interrupted build resumes.
+Reading opens each shard once per process (lazily, so each DataLoader worker maps its own) and slices its sequences
+out of the memory map.
+
+Online (``head.features=online``): no cache; ``Sequences`` batches token ids (``collate_sequences``) and the training
+step turns them into the same layout with ``online_features``, one target pass under ``torch.no_grad``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ FEATURE_FORMAT = 1
 META_FILE = "meta.json"
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: online training feeds these tensors to the head's autograd graph
 def capture_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids):
     """One target pass: input_ids, attention_mask [B, T] -> aux [B, T, len(layer_ids) * H] (the inputs of decoder
     layers ``layer_ids``, in that order), final [B, T, H] (post-norm last hidden state)."""
@@ -41,6 +46,19 @@ def capture_features(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     with capture:
         final = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return capture.batch(layer_ids), final
+
+
+@torch.no_grad()
+def sequence_features(model, ids: torch.Tensor, mask: torch.Tensor, layer_ids) -> list[dict]:
+    """One target pass over right-padded sequences ids, mask [B, T] -> per sequence its real positions' ``input_ids``
+    [n] long, ``aux`` [n, A], ``final`` [n, H] (the target's dtype) and ``top`` [n] long (the target's
+    full-vocabulary argmax), on the target's device: what a feature cache stores, before its storage dtype."""
+    aux, final = capture_features(model, ids, mask, layer_ids)
+    head, out = model.get_output_embeddings(), []
+    for i, n in enumerate(mask.sum(1).tolist()):
+        out.append({"input_ids": ids[i, :n], "aux": aux[i, :n], "final": final[i, :n],
+                    "top": head(final[i, :n]).argmax(-1)})
+    return out
 
 
 def sequences_hash(sequences) -> str:
@@ -70,7 +88,6 @@ def shard_tensors(target, rows: list[dict], layer_ids, dtype: torch.dtype, *, ba
     """The cached tensors of one shard's sequences (right-padded batches of ``batch_size`` rows or of at most
     ``batch_tokens`` padded tokens; real rows kept)."""
     model, parts = target.model.eval(), {"input_ids": [], "aux": [], "final": [], "top": []}
-    head = model.get_output_embeddings()
     for chunk in _batches(rows, batch_size, batch_tokens):
         width = max(len(r["input_ids"]) for r in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -78,14 +95,11 @@ def shard_tensors(target, rows: list[dict], layer_ids, dtype: torch.dtype, *, ba
         for i, r in enumerate(chunk):
             ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
             mask[i, : len(r["input_ids"])] = 1
-        aux, final = capture_features(model, ids.to(target.device), mask.to(target.device), layer_ids)
-        for i, r in enumerate(chunk):
-            n = len(r["input_ids"])
-            with torch.inference_mode():
-                parts["top"].append(head(final[i, :n]).argmax(-1).int().cpu())
-            parts["input_ids"].append(ids[i, :n].int())
-            parts["aux"].append(aux[i, :n].to(dtype).cpu())
-            parts["final"].append(final[i, :n].to(dtype).cpu())
+        for seq in sequence_features(model, ids.to(target.device), mask.to(target.device), layer_ids):
+            parts["top"].append(seq["top"].int().cpu())
+            parts["input_ids"].append(seq["input_ids"].int().cpu())
+            parts["aux"].append(seq["aux"].to(dtype).cpu())
+            parts["final"].append(seq["final"].to(dtype).cpu())
     out = {k: torch.cat(v).contiguous() for k, v in parts.items()}
     if not (torch.isfinite(out["aux"]).all() and torch.isfinite(out["final"]).all()):
         raise ValueError(f"the target's hidden states overflow {dtype}; build the feature cache with "
@@ -132,10 +146,14 @@ def _check_meta(found: dict, wanted: dict, cache_dir: Path) -> None:
 
 class FeatureCache(Dataset):
     """The sequences of a feature cache, read lazily (memory-mapped slices of the shards). Item: ``input_ids`` [n]
-    long, ``aux`` [n, A], ``final`` [n, H], ``top`` [n] long, ``prompt_len`` int."""
+    long, ``aux`` [n, A], ``final`` [n, H], ``top`` [n] long, ``prompt_len`` int.
+
+    Each shard is opened once per process, at its first read: handles are not pickled (spawned DataLoader workers
+    open their own) and a forked worker drops the ones it inherited, so every worker reads through its own maps."""
 
     def __init__(self, cache_dir):
         self.dir = Path(cache_dir)
+        self._handles, self._pid = {}, os.getpid()
         self.meta = json.loads((self.dir / META_FILE).read_text())
         self.aux_layer_ids = list(self.meta["aux_layer_ids"])
         self._index = []  # (shard path, first row, last row, prompt_len) per sequence
@@ -159,16 +177,27 @@ class FeatureCache(Dataset):
         """Tokens per sequence."""
         return [b - a for _, a, b, _ in self._index]
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_handles": {}}
+
+    def _shard(self, path: str):
+        """The open (memory-mapped) shard at ``path``, opened at this process's first read of it."""
+        if self._pid != os.getpid():  # a forked worker: its own handles, not the parent's
+            self._handles, self._pid = {}, os.getpid()
+        f = self._handles.get(path)
+        if f is None:
+            f = self._handles[path] = safe_open(path, framework="pt")
+        return f
+
     def sequences(self):
         """``input_ids`` (a list) and ``prompt_len`` of every sequence, without reading the features."""
         for path, a, b, plen in self._index:
-            with safe_open(path, framework="pt") as f:
-                yield {"input_ids": f.get_slice("input_ids")[a:b].tolist(), "prompt_len": plen}
+            yield {"input_ids": self._shard(path).get_slice("input_ids")[a:b].tolist(), "prompt_len": plen}
 
     def __getitem__(self, i: int) -> dict:
         path, a, b, plen = self._index[i]
-        with safe_open(path, framework="pt") as f:
-            item = {k: f.get_slice(k)[a:b] for k in ("input_ids", "aux", "final", "top")}
+        f = self._shard(path)
+        item = {k: f.get_slice(k)[a:b] for k in ("input_ids", "aux", "final", "top")}
         item["input_ids"], item["top"] = item["input_ids"].long(), item["top"].long()
         item["prompt_len"] = plen
         return item
@@ -207,6 +236,54 @@ class FeatureCaches(Dataset):
         return self.caches[j][k]
 
 
+class Sequences(Dataset):
+    """Token sequences for online features (``head.features=online``), from rows with ``input_ids`` and
+    ``prompt_len`` (another ``Sequences`` too), held as one int32 tensor. Item: ``input_ids`` [n] long,
+    ``prompt_len`` int; iterating gives the rows back."""
+
+    def __init__(self, rows):
+        ids, self.prompt_len = [], []
+        for r in rows:
+            ids.append(torch.as_tensor(r["input_ids"], dtype=torch.int32))
+            self.prompt_len.append(int(r["prompt_len"]))
+        self.ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+        self.offsets = torch.tensor([0] + [len(x) for x in ids]).cumsum(0).tolist()
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def sequences(self):
+        for i in range(len(self)):
+            yield {"input_ids": self.ids[self.offsets[i] : self.offsets[i + 1]].tolist(),
+                   "prompt_len": self.prompt_len[i]}
+
+    __iter__ = sequences
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[self.offsets[i] : self.offsets[i + 1]].long(), "prompt_len": self.prompt_len[i]}
+
+
+def collate_sequences(items: list[dict]) -> dict:
+    """Right-padded token ids for an online feature pass: ``ids``, ``mask`` [B, N], ``prompt_len`` [B]."""
+    N = max(it["input_ids"].shape[0] for it in items)
+    ids, mask = torch.zeros(len(items), N, dtype=torch.long), torch.zeros(len(items), N, dtype=torch.long)
+    for b, it in enumerate(items):
+        ids[b, : it["input_ids"].shape[0]], mask[b, : it["input_ids"].shape[0]] = it["input_ids"], 1
+    return {"ids": ids, "mask": mask, "prompt_len": torch.tensor([it["prompt_len"] for it in items])}
+
+
+def online_features(model, batch: dict, layer_ids) -> dict:
+    """A ``collate_sequences`` batch -> the ``collate_features`` batch of its features, computed now by ``model``
+    (the frozen target, in eval mode) on the batch's device: what the cache path would read, in the target's own
+    dtype (no storage rounding)."""
+    seqs = sequence_features(model, batch["ids"], batch["mask"], layer_ids)
+    return collate_features([{**seq, "prompt_len": int(p)} for seq, p in zip(seqs, batch["prompt_len"].tolist())])
+
+
 def collate_features(items: list[dict]) -> dict:
     """Right-padded batch in the training-time-test layout: TTT row t pairs the target's aux at position t with token
     x_{t+1}; its step-j draft predicts x_{t+2+j}, whose target distribution comes from ``final``/``top`` at row t + j.
@@ -217,17 +294,19 @@ def collate_features(items: list[dict]) -> dict:
     lens = [it["input_ids"].shape[0] - 1 for it in items]
     B, T = len(items), max(lens)
     A, H = items[0]["aux"].shape[-1], items[0]["final"].shape[-1]
-    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "aux": torch.zeros(B, T, A, dtype=items[0]["aux"].dtype),
-             "final": torch.zeros(B, T, H, dtype=items[0]["final"].dtype), "top": torch.zeros(B, T, dtype=torch.long),
-             "valid": torch.zeros(B, T, dtype=torch.bool)}
+    on = {"device": items[0]["aux"].device}
+    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long, **on),
+             "aux": torch.zeros(B, T, A, dtype=items[0]["aux"].dtype, **on),
+             "final": torch.zeros(B, T, H, dtype=items[0]["final"].dtype, **on),
+             "top": torch.zeros(B, T, dtype=torch.long, **on), "valid": torch.zeros(B, T, dtype=torch.bool, **on)}
     for b, (it, n) in enumerate(zip(items, lens)):
         batch["input_ids"][b, :n] = it["input_ids"][1:]
         batch["aux"][b, :n] = it["aux"][:n]
         batch["final"][b, :n] = it["final"][1:]
         batch["top"][b, :n] = it["top"][1:]
         batch["valid"][b, :n] = True
-    batch["length"] = torch.tensor(lens)
-    batch["first"] = torch.tensor([it["prompt_len"] - 2 for it in items])
+    batch["length"] = torch.tensor(lens, **on)
+    batch["first"] = torch.tensor([it["prompt_len"] - 2 for it in items], **on)
     return batch
 
 

@@ -15,6 +15,7 @@ built: data legs add up, and an interrupted build resumes at its next shard.
 
     settings = HeadDataSettings(max_tokens=2_000_000)
     caches = build_head_data(target, settings)            # {"train": FeatureCache, "val": FeatureCache}
+    seqs = head_sequences(target, settings)               # online features: the same sequences, nothing cached
 
 Cache directory per source (``cache_dir``, default
 ``$SACPOLICY_CACHE/head-features/<target>/<recipe hash>/<split>``):
@@ -42,7 +43,14 @@ from safetensors.torch import save_file
 from sacpolicy.data.splits import assign_split
 from sacpolicy.io import write_json
 from sacpolicy.progress import duration
-from sacpolicy.training.eagle3_data import META_FILE, FeatureCache, FeatureCaches, sequences_hash, shard_tensors
+from sacpolicy.training.eagle3_data import (
+    META_FILE,
+    FeatureCache,
+    FeatureCaches,
+    Sequences,
+    sequences_hash,
+    shard_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +235,20 @@ def build_stream_cache(target, sequences: Iterator[dict], cache_dir, aux_layer_i
     return FeatureCache(cache_dir)
 
 
+def _streams(target, settings: HeadDataSettings, path=None):
+    """(source, split, its sequences, its budget) in build order: per source, val then train."""
+    s = settings
+    for source in s.sources:
+        for split in ("val", "train"):
+            if source == "sharegpt":
+                seqs = chat_sequences(target.tokenizer, split, s, path)
+            else:
+                seqs = regenerated_sequences(split, s)
+            budget = ({"max_tokens": None, "max_sequences": s.val_sequences} if split == "val" else
+                      {"max_tokens": s.max_tokens if source == "sharegpt" else None})
+            yield source, split, seqs, budget
+
+
 def build_head_data(target, settings: HeadDataSettings, aux_layer_ids, path=None) -> dict[str, FeatureCaches]:
     """The train and val feature caches of ``settings`` for ``target`` (built or extended as needed), the sources'
     caches concatenated. ``path``: the ShareGPT file (default: the installed package's)."""
@@ -236,19 +258,33 @@ def build_head_data(target, settings: HeadDataSettings, aux_layer_ids, path=None
     common = {"aux_layer_ids": aux_layer_ids, "shard_tokens": s.shard_tokens, "batch_tokens": s.batch_tokens,
               "max_cache_gb": s.max_cache_gb, "dtype": DTYPES[s.dtype]}
     out = {"val": [], "train": []}
-    for source in s.sources:
+    for source, split, seqs, budget in _streams(target, s, path):
         recipe = s.recipe(source)
         root = Path(s.cache_dir) if s.cache_dir else (cache_root() / "head-features" / target.spec.replace(":", "_")
                                                       / recipe_hash(recipe))
-        logger.info("head data: %s%s, cached under %s", source,
-                    f", up to {s.max_tokens} training tokens" if source == "sharegpt" else "", root)
-        for split in ("val", "train"):
-            if source == "sharegpt":
-                seqs = chat_sequences(target.tokenizer, split, s, path)
-            else:
-                seqs = regenerated_sequences(split, s)
-            budget = ({"max_tokens": None, "max_sequences": s.val_sequences} if split == "val" else
-                      {"max_tokens": s.max_tokens if source == "sharegpt" else None})
-            out[split].append(build_stream_cache(target, seqs, root / split, recipe=recipe,
-                                                 desc=f"head features ({source}, {split})", **budget, **common))
+        if split == "val":
+            logger.info("head data: %s%s, cached under %s", source,
+                        f", up to {s.max_tokens} training tokens" if source == "sharegpt" else "", root)
+        out[split].append(build_stream_cache(target, seqs, root / split, recipe=recipe,
+                                             desc=f"head features ({source}, {split})", **budget, **common))
     return {split: FeatureCaches(caches) for split, caches in out.items()}
+
+
+def head_sequences(target, settings: HeadDataSettings, path=None) -> dict[str, Sequences]:
+    """The train and val sequences of ``settings`` for online features (``head.features=online``): the streams and
+    budgets ``build_head_data`` reads (a budget met at a sequence rather than at a shard's end), the sources
+    concatenated. The cache's own settings (``shard_tokens``, ``batch_tokens``, ``max_cache_gb``, ``dtype``) do not
+    apply: nothing is stored."""
+    out = {"val": [], "train": []}
+    for source, split, seqs, budget in _streams(target, settings, path):
+        most_tokens, most_seqs = budget["max_tokens"], budget.get("max_sequences")
+        tokens, rows = 0, []
+        for r in seqs:
+            rows.append(r)
+            tokens += len(r["input_ids"])
+            if (most_tokens is not None and tokens >= most_tokens) or (most_seqs is not None
+                                                                       and len(rows) >= most_seqs):
+                break
+        logger.info("head data (online): %s %s, %d sequences, %d tokens", source, split, len(rows), tokens)
+        out[split].append(Sequences(rows))
+    return {split: Sequences(r for part in parts for r in part) for split, parts in out.items()}
