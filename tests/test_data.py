@@ -83,6 +83,62 @@ def test_humaneval_edits_quote_the_solution_and_share_the_tasks_split():
         assert edit == f"{task}/edit" and assign_split(edit) == assign_split(task)
 
 
+def test_revisions_are_three_turns_that_quote_a_given_answer(tokenizer):
+    from sacpolicy.data.sources import CODE_REVISIONS, TEXT_REVISIONS
+
+    ds = load_prompts("revision", tokenizer=tokenizer)
+    assert ds.num_rows == 164 + 30 and set(ds["category"]) == {"revision"} and len(set(ds["prompt_id"])) == 194
+    assert load_prompts("revision")["messages"] == ds["messages"]  # deterministic, in a fixed order
+    by_id = {r["prompt_id"]: r for r in ds}
+    code = by_id["humaneval/HumanEval/0/revision"]
+    question, answer, request = code["messages"]
+    assert [m["role"] for m in code["messages"]] == ["user", "assistant", "user"]
+    assert question == load_prompts("humaneval", limit=1)[0]["messages"][0]  # the task as the humaneval set asks it
+    assert answer["content"].startswith("```python\nfrom typing import List") and "for idx, elem in enumerate" in \
+        answer["content"]  # the canonical solution
+    assert request["content"] in CODE_REVISIONS
+    prose = by_id["mt_bench/101/revision"]
+    firsts = {r["prompt_id"]: r["messages"][0] for r in load_prompts("mt_bench")}
+    assert prose["messages"][0] == firsts["mt_bench/101"]  # the question's first turn
+    assert "second place" in prose["messages"][1]["content"]  # MT-Bench's GPT-4 reference answer
+    assert prose["messages"][2]["content"] in TEXT_REVISIONS
+    assert by_id["mt_bench/125/revision"]["messages"][2]["content"] in CODE_REVISIONS  # a coding question
+    assert {r["messages"][2]["content"] for r in ds} == set(CODE_REVISIONS) | set(TEXT_REVISIONS)  # all drawn
+    for row in ds:  # rendered through the chat template: both user turns, the answer, then the generation prompt
+        text = tokenizer.decode(row["input_ids"])
+        assert text.count("<|im_start|>user") == 2 and text.count("<|im_start|>assistant") == 2
+        assert row["messages"][1]["content"] in text and text.endswith(GENERATION_PROMPT)
+    assert {pid.split("/")[0] for pid in ds["prompt_id"][:8]} == {"humaneval", "mt_bench"}  # hash order mixes them
+
+
+def test_revisions_share_their_tasks_split_so_no_answer_leaks_from_test_to_train():
+    from sacpolicy.data import assign_split
+
+    ds = load_prompts("revision")
+    for pid in ds["prompt_id"]:
+        assert pid.endswith("/revision") and assign_split(pid) == assign_split(pid.removesuffix("/revision"))
+    splits = split_prompts(load_prompt_mix(["humaneval", "humaneval_edit", "revision", "mt_bench"]))
+    bases = {name: {pid.removesuffix("/edit").removesuffix("/revision") for pid in part["prompt_id"]}
+             for name, part in splits.items()}
+    assert not bases["train"] & bases["test"] and not bases["train"] & bases["val"] and not bases["val"] & bases["test"]
+    assert set(splits["test"]["category"]) >= {"revision", "code", "code_edit"}
+
+
+def test_split_keeps_one_splits_prompts_before_the_limit(tokenizer):
+    from sacpolicy.data import assign_split
+
+    every = load_prompts("revision")
+    held_out = load_prompts("revision", split="test", limit=8, tokenizer=tokenizer)
+    assert held_out["prompt_id"] == [p for p in every["prompt_id"] if assign_split(p) == "test"][:8]
+    assert len(held_out[0]["input_ids"]) > 0
+    shares = load_prompts("sharegpt", split="test", limit=8)  # ShareGPT held out: the first 8 test conversations
+    assert shares.num_rows == 8 and set(shares["category"]) == {"sharegpt"}
+    assert all(assign_split(p) == "test" for p in shares["prompt_id"])
+    assert load_prompts("sharegpt", split="test", limit=8)["prompt_id"] == shares["prompt_id"]
+    with pytest.raises(PromptSetError, match=r"split='holdout' is not a split; use one of \['train', 'val', 'test'\]"):
+        load_prompts("revision", split="holdout")
+
+
 def test_mt_bench_second_turns_quote_the_targets_first_answer(tokenizer):
     from sacpolicy.data import assign_split, needs_answers
 

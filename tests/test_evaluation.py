@@ -181,6 +181,55 @@ def test_write_eval_and_report(tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))  # atomic writes leave no temporaries
 
 
+def test_the_evaluated_mix_holds_held_out_sharegpt_and_revisions_reported_per_category(tiny_target, tmp_path):
+    from test_config import cfg_for
+
+    from sacpolicy.data import assign_split
+    from sacpolicy.pipeline.context import RunContext, RunTraces
+
+    ctx = RunContext(cfg_for("experiment=smoke", "collect.eval_only_prompts=3"), tmp_path)
+    ctx.target = tiny_target
+    extra = ctx.eval_only_prompts  # collect.eval_only: ShareGPT and revisions, taken in turn
+    assert [r["category"] for r in extra] == ["sharegpt", "revision"] * 3
+    assert all(assign_split(r["prompt_id"]) == "test" and r["input_ids"] for r in extra)
+    mix = ctx.take(ctx.prompts("test"), 6)  # what collect draws of the data mix (collect.num_prompts.test)
+    assert not {r["prompt_id"] for r in mix} & {r["prompt_id"] for r in extra}
+
+    def traced(rows):  # test traces of these prompts (stand-ins: test_prompts reads their ids)
+        test = {r["prompt_id"]: {} for r in rows}
+        return RunTraces(grouped=test, by_split={"train": {}, "val": {}, "test": test}, dir=tmp_path, meta={})
+
+    ctx.traces = traced(mix)  # a run collected without eval_only: the mix alone, in its order
+    assert [r["prompt_id"] for r in ctx.test_prompts()] == [r["prompt_id"] for r in mix]
+    ctx.traces = traced(mix + extra)
+    order = ctx.test_prompts()
+    ids = [r["prompt_id"] for r in order]
+    assert sorted(ids) == sorted(r["prompt_id"] for r in mix + extra)
+    assert [p for p in ids if p in {r["prompt_id"] for r in mix}] == [r["prompt_id"] for r in mix]
+    assert {r["category"] for r in order[:4]} >= {"sharegpt", "revision"}  # spread: any live prefix holds them
+
+    rows = [_row(name, "live", n, 0.01, categories=[r["category"] for r in order]) for name, n in (("ar", 1),
+                                                                                                    ("learned", 3))]
+    add_speedups(rows)
+    write_eval(tmp_path, rows, {"target": "tiny:llama-4l"})
+    for r in json.loads((tmp_path / "eval.json").read_text())["rows"]:
+        assert r["per_category"]["sharegpt"]["tokens"] > 0 and r["per_category"]["revision"]["tokens"] > 0
+    header = category_table(rows).splitlines()[0]
+    assert "| revision |" in header and "| sharegpt |" in header and header in (tmp_path / "eval.md").read_text()
+
+
+def test_eval_only_sets_are_on_by_default_off_with_an_empty_list_and_refuse_a_negative_count(tmp_path):
+    from test_config import cfg_for
+
+    from sacpolicy.pipeline.context import PipelineError, RunContext
+
+    default = cfg_for().collect
+    assert list(default.eval_only) == ["sharegpt", "revision"] and default.eval_only_prompts == 8
+    assert RunContext(cfg_for("collect.eval_only=[]"), tmp_path).eval_only_prompts == []  # nothing loaded
+    with pytest.raises(PipelineError, match=r"collect.eval_only_prompts=-1: give a count >= 0"):
+        RunContext(cfg_for("collect.eval_only_prompts=-1"), tmp_path).eval_only_prompts
+
+
 # ---------------------------------------------------------------------- intervals and flags
 def _prompts_row(name, mode, rate, categories, seed):
     """A row over len(categories) prompts of 8-40 tokens at about ``rate`` tokens/s (noisy per prompt), AR steps."""

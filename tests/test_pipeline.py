@@ -47,6 +47,9 @@ def test_smoke_experiment_runs_every_stage_and_reports(smoke_run):
     for (name, mode), r in rows.items():
         assert r["tokens_per_s"] > 0 and r["mode"] in ("live", "simulated")
     assert ("learned-hgb", "live") in rows and ("oracle", "live") not in rows
+    # the evaluation-only held-out sets (collect.eval_only): collected as test traces, reported per category
+    assert json.loads((out / "collect.json").read_text())["eval_only_prompts"] == 2
+    assert {"sharegpt", "revision"} <= set(rows["best-static", "simulated"]["per_category"])
     live = [n for n, m in rows if m == "live"]  # every live row set against its simulated one, the machine probed
     assert set(ev["meta"]["simulated_vs_live"]) == set(live) and ev["meta"]["machine_speed"]["reference"] == "probe"
     assert len(ev["meta"]["machine_speed"]["probes_s"]) >= 2

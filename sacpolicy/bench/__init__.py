@@ -64,10 +64,9 @@ def load_target(spec: str = EMBEDDED_TARGET, *, device: str = "cpu", dtype: str 
 
 def held_out_prompts(source: str, tokenizer, *, split: str = "test", n: int | None = None) -> list[dict]:
     """The first ``n`` prompts of ``source`` in the ``split`` (``data.assign_split``: by prompt id), in file order."""
-    from sacpolicy.data import assign_split, load_prompts
+    from sacpolicy.data import load_prompts
 
-    rows = [r for r in load_prompts(source, tokenizer=tokenizer) if assign_split(r["prompt_id"]) == split]
-    return rows[:n]
+    return [] if n == 0 else list(load_prompts(source, tokenizer=tokenizer, split=split, limit=n))
 
 
 # ---------------------------------------------------------------------- timing

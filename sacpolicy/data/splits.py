@@ -18,7 +18,7 @@ class SplitError(ValueError):
     pass
 
 
-_TURN_SUFFIX = re.compile(r"(/part\d+)?(/(turn\d+|edit))?$")
+_TURN_SUFFIX = re.compile(r"(/part\d+)?(/(turn\d+|edit|revision))?$")
 
 
 def split_fraction(prompt_id: str, salt: str = DEFAULT_SALT) -> float:
@@ -27,7 +27,8 @@ def split_fraction(prompt_id: str, salt: str = DEFAULT_SALT) -> float:
     The parts of one ShareGPT conversation (``.../part<n>``, as the V3 file cut it) hash as the conversation.
     The turns of one multi-turn question (``.../turn<j>``) hash as the question, so they always share a split: a later
     turn's messages contain the earlier ones, and they must not leak between train and test. A code edit of a task
-    (``.../edit``, its prompt holds the task's solution) hashes as the task, for the same reason.
+    (``.../edit``, its prompt holds the task's solution) and a revision (``.../revision``, its prompt holds an answer to
+    the task or question) hash as the task or question, for the same reason.
     """
     digest = hashlib.sha256(f"{salt}:{_TURN_SUFFIX.sub('', prompt_id)}".encode("utf-8")).hexdigest()
     return int(digest[:16], 16) / 2**64

@@ -1,7 +1,8 @@
 """Stage ``collect``: the cost model profiled on this device (``cost.json``) and teacher-forced traces over the
-train/val/test prompts (``traces/tf``), which record the sampling settings they were decoded with (sampled ones
-replay in expectation: ``traces.draws``). Live decoding is measured by the ``evaluate`` stage; no live traces are
-written here (nothing read them).
+train/val/test prompts (``traces/tf``; the test prompts are ``collect.num_prompts.test`` of the data mix and the
+evaluation-only held-out sets of ``collect.eval_only``), which record the sampling settings they were decoded with
+(sampled ones replay in expectation: ``traces.draws``). Live decoding is measured by the ``evaluate`` stage; no live
+traces are written here (nothing read them).
 
 Sharded: under a distributed launch (torchrun, or Lightning's ranks after a training stage) every rank collects its
 share (shard rank/world) and rank 0, after a barrier, merges the shards (``traces.shards``); ``collect.shard=i/n``
@@ -37,6 +38,9 @@ def run(ctx: RunContext) -> dict:
     launched = c.shard is None and rank.distributed  # every rank of the launch collects its shard
     i, n = (rank.rank, rank.world_size) if launched else resolve_shard(c.shard or "0/1")
     chosen = {s: ctx.take(ctx.prompts(s), c.num_prompts[s]) for s in SPLITS}
+    in_mix = {r["prompt_id"] for r in chosen["test"]}
+    eval_only = [r for r in ctx.eval_only_prompts if r["prompt_id"] not in in_mix]  # held out, evaluated, never fitted
+    chosen["test"] += eval_only
     cost_path = ctx.out_dir / "cost.json"
     sampling = instantiate(cfg.sampling)
     if i == 0 and not cost_path.exists():  # the decoder's own work is timed at the run's sampling settings
@@ -52,7 +56,8 @@ def run(ctx: RunContext) -> dict:
                            max_new_tokens=c.max_new_tokens, meta=meta, sampling=sampling,
                            k_max=c.k_max, shard=(i, n), chunk_size=c.chunk_size)
     summary = {"target": target.spec, "drafters": [d.name for d in drafters], "shards": n,
-               "prompts": {s: len(chosen[s]) for s in SPLITS}, "teacher_forced_s": time.perf_counter() - t0}
+               "prompts": {s: len(chosen[s]) for s in SPLITS}, "eval_only_prompts": len(eval_only),
+               "teacher_forced_s": time.perf_counter() - t0}
     if launched:
         ranks.barrier()  # every rank's shard and manifest written
     if n > 1 and missing_shards(tf_dir, n):  # a separate launch of one shard: the others are still to come

@@ -51,6 +51,12 @@ class CollectSettings:
     # prompts per split (a seeded random sample; null = all of it). 48 test prompts: what the default run's 48 live
     # prompts (eval.live_prompts) are drawn from
     num_prompts: dict[str, int | None] = field(default_factory=lambda: {"train": 40, "val": 16, "test": 48})
+    # Evaluation-only held-out sets (sacpolicy.data PROMPT_SETS; here ShareGPT conversations and revisions of given
+    # answers): the first eval_only_prompts test-split prompts of each (in the source's order, with the data mix's
+    # settings) are collected as test traces besides num_prompts.test of the mix, and so evaluated and reported as
+    # their own categories; never trained on. eval_only=[]: the data mix alone
+    eval_only: list[str] = field(default_factory=lambda: ["sharegpt", "revision"])
+    eval_only_prompts: int = 8  # of each eval_only source
     chunk_size: int = 8  # prompts per Parquet shard (the unit of resumption)
     shard: str | None = None  # i/n to collect one of n shards (default: torchrun's RANK/WORLD_SIZE)
     profile: ProfileSettings = field(default_factory=ProfileSettings)

@@ -128,11 +128,37 @@ class RunContext:
                                                            topk=data.topk, batch_size=data.gen_batch_size),
                                      "the target's first answers")
 
+    @cached_property
+    def eval_only_prompts(self) -> list:
+        """The held-out prompts of the sources ``collect.eval_only``: the first ``collect.eval_only_prompts``
+        test-split prompts of each in its order, loaded with the data mix's settings (``cfg.data``), taken in turn
+        from each source (so any first few hold every source). Collected as test traces besides the mix's and
+        evaluated; never in train or val."""
+        from itertools import chain, zip_longest
+
+        c = self.cfg.collect
+        sources, n = list(c.get("eval_only") or []), c.get("eval_only_prompts", 0)
+        if n < 0:
+            raise PipelineError(f"collect.eval_only_prompts={n}: give a count >= 0 of held-out prompts per source "
+                                "(0, or collect.eval_only=[], for none)")
+        if not sources or not n:
+            return []
+        per_source = []
+        for source in sources:
+            entry = [{"source": source, "split": "test", "limit": n, "categories": None}]
+            per_source.append(list(self.load_prompts(instantiate(self.cfg.data, sources=entry), sources=entry)))
+        return [r for r in chain.from_iterable(zip_longest(*per_source)) if r is not None]
+
     def test_prompts(self) -> list:
-        """The held-out prompts with test traces, in the order evaluation decodes them live (the run's seeded
-        shuffle of the test split)."""
+        """The held-out prompts with test traces, in the order evaluation decodes them live: the run's seeded
+        shuffle of the mix's test split, with the evaluation-only prompts (``eval_only_prompts``) spread evenly among
+        them (``spread``), so the first ``eval.live_prompts`` hold each kind in proportion."""
         held_out = self.traces.by_split["test"]
-        return [r for r in self.take(self.prompts("test"), None) if r["prompt_id"] in held_out]
+        mix = [r for r in self.take(self.prompts("test"), None) if r["prompt_id"] in held_out]
+        if len(mix) == len(held_out):  # traces of the mix alone (e.g. from a run without eval_only)
+            return mix
+        rest = held_out.keys() - {r["prompt_id"] for r in mix}
+        return spread(mix, [r for r in self.eval_only_prompts if r["prompt_id"] in rest])
 
     def learned_rules(self, stage: str) -> tuple[dict, str | None]:
         """({predictor: DecisionRule} of the run's policy artifacts, the headline predictor: the lowest validation
@@ -211,6 +237,14 @@ class RunContext:
         """The run's Lightning logger for a training stage; its keys carry the stage (``distill-val/accept_len``,
         ``head-val/accept_len``), so the curves of two drafts in one W&B run stay apart."""
         return instantiate(self.cfg.logger, prefix=stage) if self.cfg.get("logger") else None
+
+
+def spread(rows: list, extra: list) -> list:
+    """``rows`` with ``extra`` spread evenly among them, each in its order: the j-th of m extra rows goes where
+    (j + 1/2) / m of ``rows`` have passed, so every prefix holds both in about their proportion."""
+    keyed = [((i + 0.5) / len(rows), 0, i) for i in range(len(rows))]
+    keyed += [((j + 0.5) / len(extra), 1, j) for j in range(len(extra))]
+    return [(rows, extra)[kind][i] for _, kind, i in sorted(keyed)]
 
 
 def eval_settings(cfg: DictConfig):
