@@ -470,3 +470,33 @@ def test_production_traces_with_a_target_pass_equal_the_collectors_for_the_same_
     assert not any(math.isnan(r["p_target"]) for r in rows)
     if temperature > 0:
         assert any(0 < r["beta"] < 1 for r in rows)  # expected acceptances, not 0/1 matches
+
+
+def test_foreign_files_and_shards_of_another_server_setting_are_refused_with_the_file_and_the_fix(tmp_path,
+                                                                                                   monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prop = proposer(tmp_path, monkeypatch)
+    workload(n=4, seed=8).run(prop)
+    prop.steplog.close()
+    # a server with another k cap logging into the same directory
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
+    cfg = vllm_config()
+    cfg.speculative_config.num_speculative_tokens = K - 2
+    narrow = PolicyNgramProposer(cfg, str(tmp_path / "policy-stop"))
+    workload(n=4, seed=9).run(narrow)
+    narrow.steplog.close()
+    with pytest.raises(StepLogError, match=f"steps-.*parquet was logged by a server of drafter .* with k cap "
+                                           f"({K - 2}|{K}), .*steps-.*parquet by one of drafter .* with k cap "
+                                           f"({K}|{K - 2}): keep one server setting per log directory; move"):
+        read_step_log(tmp_path / "log")
+    with pytest.raises(StepLogError, match="keep one server setting per log directory"):
+        build_production_traces(tmp_path / "log", tmp_path / "t")
+    # a Parquet file that is not a step-log shard (another tool's table under the shards' name)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    path = foreign / "steps-00000000T000000-other-00000.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), path)
+    with pytest.raises(StepLogError, match=f"{path} is not a step-log shard.*move it out of {foreign} or log again"):
+        read_step_log(foreign)

@@ -121,8 +121,9 @@ def _check_provenance(path, m: dict, first: dict, first_path, target, tokenizer)
         raise StepLogError(f"{path} was logged with tokenizer {prov.get('tokenizer')!r}, not {tokenizer!r}: its "
                            "token ids mean other tokens. Use logs of a server with that tokenizer")
     if m["drafter"] != first["drafter"] or m["k_cap"] != first["k_cap"]:
-        raise StepLogError(f"{path} served drafter {m['drafter']} with k cap {m['k_cap']}, {first_path} "
-                           f"{first['drafter']} with {first['k_cap']}: keep one server setting per log directory")
+        raise StepLogError(f"{path} was logged by a server of drafter {m['drafter']} with k cap {m['k_cap']}, "
+                           f"{first_path} by one of drafter {first['drafter']} with k cap {first['k_cap']}: keep one "
+                           "server setting per log directory; move the other setting's shards to their own")
 
 
 def requests_of(records: list[dict]) -> tuple[dict, int]:
