@@ -327,6 +327,9 @@ def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(
     outputs, theirs = res["outputs"]["concurrent"], res["spec_per_request"]["concurrent"]
     reqs, incomplete, meta = logged_requests(tmp_path, target=EMBEDDED_TARGET)
     assert incomplete == 0 and meta["dropped"] == 0
+    # each request's sampling settings, read from the engine's input batch: greedy, top_k off (the vocabulary size)
+    assert {(r["steps"][0]["temperature"], r["steps"][0]["top_k"]) for r in reqs.values()} == {
+        (0.0, meta["target"]["vocab_size"])}
     check = compare_with_vllm(reqs, list(zip(prompts, outputs, theirs)))
     assert check["logged"] == check["served"] == len(prompts) and check["mismatched"] == []
     assert check["equal_steps"] == check["steps"] > 0
@@ -415,6 +418,13 @@ def test_the_step_log_records_each_requests_sampling_and_sampled_requests_need_a
         build_production_traces(tmp_path / "plain", tmp_path / "p", sampling={"temperature": 0.7})
     assert build_production_traces(tmp_path / "plain", tmp_path / "p")["log"]["sampling"]["assumed"] == 4
     assert "record no sampling settings" in caplog.text
+    # shards written before the sampling columns existed read as before
+    import pyarrow.parquet as pq
+
+    for shard in (tmp_path / "plain").glob("steps-*.parquet"):
+        pq.write_table(pq.read_table(shard).drop_columns(["temperature", "top_p", "top_k"]), shard)
+    old = build_production_traces(tmp_path / "plain", tmp_path / "old")
+    assert old["log"]["requests"] == 4 and old["log"]["sampling"]["assumed"] == 4
 
 
 @pytest.mark.parametrize("served", [(0.8, 0.9), (0.0, 1.0)], ids=["sampled", "greedy"])
