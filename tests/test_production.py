@@ -7,7 +7,9 @@ tokens it committed), and the log must equal that engine's truth: every request'
 accepted tokens per step, the live batch size and the feature row the policy read. The engine thread never waits on
 the writer (a blocked writer: steps are dropped and counted, ``propose`` returns at once). Rebuilt traces load in
 ``load_traces`` and the logged policy's replay over them reproduces the logged accepted counts exactly. Damaged
-shards and logs of another target or tokenizer are refused with the file and the fix.
+shards and logs of another target or tokenizer are refused with the file and the fix. Sampled serving: the log holds
+each request's sampling settings (read where vLLM's runner holds them), sampled requests are refused without a target
+pass, and with one (a tiny target) their traces equal the collector's for the same sequences.
 """
 
 from __future__ import annotations
@@ -452,7 +454,7 @@ def test_production_traces_with_a_target_pass_equal_the_collectors_for_the_same_
     engine = SequenceEngine([p["input_ids"] for p in prompts], sequences, [(temperature, top_p, vocab)] * 3)
     engine.run(prop)
     prop.steplog.close()
-    meta = build_production_traces(tmp_path / "log", tmp_path / "prod", target=tiny_target)
+    meta = build_production_traces(tmp_path / "log", tmp_path / "prod", target=tiny_target, progress=False)
     assert meta["teacher_forcing"] == "target" and meta["log"]["requests"] == 3
     assert meta["sampling"] == {"temperature": temperature, "top_k": 0, "top_p": top_p}
     tf_meta = read_meta(tmp_path / "prod" / "tf")

@@ -289,7 +289,7 @@ def request_settings(log_dir, reqs: dict, vocab_size, sampling, select) -> tuple
 
 
 def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | None = None, sampling=None,
-                            select=None, chunk: int = 256) -> dict:
+                            select=None, chunk: int = 256, progress: bool = True) -> dict:
     """``out_dir/live`` and ``out_dir/tf`` from the step log at ``log_dir`` (see the module docstring); returns the
     meta written. ``target``: the log's target, as a spec (checked against the log) or a loaded model
     (``models.LoadedModel``: checked by its spec, and run over every sequence for the collector's own teacher-forced
@@ -297,6 +297,7 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
     the settings of requests whose log records none (default greedy); ``select``: keep only the requests served at
     these settings."""
     from sacpolicy.decoding import NgramDrafter, SamplingConfig
+    from sacpolicy.progress import progress_iter
 
     model = None if target is None or isinstance(target, str) else target
     records, log = read_step_log(log_dir, target=target if model is None else model.spec, tokenizer=tokenizer)
@@ -341,7 +342,11 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
         write_meta(out / sub, {**meta, "kind": kind, **({"drafters": [spec["name"]], "k_max": k_max}
                                                          if kind == "teacher_forced" else {})})
         for c in range(0, len(ids), chunk):
-            write_shard([row for rid in ids[c: c + chunk] for row in make(rid)], kind, out / sub, f"c{c // chunk:05d}")
+            part = ids[c: c + chunk]
+            if kind == "teacher_forced" and model is not None:  # one target forward per request
+                part = progress_iter(part, f"target pass, requests {c}-{c + len(part) - 1} of {len(ids)}",
+                                     unit="request", enabled=progress)
+            write_shard([row for rid in part for row in make(rid)], kind, out / sub, f"c{c // chunk:05d}")
     return meta
 
 
