@@ -476,7 +476,7 @@ def test_production_traces_with_a_target_pass_equal_the_collectors_for_the_same_
             for c in close:
                 assert x[c] == pytest.approx(y[c], rel=1e-4, abs=1e-9), (c, x["position"])
             compared += 1
-    rows = [r for r in mine]
+    rows = list(mine)
     assert compared == sum(len(g) for g in gen.values())
     assert any(r["draft_token"] >= 0 for r in rows)  # the n-gram drafter proposed: beta was computed, not defaulted
     assert not any(math.isnan(r["p_target"]) for r in rows)

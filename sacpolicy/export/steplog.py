@@ -14,8 +14,8 @@ prefill's token), then the tokens committed since the previous step, whose count
 accepted tokens. On first sight also the request's sampling settings (temperature, top_p, top_k), read from vLLM's
 input batch (``PolicyNgramProposer`` finds it on the model runner that calls its hook, which passes token arrays
 only; the temperature rounded to 6 decimals, as vLLM holds it in float32): null where it could not be read.
-Penalties (repetition, frequency, presence) are not logged; traces take the logged settings as all there was. ``traces.production`` rebuilds every
-request's token sequence from these alone and turns the log into traces.
+Penalties (repetition, frequency, presence) are not logged; traces take the logged settings as all there was.
+``traces.production`` rebuilds every request's token sequence from these alone and turns the log into traces.
 
 The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
 queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle
@@ -117,9 +117,10 @@ class StepLogger:
 
     def step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
-        k chosen, tokens drafted, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's own; optionally
-        the request's sampling settings (temperature, top_p, top_k) or None). Finds each request (all lookups before any new entry, so a request one step
-        behind an identical one never takes its entry), queues the sampled ones' records; never blocks.
+        k chosen, tokens drafted, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's own;
+        optionally the request's sampling settings (temperature, top_p, top_k) or None). Finds each request (all
+        lookups before any new entry, so a request one step behind an identical one never takes its entry), queues
+        the sampled ones' records; never blocks.
 
         A request is found again only from the step just before: vLLM proposes for every running request each step,
         so an entry older than that is a finished request's, and a later request reaching the same context (the

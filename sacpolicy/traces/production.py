@@ -282,9 +282,9 @@ def request_settings(log_dir, reqs: dict, vocab_size, sampling, select) -> tuple
         found[s] = found.get(s, 0) + 1
     if len(found) > 1:
         listed = ", ".join(f"{n} at temperature {t}, top_k {k}, top_p {p}" for (t, k, p), n in sorted(found.items()))
-        raise StepLogError(f"{log_dir} holds requests served at several sampling settings ({listed}); a trace directory "
-                           "holds one. Build one per setting: select={'temperature': ..., 'top_k': ..., 'top_p': ...} "
-                           "keeps that setting's requests")
+        raise StepLogError(f"{log_dir} holds requests served at several sampling settings ({listed}); a trace "
+                           "directory holds one. Build one per setting: select={'temperature': ..., 'top_k': ..., "
+                           "'top_p': ...} keeps that setting's requests")
     return next(iter(found), default), {"logged": len(logged) - assumed, "assumed": assumed, "left_out": 0}
 
 
@@ -365,8 +365,9 @@ def replay_logged(trace_dir, policy) -> dict:
     """Replay ``policy`` (the logged one: an artifact path or ``PolicyArtifact``) over ``trace_dir/tf`` as the
     served proposer saw each request (``AsServed``) and set its accepted tokens per step beside the logged ones in
     ``trace_dir/live``: {"replayed": {id: [...]}, "logged": {id: [...]}, "mismatched": [ids]}. Exact for greedy logs
-    of a proposer that planned each row alone (sampled ones are refused); a load-aware one (``SACPOLICY_PROPOSER_LOAD``) planned a step's rows
-    together, which a replay of one request cannot reproduce, and is refused."""
+    of a proposer that planned each row alone; sampled logs (replayed in expectation only) are refused, and so is a
+    load-aware proposer's (``SACPOLICY_PROPOSER_LOAD``), which planned a step's rows together, as a replay of one
+    request cannot."""
     from sacpolicy.decoding import DecoderConfig
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import PolicyArtifact, load_artifact
