@@ -94,6 +94,23 @@ def test_deploy_writes_immutable_versions_and_flips_current(tmp_path):
     assert _name(read_link(root, CURRENT)) == again.name and len(versions(root)) == 3
 
 
+def test_a_half_written_export_is_refused_with_the_file_and_the_fix_and_current_keeps_serving(tmp_path):
+    from sacpolicy.export.vllm import export_vllm
+
+    root = tmp_path / "root"
+    served = deploy(_policy(tmp_path, "a"), root)
+    export = tmp_path / "export"
+    export_vllm(_policy(tmp_path, "b", ngram_rule("k")), export)
+    (export / "policy" / "predictor.safetensors").unlink()  # a copy cut short
+    with pytest.raises(ArtifactError, match=f"{export / 'policy'} lacks predictor.safetensors.*re-export it"):
+        deploy(export, root)
+    (export / "policy" / "policy.json").write_text('{"format_version": 1, "rule"')  # cut mid-write
+    with pytest.raises(ArtifactError, match=f"{export / 'policy' / 'policy.json'} is not valid JSON.*re-export it"):
+        deploy(export, root)
+    assert _name(read_link(root, CURRENT)) == served.name and versions(root) == [served.name]
+    assert not [p for p in (root / VERSIONS).iterdir() if p.name.startswith(".")]
+
+
 def test_the_deploy_script_rolls_back_promotes_and_lists(tmp_path, capsys):
     cli = load_script("deploy")
     root = tmp_path / "root"

@@ -7,12 +7,15 @@ tokens it committed), and the log must equal that engine's truth: every request'
 accepted tokens per step, the live batch size and the feature row the policy read. The engine thread never waits on
 the writer (a blocked writer: steps are dropped and counted, ``propose`` returns at once). Rebuilt traces load in
 ``load_traces`` and the logged policy's replay over them reproduces the logged accepted counts exactly. Damaged
-shards and logs of another target or tokenizer are refused with the file and the fix.
+shards and logs of another target or tokenizer are refused with the file and the fix. Sampled serving: the log holds
+each request's sampling settings (read where vLLM's runner holds them), sampled requests are refused without a target
+pass, and with one (a tiny target) their traces equal the collector's for the same sequences.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import hashlib
 import threading
 import time
@@ -50,18 +53,18 @@ def next_token(ctx: list[int]) -> int:
     return ctx[-4] if len(ctx) >= 4 else (ctx[-1] + 1) % VOCAB
 
 
-def vllm_config(tokenizer="toy-tokenizer"):
+def vllm_config(tokenizer="toy-tokenizer", vocab=VOCAB):
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
                            model_config=SimpleNamespace(max_model_len=MAX_LEN, model="/models/toy", tokenizer=tokenizer,
-                                                        get_vocab_size=lambda: VOCAB),
+                                                        get_vocab_size=lambda: vocab),
                            scheduler_config=SimpleNamespace(max_num_seqs=16))
 
 
-def proposer(tmp_path, monkeypatch, mode="stop", log="log", tokenizer="toy-tokenizer", target=TARGET):
+def proposer(tmp_path, monkeypatch, mode="stop", log="log", tokenizer="toy-tokenizer", target=TARGET, vocab=VOCAB):
     monkeypatch.setenv(LOG_ENV, str(tmp_path / log))
     policy = save_policy(tmp_path / f"policy-{mode}", ngram_rule(mode), drafters={"ngram": {"kind": "ngram",
                          "max_ngram": 3}}, provenance={"target": target}, metrics={})
-    return PolicyNgramProposer(vllm_config(tokenizer), str(policy))
+    return PolicyNgramProposer(vllm_config(tokenizer, vocab), str(policy))
 
 
 class FakeEngine:
@@ -69,10 +72,12 @@ class FakeEngine:
     while they match, then the target's own token), hands the proposer what each row committed, stores its new
     drafts. Rows are shuffled every step; requests join at their arrival step and leave once they have ``new``
     tokens (after the step that committed them: vLLM proposes for a request before its scheduler sees it finished).
-    ``truth[i]``: (drafted, accepted) per verified block, ``seqs[i]``: the tokens the engine committed."""
+    ``truth[i]``: (drafted, accepted) per verified block, ``seqs[i]``: the tokens the engine committed.
+    ``sampling[i]``: request i's (temperature, top_p, top_k), held as vLLM's model runner holds them (``input_batch``,
+    float32, rows as the hook's) for the proposer to log."""
 
-    def __init__(self, prompts, arrivals, new, seed=0):
-        self.prompts, self.arrivals, self.new = prompts, arrivals, new
+    def __init__(self, prompts, arrivals, new, seed=0, sampling=None):
+        self.prompts, self.arrivals, self.new, self.sampling = prompts, arrivals, new, sampling
         self.rng = np.random.default_rng(seed)
         self.seqs, self.drafts, self.truth, self.batches = {}, {}, {i: [] for i in range(len(prompts))}, []
         self.prompt_len = {i: len(p) for i, p in enumerate(prompts)}
@@ -82,6 +87,10 @@ class FakeEngine:
         while len(done) < len(self.prompts):
             rows = [i for i in range(len(self.prompts)) if self.arrivals[i] <= t and i not in done]
             self.rng.shuffle(rows)
+            if self.sampling is not None:  # where vLLM's model runner holds each row's sampling settings
+                t_, p_, k_ = (np.array([self.sampling[i][j] for i in rows], dtype) for j, dtype in
+                              enumerate((np.float32, np.float32, np.int32)))
+                self.input_batch = SimpleNamespace(temperature_cpu=t_, top_p_cpu=p_, top_k_cpu=k_)
             sampled = [self._verify(i) for i in rows]
             if rows:
                 table = np.zeros((len(rows), MAX_LEN), dtype=np.int32)
@@ -260,8 +269,6 @@ def test_damaged_shards_and_logs_of_another_target_are_refused_with_the_fix(tmp_
         read_step_log(tmp_path / "log")
     with pytest.raises(StepLogError, match="no step-log shards.*--log-steps"):
         read_step_log(tmp_path / "empty")
-    with pytest.raises(StepLogError, match="target pass"):
-        build_production_traces(tmp_path / "log", tmp_path / "t", temperature=0.7)
 
 
 def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path, monkeypatch):
@@ -322,6 +329,9 @@ def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(
     outputs, theirs = res["outputs"]["concurrent"], res["spec_per_request"]["concurrent"]
     reqs, incomplete, meta = logged_requests(tmp_path, target=EMBEDDED_TARGET)
     assert incomplete == 0 and meta["dropped"] == 0
+    # each request's sampling settings, read from the engine's input batch: greedy, top_k off (the vocabulary size)
+    assert {(r["steps"][0]["temperature"], r["steps"][0]["top_k"]) for r in reqs.values()} == {
+        (0.0, meta["target"]["vocab_size"])}
     check = compare_with_vllm(reqs, list(zip(prompts, outputs, theirs)))
     assert check["logged"] == check["served"] == len(prompts) and check["mismatched"] == []
     assert check["equal_steps"] == check["steps"] > 0
@@ -347,3 +357,158 @@ def test_compare_with_vllm_pairs_requests_by_tokens_and_finds_a_differing_step()
               ([6], [3, 3], spec([2], [0])), ([5], [1], None)]
     out = compare_with_vllm(reqs, served)
     assert out == {"served": 4, "logged": 3, "steps": 4, "equal_steps": 3, "mismatched": [2, 3]}
+
+
+# ---------------------------------------------------------------------- sampled serving
+class SequenceEngine(FakeEngine):
+    """Serves known sequences (``sequences[i]``: prompt + what the target sampled): a drafted token is accepted while it
+    is the sequence's next one, the engine's own token is the sequence's; a request ends at its sequence's end (a
+    match past it is cut, as ``max_tokens`` cuts a block in vLLM)."""
+
+    def __init__(self, prompts, sequences, sampling, seed=0):
+        n = len(prompts)
+        super().__init__(prompts, [0] * n, [len(s) - len(p) for s, p in zip(sequences, prompts)], seed, sampling)
+        self.sequences = sequences
+
+    def _verify(self, i) -> list[int]:
+        full = self.sequences[i]
+        if i not in self.seqs:
+            self.seqs[i] = list(self.prompts[i])
+            tok = [full[len(self.prompts[i])]]
+        else:
+            n, tok = len(self.seqs[i]), []
+            for d in self.drafts[i]:
+                if n + len(tok) + 1 >= len(full) or d != full[n + len(tok)]:
+                    break
+                tok.append(d)
+            self.truth[i].append((len(self.drafts[i]), len(tok)))
+            tok.append(full[n + len(tok)])
+        self.seqs[i] += tok
+        return tok
+
+
+def test_the_step_log_records_each_requests_sampling_and_sampled_requests_need_a_target_pass(tmp_path, monkeypatch,
+                                                                                              caplog):
+    hot, greedy = (0.7, 0.9, VOCAB), (0.0, 1.0, VOCAB)
+    prop = proposer(tmp_path, monkeypatch)
+    engine = workload(n=6, seed=6)
+    engine.sampling = [hot if i % 2 else greedy for i in range(6)]
+    engine.run(prop)
+    prop.steplog.close()
+    reqs, _, _ = logged_requests(tmp_path)
+    which = match_truth(engine, reqs)
+    for rid, req in reqs.items():
+        first, rest = req["steps"][0], req["steps"][1:]
+        t, p, k = engine.sampling[which[rid]]
+        assert (first["temperature"], first["top_p"], first["top_k"]) == (t, p, k)  # float32 0.7 logged as 0.7
+        assert all(s["temperature"] is None for s in rest)
+    with pytest.raises(StepLogError, match=r"several sampling settings \(3 at temperature 0.0, top_k 0, top_p 1.0, 3 "
+                                           r"at temperature 0.7, top_k 0, top_p 0.9\).*select="):
+        build_production_traces(tmp_path / "log", tmp_path / "t")
+    with pytest.raises(StepLogError, match=r"3 requests were served sampled \(temperature 0.7.*need a target pass.*"
+                                           r"pass target=<the loaded target>.*refit.target_pass=true"):
+        build_production_traces(tmp_path / "log", tmp_path / "t", select={"temperature": 0.7, "top_p": 0.9})
+    meta = build_production_traces(tmp_path / "log", tmp_path / "t", select={"temperature": 0})
+    assert meta["log"]["requests"] == 3 and meta["log"]["sampling"] == {"logged": 6, "assumed": 0, "left_out": 3}
+    assert meta["sampling"]["temperature"] == 0.0 and meta["teacher_forcing"] == "tokens"
+    # a log that records no sampling (no input batch to read it from, or an older proposer): the declared settings
+    plain = proposer(tmp_path, monkeypatch, log="plain")
+    workload(n=4, seed=7).run(plain)
+    plain.steplog.close()
+    assert "cannot read the requests' sampling settings" in caplog.text
+    with pytest.raises(StepLogError, match="4 requests were served sampled.*target pass"):
+        build_production_traces(tmp_path / "plain", tmp_path / "p", sampling={"temperature": 0.7})
+    assert build_production_traces(tmp_path / "plain", tmp_path / "p")["log"]["sampling"]["assumed"] == 4
+    assert "record no sampling settings" in caplog.text
+    # shards written before the sampling columns existed read as before
+    import pyarrow.parquet as pq
+
+    for shard in (tmp_path / "plain").glob("steps-*.parquet"):
+        pq.write_table(pq.read_table(shard).drop_columns(["temperature", "top_p", "top_k"]), shard)
+    old = build_production_traces(tmp_path / "plain", tmp_path / "old")
+    assert old["log"]["requests"] == 4 and old["log"]["sampling"]["assumed"] == 4
+
+
+@pytest.mark.parametrize("served", [(0.8, 0.9), (0.0, 1.0)], ids=["sampled", "greedy"])
+def test_production_traces_with_a_target_pass_equal_the_collectors_for_the_same_sequences(tiny_target, tmp_path,
+                                                                                          monkeypatch, served):
+    from sacpolicy.decoding import NgramDrafter, SamplingConfig
+    from sacpolicy.runtime.spec import DrafterSpec
+    from sacpolicy.traces.collect import collect_teacher_forced
+    from sacpolicy.traces.simulate import group_traces
+
+    temperature, top_p = served
+    vocab = tiny_target.model.config.vocab_size
+    prompts = [{"prompt_id": f"p{i}", "category": "writing", "input_ids": ([5, 6, 7, 8] * 5)[i:]}
+               for i in range(3)]
+    ngram = DrafterSpec(kind="ngram", name="ngram", max_ngram=3)
+    collected = collect_teacher_forced(tiny_target, [NgramDrafter(ngram.max_ngram, ngram.min_ngram, name="ngram")],
+                                       prompts, tmp_path / "collected", max_new_tokens=24, k_max=K,
+                                       meta={"target": tiny_target.spec}, progress=False,
+                                       sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=3))
+    theirs = load_traces(collected, target=tiny_target.spec)
+    gen = {p["prompt_id"]: [int(r["target_token"]) for r in sorted(
+        (r for r in theirs if r["prompt_id"] == p["prompt_id"]), key=lambda r: r["position"])] for p in prompts}
+    sequences = [p["input_ids"] + gen[p["prompt_id"]] for p in prompts]
+    prop = proposer(tmp_path, monkeypatch, target=tiny_target.spec, vocab=vocab)
+    engine = SequenceEngine([p["input_ids"] for p in prompts], sequences, [(temperature, top_p, vocab)] * 3)
+    engine.run(prop)
+    prop.steplog.close()
+    meta = build_production_traces(tmp_path / "log", tmp_path / "prod", target=tiny_target, progress=False)
+    assert meta["teacher_forcing"] == "target" and meta["log"]["requests"] == 3
+    assert meta["sampling"] == {"temperature": temperature, "top_k": 0, "top_p": top_p}
+    tf_meta = read_meta(tmp_path / "prod" / "tf")
+    assert group_traces(load_traces(tmp_path / "prod" / "tf"), tf_meta)[sorted(meta["log"]["prompts"])[0]][
+        "temperature"] == temperature
+    assert (tf_meta.get("beta") == "processed") == (temperature > 0)
+    mine = load_traces(tmp_path / "prod" / "tf", target=tiny_target.spec)
+    reqs, _, _ = logged_requests(tmp_path, target=tiny_target.spec)
+    exact = ("prompt_len", "position", "target_token", "draft_token", "match", "run_len", "proposal_len", "proposal")
+    close = ("p_target", "q_target", "beta", "top1", "entropy", "margin")
+    compared = 0
+    for rid, req in reqs.items():
+        pid = prompts[sequences.index(req["tokens"])]["prompt_id"]
+        a = sorted((r for r in mine if r["prompt_id"] == rid), key=lambda r: r["position"])
+        b = sorted((r for r in theirs if r["prompt_id"] == pid), key=lambda r: r["position"])
+        assert len(a) == len(b) == len(gen[pid])
+        for x, y in zip(a, b):
+            assert {c: x[c] for c in exact} == {c: y[c] for c in exact}
+            for c in close:
+                assert x[c] == pytest.approx(y[c], rel=1e-4, abs=1e-9), (c, x["position"])
+            compared += 1
+    rows = list(mine)
+    assert compared == sum(len(g) for g in gen.values())
+    assert any(r["draft_token"] >= 0 for r in rows)  # the n-gram drafter proposed: beta was computed, not defaulted
+    assert not any(math.isnan(r["p_target"]) for r in rows)
+    if temperature > 0:
+        assert any(0 < r["beta"] < 1 for r in rows)  # expected acceptances, not 0/1 matches
+
+
+def test_foreign_files_and_shards_of_another_server_setting_are_refused_with_the_file_and_the_fix(tmp_path,
+                                                                                                   monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prop = proposer(tmp_path, monkeypatch)
+    workload(n=4, seed=8).run(prop)
+    prop.steplog.close()
+    # a server with another k cap logging into the same directory
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
+    cfg = vllm_config()
+    cfg.speculative_config.num_speculative_tokens = K - 2
+    narrow = PolicyNgramProposer(cfg, str(tmp_path / "policy-stop"))
+    workload(n=4, seed=9).run(narrow)
+    narrow.steplog.close()
+    with pytest.raises(StepLogError, match=f"steps-.*parquet was logged by a server of drafter .* with k cap "
+                                           f"({K - 2}|{K}), .*steps-.*parquet by one of drafter .* with k cap "
+                                           f"({K}|{K - 2}): keep one server setting per log directory; move"):
+        read_step_log(tmp_path / "log")
+    with pytest.raises(StepLogError, match="keep one server setting per log directory"):
+        build_production_traces(tmp_path / "log", tmp_path / "t")
+    # a Parquet file that is not a step-log shard (another tool's table under the shards' name)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    path = foreign / "steps-00000000T000000-other-00000.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), path)
+    with pytest.raises(StepLogError, match=f"{path} is not a step-log shard.*move it out of {foreign} or log again"):
+        read_step_log(foreign)

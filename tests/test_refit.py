@@ -253,3 +253,29 @@ def test_a_refit_logs_its_decision_to_wandb_offline(served, tmp_path, monkeypatc
     assert logged.logged("refit/candidate_vs_current") == [r["ratios"]["candidate_vs_current"]["ratio"]]
     assert logged.logged("refit/accepted") == [1] and logged.summary["metric"] == r["ratios"]["candidate_vs_current"][
         "ratio"]
+
+
+def test_a_sampled_log_refits_with_a_target_pass_only(tmp_path, monkeypatch):
+    from test_production import VOCAB
+
+    tiny = "tiny:llama-4l"
+    prop = proposer(tmp_path, monkeypatch, "stop", target=tiny)
+    engine = workload(n=30, seed=7)
+    engine.sampling = [(0.8, 1.0, VOCAB)] * 30
+    engine.run(prop)
+    prop.steplog.close()
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(cfg_for("target=tiny", tmp_path=run), run / "config.yaml")
+    rule = weak_rule()
+    rule.cost.to_json(run / "cost.json")
+    (run / "fit.json").write_text(json.dumps({"headline": "logreg"}))
+    save_policy(run / "policies" / "logreg", rule, drafters=NGRAM, provenance={"target": tiny}, metrics={})
+    with pytest.raises(pipeline.PipelineError, match="served sampled .*need a target pass.*refit.target_pass=true"):
+        refit(tmp_path / "a", run, tmp_path / "log", "target=tiny")
+    refit(tmp_path / "b", run, tmp_path / "log", "target=tiny", "refit.target_pass=true")
+    meta = read_meta(tmp_path / "b" / "traces/production/tf")
+    assert meta["teacher_forcing"] == "target" and meta["sampling"]["temperature"] == 0.8
+    assert meta["beta"] == "processed" and meta["log"]["requests"] == 30
+    r = json.loads((tmp_path / "b" / "refit.json").read_text())
+    assert set(r["ratios"]) >= {"candidate_vs_current"}

@@ -11,8 +11,11 @@ positions differ only in ``position``/``log_context_len``), the k chosen, the to
 the id of the policy that planned it (``PolicyNgramProposer.policy_id``: a deploy's version, a canary's own), the
 proposer's seconds for the whole engine step, and the tokens: the whole context on first sight (the prompt plus the
 prefill's token), then the tokens committed since the previous step, whose count minus one is the previous block's
-accepted tokens. ``traces.production`` rebuilds every
-request's token sequence from these alone and turns the log into traces.
+accepted tokens. On first sight also the request's sampling settings (temperature, top_p, top_k), read from vLLM's
+input batch (``PolicyNgramProposer`` finds it on the model runner that calls its hook, which passes token arrays
+only; the temperature rounded to 6 decimals, as vLLM holds it in float32): null where it could not be read.
+Penalties (repetition, frequency, presence) are not logged; traces take the logged settings as all there was.
+``traces.production`` rebuilds every request's token sequence from these alone and turns the log into traces.
 
 The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
 queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle
@@ -114,8 +117,10 @@ class StepLogger:
 
     def step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
-        k chosen, tokens drafted, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's own). Finds each request (all lookups before any new entry, so a request one step
-        behind an identical one never takes its entry), queues the sampled ones' records; never blocks.
+        k chosen, tokens drafted, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's own;
+        optionally the request's sampling settings (temperature, top_p, top_k) or None). Finds each request (all
+        lookups before any new entry, so a request one step behind an identical one never takes its entry), queues
+        the sampled ones' records; never blocks.
 
         A request is found again only from the step just before: vLLM proposes for every running request each step,
         so an entry older than that is a finished request's, and a later request reaching the same context (the
@@ -130,7 +135,7 @@ class StepLogger:
                 if not found:
                     del self.requests[key]
             entries.append(found.pop(0) if found else None)
-        for entry, (context, committed, state, k, drafted, policy) in zip(entries, rows):
+        for entry, (context, committed, state, k, drafted, policy, *sampling) in zip(entries, rows):
             first = entry is None
             if first:
                 self._ids += 1
@@ -141,7 +146,8 @@ class StepLogger:
                 out.append((entry[0], entry[1], entry[3], context.copy() if first else None,
                             None if first else context[len(context) - committed:].copy(),
                             -1 if first else entry[2], -1 if first else committed - 1, k, drafted,
-                            row_context(state, drafter), len(context), policy))
+                            row_context(state, drafter), len(context), policy,
+                            (sampling[0] if sampling else None) if first else None))
             entry[2], entry[4] = drafted, self._steps
             self.requests.setdefault(self.key(context), []).append(entry)
         while len(self.requests) > self.capacity:  # finished requests are never looked up again
@@ -216,5 +222,14 @@ def _records(item) -> list[dict]:
              "context_len": n, "context": None if ctx is None else ctx.tolist(),
              "committed": None if new is None else new.tolist(), "prev_drafted": prev_drafted,
              "prev_accepted": prev_accepted, "k": k, "drafted": drafted, "features": feature_row(rowctx, 0),
-             "batch_size": batch, "proposer_s": seconds}
-            for rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, k, drafted, rowctx, n, policy in rows]
+             "batch_size": batch, "proposer_s": seconds, **_sampling(sampling)}
+            for rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, k, drafted, rowctx, n, policy, sampling
+            in rows]
+
+
+def _sampling(sampling) -> dict:
+    """A first step's sampling columns ((temperature, top_p, top_k) or None: unknown, or not a first step)."""
+    if sampling is None:
+        return {"temperature": None, "top_p": None, "top_k": None}
+    temperature, top_p, top_k = sampling
+    return {"temperature": round(float(temperature), 6), "top_p": round(float(top_p), 6), "top_k": int(top_k)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -207,6 +208,19 @@ class _History:
             self.entries.popitem(last=False)
 
 
+def engine_sampling(caller):
+    """Row i's (temperature, top_p, top_k) in the input batch of vLLM's model runner that called the proposer hook
+    (``caller``: its frame; the hook passes token arrays only, whose rows are the input batch's), as a function of i;
+    None when the caller holds no such batch. vLLM holds a greedy request's temperature as 0 and an unset top_k as the
+    vocabulary size."""
+    batch = getattr(caller.f_locals.get("self"), "input_batch", None)
+    try:
+        temperature, top_p, top_k = batch.temperature_cpu, batch.top_p_cpu, batch.top_k_cpu
+    except AttributeError:
+        return None
+    return lambda i: (float(temperature[i]), float(top_p[i]), int(top_k[i]))
+
+
 class PolicyNgramProposer:
     """vLLM ``custom_class`` proposer: n-gram proposals, the block decided per request by the learned rule.
 
@@ -240,7 +254,7 @@ class PolicyNgramProposer:
         # ---- end of the hot reload hook ----
         self.calls, self.seconds, self.failures, self.stats_path = 0, 0.0, 0, os.environ.get(STATS_ENV)
         self.batch_sizes: dict[int, int] = {}  # steps per live batch size
-        self.steplog, self._logged = self._open_steplog(vllm_config, art), None
+        self.steplog, self._logged, self._unsampled = self._open_steplog(vllm_config, art), None, False
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         t0, failed = time.perf_counter(), False
@@ -255,7 +269,7 @@ class PolicyNgramProposer:
         seconds = time.perf_counter() - t0
         self.calls, self.seconds = self.calls + 1, self.seconds + seconds
         if self.steplog is not None:
-            self._log_step(seconds)
+            self._log_step(seconds, engine_sampling(sys._getframe(1)))
         if self.stats_path and (self.calls % 20 == 0 or failed):
             self.write_stats()
         return out
@@ -287,7 +301,7 @@ class PolicyNgramProposer:
             self.history.record(context, history, len(block))
             out[i] = block
         if seen is not None:
-            self._logged = ([(c, len(sampled_token_ids[i])) for i, c, _ in live], blocks, seen, batch)
+            self._logged = ([(c, len(sampled_token_ids[i]), i) for i, c, _ in live], blocks, seen, batch)
         return out
 
     # ------------------------------------------------------------------ the step log (sacpolicy.export.steplog)
@@ -299,13 +313,20 @@ class PolicyNgramProposer:
 
         return StepLogger.for_proposer(vllm_config, art, self, os.environ[LOG_ENV])
 
-    def _log_step(self, seconds: float) -> None:
-        """Hand the step just proposed to the step log (a failed step: nothing to log)."""
+    def _log_step(self, seconds: float, sampling) -> None:
+        """Hand the step just proposed to the step log (a failed step: nothing to log). ``sampling``: vLLM's input
+        batch (``engine_sampling``), or None when it could not be found (the log then records no sampling)."""
         step, self._logged = self._logged, None
-        if step is not None:
-            rows, blocks, seen, batch = step
-            self.steplog.step([(c, s, state, k, len(b), pid) for (c, s), b, (state, k, pid) in zip(rows, blocks, seen)],
-                              batch, seconds, self.drafter)
+        if step is None:
+            return
+        if sampling is None and not self._unsampled:
+            self._unsampled = True
+            logger.warning("the sacpolicy step log cannot read the requests' sampling settings (vLLM's model runner "
+                           "exposes no input_batch to the proposer hook); the log records none, and production traces "
+                           "take them from build_production_traces(sampling=...)")
+        rows, blocks, seen, batch = step
+        self.steplog.step([(c, s, state, k, len(b), pid, None if sampling is None else sampling(i))
+                           for (c, s, i), b, (state, k, pid) in zip(rows, blocks, seen)], batch, seconds, self.drafter)
 
     def block(self, context: np.ndarray, history: tuple[float, float] | None = None) -> list[int]:
         """The tokens the decoder would draft on ``context`` alone (``history``: the request's acceptance history,

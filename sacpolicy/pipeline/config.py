@@ -100,6 +100,12 @@ class RefitSettings:
     fractions: dict[str, float] = field(default_factory=lambda: {"train": 0.6, "val": 0.2, "test": 0.2})
     min_requests: int = 3  # fewer requests than this in a split: refused (too few to fit, tune or compare on)
     include_run_traces: bool = False  # add from_run's train-split traces (the served drafter's) to the fit examples
+    # Run the target over the logged sequences (one teacher-forced pass per request): the collector's own beta and
+    # p_target at each request's sampling settings. Sampled logs need it; greedy ones are exact without it
+    target_pass: bool = False
+    # Keep only the requests served at these settings ({temperature, top_k, top_p}); a log of several needs it.
+    # null: the log's one setting (requests whose log records none count as greedy)
+    select: dict[str, float] | None = None
     threshold: float = 1.0  # accept when the lower end of the candidate/current interval is at least this
     level: float = 0.95  # the interval's confidence level
     resamples: int = 2000  # paired bootstrap resamples over held-out requests

@@ -5,8 +5,10 @@ the policy that serves it on held-out requests of the same log, and deployed onl
     ... refit.deploy_root=deploy/root   # deploy it when accepted (and refit.canary_fraction=0.1: on trial)
 
 1. The step log (``scripts/serve.py --log-steps``) becomes production traces (``traces.production``) in
-   ``traces/production/{live,tf}`` of this run; its requests are split by their log id into train / val / test
-   (``data.splits.assign_split``: a hash of the id alone, ``refit.fractions``), so no request is in two splits.
+   ``traces/production/{live,tf}`` of this run (``refit.target_pass=true``: the run's target computes beta and
+   p_target over the logged sequences, which sampled requests need; ``refit.select``: one sampling setting of a log
+   of several); its requests are split by their prompt's hash into train / val / test (``data.splits.assign_split``,
+   ``refit.fractions``), so no request is in two splits.
 2. Every configured predictor is fitted as stage ``fit`` fits it (``fit.fit_policy``: the same examples, rule tuning
    on the val requests, the best static on them as fallback), with from_run's cost model (``cost.json``);
    ``refit.include_run_traces=true`` adds from_run's train-split traces of the served drafter to the fit examples.
@@ -59,7 +61,7 @@ def run(ctx: RunContext) -> dict:
     log = meta["log"]
     grouped, by_split, split_of = split_requests(ctx, tf_dir, meta)
     spec = meta["drafter"]
-    mixed = run_traces(ctx, spec["name"], set(grouped)) if rs.include_run_traces else {}
+    mixed = run_traces(ctx, spec["name"], set(grouped), meta["sampling"]) if rs.include_run_traces else {}
     fit_grouped = {**grouped, **mixed}
     rctx = RefitContext(ctx, RunTraces(fit_grouped, {**by_split, "train": {**by_split["train"], **mixed}}, tf_dir,
                                        meta))
@@ -171,8 +173,11 @@ def production_traces(ctx: RunContext) -> tuple[dict, Path]:
                             f"{cfg.target.spec!r}: a policy refits on its own target's logs. Point refit.logs at logs "
                             f"of {cfg.target.spec!r}, or from_run at a run of {theirs!r} (and target= to match)")
     out = ctx.out_dir / TRACES
+    rs = cfg.refit
+    select = None if rs.select is None else dict(rs.select)
     try:
-        meta = build_production_traces(logs, out, target=cfg.target.spec)
+        meta = build_production_traces(logs, out, target=ctx.target if rs.target_pass else cfg.target.spec,
+                                       select=select)
     except StepLogError as e:
         raise PipelineError(f"refit.logs={logs}: {e}") from e
     k_cap = int(meta["log"]["k_cap"])
@@ -209,17 +214,20 @@ def split_requests(ctx: RunContext, tf_dir: Path, meta: dict) -> tuple[dict, dic
     return grouped, by_split, split_of
 
 
-def run_traces(ctx: RunContext, drafter: str, taken: set) -> dict:
-    """from_run's train-split traces of the served ``drafter`` (grouped, that drafter only), for the fit examples."""
+def run_traces(ctx: RunContext, drafter: str, taken: set, sampling: dict) -> dict:
+    """from_run's train-split traces of the served ``drafter`` (grouped, that drafter only), for the fit examples;
+    refused unless they were decoded at the production traces' ``sampling`` (their labels differ otherwise)."""
     from sacpolicy.data.splits import assign_split
-    from sacpolicy.traces.schema import load_traces, read_meta, trace_temperature
+    from sacpolicy.traces.schema import load_traces, read_meta, trace_sampling
     from sacpolicy.traces.simulate import group_traces
 
     tf_dir = ctx.need("traces/tf", "refit")
     meta = read_meta(tf_dir)
-    if trace_temperature(meta) > 0:
-        raise PipelineError(f"{tf_dir} holds sampled traces, the production ones are greedy: their labels differ; "
-                            "refit without them (refit.include_run_traces=false)")
+    theirs, ours = trace_sampling(meta), trace_sampling({"sampling": sampling})
+    if theirs != ours:
+        raise PipelineError(f"{tf_dir} holds traces decoded at {theirs}, the production ones at {ours}: their labels "
+                            "differ; refit without them (refit.include_run_traces=false), or on logs served at "
+                            f"{theirs} (refit.select)")
     grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=ctx.cfg.target.spec), meta)
     out = {pid: {**p, "drafters": {drafter: p["drafters"][drafter]}} for pid, p in grouped.items()
            if assign_split(pid) == "train" and drafter in p["drafters"]}

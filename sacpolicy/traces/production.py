@@ -12,8 +12,16 @@ Writes two trace directories (``meta.source = "vllm"``):
   tokens committed each step) with the n-gram drafter's token-only teacher forcing (``types.teacher_force``). For
   greedy serving they are exact: a drafted token is accepted when it equals the target's, so ``run_len`` and
   ``beta`` (1 where the first drafted token matches, else 0) need no target pass; ``p_target`` is unknown (NaN).
-  Sampled serving would need ``beta``/``p_target`` from a target pass over the sequences: not built here
-  (``build_production_traces`` refuses temperature > 0, naming this).
+  With a target (``target=`` a loaded model, ``refit.target_pass=true``) the rows are the collector's own
+  (``collect.teacher_forced_rows``: one teacher-forced target pass per request): ``p_target``, ``q_target`` and
+  ``beta`` from the target's distributions processed at the request's sampling settings, exactly as collected
+  traces of the same sequence record them. Sampled requests (temperature > 0) need that pass: without a target
+  they are refused, never taken as greedy.
+
+Each request's sampling settings (temperature, top_p, top_k) are in its first step's record when the proposer could
+read them from vLLM's input batch; a request whose log has none (an older log) is taken at ``sampling`` (greedy unless
+given), with a warning. One build holds one sampling setting (the trace schema records one per directory): a log of
+several is refused unless ``select`` keeps one of them.
 
 A request is rebuilt only when its steps are in the log from its first on (a step dropped by a full queue or a
 deleted shard in the middle leaves it out, counted in ``meta.log.incomplete``; missing last steps leave it shorter,
@@ -54,6 +62,9 @@ STEP_SCHEMA = pa.schema([
     ("k", pa.int32()), ("drafted", pa.int32()),  # k chosen (0: no draft) and tokens proposed this step
     ("features", pa.list_(pa.float32())),  # runtime.features.feature_row at position 0 of the policy's plan
     ("batch_size", pa.int32()), ("proposer_s", pa.float64()),  # live rows; the proposer's seconds for the step
+    # step 0 only, null when the proposer could not read them (logs written before these columns existed have none):
+    # the request's sampling settings as vLLM's input batch held them (top_k: vLLM's, the vocabulary size when off)
+    ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()),
 ])
 
 
@@ -88,7 +99,7 @@ def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None =
         raw = (table.schema.metadata or {}).get(META_KEY.encode())
         if raw is None or json.loads(raw).get("format") != LOG_FORMAT:
             raise StepLogError(f"{path} is not a step-log shard of format {LOG_FORMAT} (written by "
-                               "sacpolicy.export.steplog); move it out of {log_dir} or log again with this sacpolicy")
+                               f"sacpolicy.export.steplog); move it out of {log_dir} or log again with this sacpolicy")
         m = json.loads(raw)
         meta = meta or m
         _check_provenance(path, m, meta, files[0], target, tokenizer)
@@ -110,8 +121,9 @@ def _check_provenance(path, m: dict, first: dict, first_path, target, tokenizer)
         raise StepLogError(f"{path} was logged with tokenizer {prov.get('tokenizer')!r}, not {tokenizer!r}: its "
                            "token ids mean other tokens. Use logs of a server with that tokenizer")
     if m["drafter"] != first["drafter"] or m["k_cap"] != first["k_cap"]:
-        raise StepLogError(f"{path} served drafter {m['drafter']} with k cap {m['k_cap']}, {first_path} "
-                           f"{first['drafter']} with {first['k_cap']}: keep one server setting per log directory")
+        raise StepLogError(f"{path} was logged by a server of drafter {m['drafter']} with k cap {m['k_cap']}, "
+                           f"{first_path} by one of drafter {first['drafter']} with k cap {first['k_cap']}: keep one "
+                           "server setting per log directory; move the other setting's shards to their own")
 
 
 def requests_of(records: list[dict]) -> tuple[dict, int]:
@@ -222,45 +234,130 @@ def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[
              "proposal_len": int(plen[g]), "proposal": True} for g in range(len(gen))]
 
 
-def build_production_traces(log_dir, out_dir, *, target: str | None = None, tokenizer: str | None = None,
-                            temperature: float = 0.0, chunk: int = 256) -> dict:
-    """``out_dir/live`` and ``out_dir/tf`` from the step log at ``log_dir`` (see the module docstring); returns the
-    meta written. ``temperature``: what the served requests were sampled at (the proposer cannot see it); > 0 is
-    refused (teacher-forced ``beta`` then needs a target pass, which this does not run)."""
-    from sacpolicy.decoding import NgramDrafter
+def served_sampling(req: dict, vocab_size: int | None) -> tuple[float, int, float] | None:
+    """(temperature, top_k, top_p) a request was served at, from its first step's record (greedy: (0, 0, 1); top_k 0
+    where vLLM's is off: at or above the vocabulary); None when the log does not record them."""
+    first = req["steps"][0]
+    if first.get("temperature") is None:
+        return None
+    return _setting(first["temperature"], first.get("top_k") or 0, first.get("top_p") or 1.0, vocab_size)
 
-    if temperature > 0:
-        raise StepLogError(f"production traces of sampled serving (temperature {temperature}) need beta and p_target "
-                           "from a target pass over the logged sequences, which is not built yet; rebuild logs of "
-                           "greedy requests (temperature 0)")
-    records, log = read_step_log(log_dir, target=target, tokenizer=tokenizer)
+
+def _setting(temperature, top_k, top_p, vocab_size=None) -> tuple[float, int, float]:
+    if float(temperature) <= 0.0:
+        return 0.0, 0, 1.0  # greedy: top_k / top_p change nothing
+    top_k = int(top_k)
+    if top_k < 0 or (vocab_size and top_k >= vocab_size):
+        top_k = 0
+    return float(temperature), top_k, float(top_p)
+
+
+def _as_setting(sampling) -> tuple[float, int, float]:
+    """A ``SamplingConfig`` or {"temperature", "top_k", "top_p"} as (temperature, top_k, top_p)."""
+    get = sampling.get if isinstance(sampling, dict) else lambda k, d: getattr(sampling, k, d)
+    return _setting(get("temperature", 0.0), get("top_k", 0), get("top_p", 1.0))
+
+
+def request_settings(log_dir, reqs: dict, vocab_size, sampling, select) -> tuple[tuple[float, int, float], dict]:
+    """The one sampling setting of the requests kept (``select``'s, else the only one there is) and the counts behind
+    it {"logged", "assumed" (no setting in the log: ``sampling``'s), "left_out" (another setting than ``select``)};
+    drops the others from ``reqs``. Refuses requests of several settings without ``select``."""
+    default = _as_setting(sampling or {})
+    logged = {rid: served_sampling(r, vocab_size) for rid, r in reqs.items()}
+    assumed = sum(s is None for s in logged.values())
+    if assumed:
+        logger.warning("%d of %d logged requests record no sampling settings (a log of an older proposer, or one that "
+                       "could not read vLLM's input batch); taken as temperature %s, top_k %d, top_p %s (sampling=)",
+                       assumed, len(logged), *default)
+    setting = {rid: default if s is None else s for rid, s in logged.items()}
+    left_out = 0
+    if select is not None:
+        keep = _as_setting(select)
+        for rid in [rid for rid, s in setting.items() if s != keep]:
+            del reqs[rid]
+            left_out += 1
+        return keep, {"logged": len(logged) - assumed, "assumed": assumed, "left_out": left_out}
+    found: dict = {}
+    for s in setting.values():
+        found[s] = found.get(s, 0) + 1
+    if len(found) > 1:
+        listed = ", ".join(f"{n} at temperature {t}, top_k {k}, top_p {p}" for (t, k, p), n in sorted(found.items()))
+        raise StepLogError(f"{log_dir} holds requests served at several sampling settings ({listed}); a trace "
+                           "directory holds one. Build one per setting: select={'temperature': ..., 'top_k': ..., "
+                           "'top_p': ...} keeps that setting's requests")
+    return next(iter(found), default), {"logged": len(logged) - assumed, "assumed": assumed, "left_out": 0}
+
+
+def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | None = None, sampling=None,
+                            select=None, chunk: int = 256, progress: bool = True) -> dict:
+    """``out_dir/live`` and ``out_dir/tf`` from the step log at ``log_dir`` (see the module docstring); returns the
+    meta written. ``target``: the log's target, as a spec (checked against the log) or a loaded model
+    (``models.LoadedModel``: checked by its spec, and run over every sequence for the collector's own teacher-forced
+    rows, which sampled requests need). ``sampling`` ({"temperature", "top_k", "top_p"} or a ``SamplingConfig``):
+    the settings of requests whose log records none (default greedy); ``select``: keep only the requests served at
+    these settings."""
+    from sacpolicy.decoding import NgramDrafter, SamplingConfig
+    from sacpolicy.progress import progress_iter
+
+    model = None if target is None or isinstance(target, str) else target
+    records, log = read_step_log(log_dir, target=target if model is None else model.spec, tokenizer=tokenizer)
     reqs, incomplete = requests_of(records)
     if incomplete:
         logger.warning("%d of %d logged requests are incomplete (steps dropped or a shard missing) and are left out",
                        incomplete, incomplete + len(reqs))
+    setting, counts = request_settings(log_dir, reqs, log["target"]["vocab_size"], sampling, select)
     if not reqs:
-        raise StepLogError(f"{log_dir} holds no complete request; log with a larger queue or fewer dropped steps")
+        raise StepLogError(f"{log_dir} holds no complete request" + (" served at select=" + str(select) if select
+                           is not None else "") + "; log with a larger queue or fewer dropped steps")
+    temperature, top_k, top_p = setting
+    if temperature > 0 and model is None:
+        raise StepLogError(f"{log_dir}: its {len(reqs)} requests were served sampled (temperature {temperature}, top_k "
+                           f"{top_k}, top_p {top_p}); their teacher-forced beta and p_target need a target pass over "
+                           "the logged sequences: pass target=<the loaded target> (sacpolicy.models.load_model), or "
+                           "refit.target_pass=true in a refit")
     spec, k_max = log["drafter"], int(log["k_cap"])
     drafter = NgramDrafter(spec["max_ngram"], spec["min_ngram"], name=spec["name"])
+    config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=None)
     meta = {"source": "vllm", "target": log["target"]["target"], "vocab_size": log["target"]["vocab_size"],
-            "sampling": {"temperature": 0.0, "top_p": 1.0},
+            "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p},
+            **({"beta": "processed"} if temperature > 0 else {}),
+            "teacher_forcing": "target" if model is not None else "tokens",  # who computed beta / p_target
             "log": {"dir": str(Path(log_dir).resolve()), "requests": len(reqs), "incomplete": incomplete,
                     "dropped": log["dropped"], "shards": log["shards"], "k_cap": k_max,
                     "max_model_len": log["max_model_len"], "load_aware": log["load_aware"],
-                    "rule_drafters": log["rule_drafters"],
+                    "rule_drafters": log["rule_drafters"], "sampling": counts,
                     "policies": sorted({s["policy"] for r in reqs.values() for s in r["steps"]}),
                     # each request's prompt, hashed: what splits requests (identical prompts land in one split)
                     "prompts": {rid: prompt_key(r["tokens"][: r["prompt_len"]]) for rid, r in reqs.items()}}}
+
+    def teacher_forced(rid):
+        if model is None:
+            return token_teacher_forced_rows(drafter, rid, reqs[rid], k_max)
+        return target_teacher_forced_rows(model, drafter, rid, reqs[rid], k_max, config)
+
     out = Path(out_dir)
     ids = sorted(reqs)
     for kind, sub, make in (("live", "live", lambda rid: live_rows(rid, reqs[rid], spec["name"])),
-                            ("teacher_forced", "tf", lambda rid: token_teacher_forced_rows(drafter, rid, reqs[rid],
-                                                                                          k_max))):
+                            ("teacher_forced", "tf", teacher_forced)):
         write_meta(out / sub, {**meta, "kind": kind, **({"drafters": [spec["name"]], "k_max": k_max}
                                                          if kind == "teacher_forced" else {})})
         for c in range(0, len(ids), chunk):
-            write_shard([row for rid in ids[c: c + chunk] for row in make(rid)], kind, out / sub, f"c{c // chunk:05d}")
+            part = ids[c: c + chunk]
+            if kind == "teacher_forced" and model is not None:  # one target forward per request
+                part = progress_iter(part, f"target pass, requests {c}-{c + len(part) - 1} of {len(ids)}",
+                                     unit="request", enabled=progress)
+            write_shard([row for rid in part for row in make(rid)], kind, out / sub, f"c{c // chunk:05d}")
     return meta
+
+
+def target_teacher_forced_rows(target, drafter, rid: str, req: dict, k_max: int, sampling) -> list[dict]:
+    """``teacher_forced`` rows of a request from one teacher-forced pass of ``target`` over its logged sequence: the
+    collector's own (``collect.teacher_forced_rows``), ``sampling`` the settings it was served at."""
+    from sacpolicy.traces.collect import teacher_forced_rows
+
+    L, tokens = req["prompt_len"], [int(t) for t in req["tokens"]]
+    row = {"prompt_id": rid, "category": CATEGORY, "input_ids": tokens[:L]}
+    return teacher_forced_rows(target, [drafter], row, tokens[L:], k_max, sampling=sampling)
 
 
 # ---------------------------------------------------------------------- replaying the logged policy
@@ -268,8 +365,9 @@ def replay_logged(trace_dir, policy) -> dict:
     """Replay ``policy`` (the logged one: an artifact path or ``PolicyArtifact``) over ``trace_dir/tf`` as the
     served proposer saw each request (``AsServed``) and set its accepted tokens per step beside the logged ones in
     ``trace_dir/live``: {"replayed": {id: [...]}, "logged": {id: [...]}, "mismatched": [ids]}. Exact for greedy logs
-    of a proposer that planned each row alone; a load-aware one (``SACPOLICY_PROPOSER_LOAD``) planned a step's rows
-    together, which a replay of one request cannot reproduce, and is refused."""
+    of a proposer that planned each row alone; sampled logs (replayed in expectation only) are refused, and so is a
+    load-aware proposer's (``SACPOLICY_PROPOSER_LOAD``), which planned a step's rows together, as a replay of one
+    request cannot."""
     from sacpolicy.decoding import DecoderConfig
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import PolicyArtifact, load_artifact
@@ -279,6 +377,10 @@ def replay_logged(trace_dir, policy) -> dict:
     trace_dir = Path(trace_dir)
     meta = read_meta(trace_dir / "tf")
     log = meta["log"]
+    if float(meta.get("sampling", {}).get("temperature", 0.0)) > 0:
+        raise StepLogError(f"{trace_dir} holds sampled requests: the served tokens were drawn at random, so a replay "
+                           "reproduces their accepted counts in expectation, not step for step. Replay logs of greedy "
+                           "requests (temperature 0) to check a policy step for step")
     if log["load_aware"]:
         raise StepLogError(f"{trace_dir} was logged by a load-aware proposer, which plans a step's rows together; a "
                            "replay of one request cannot reproduce that. Serve with SACPOLICY_PROPOSER_LOAD=0 for "
