@@ -81,6 +81,10 @@ def run(ctx: RunContext) -> dict:
     ratios = compare(per, seed=cfg.seed, resamples=rs.resamples, level=rs.level)
     live_part = None
     if rs.live_requests > 0:
+        if float((meta.get("sampling") or {}).get("temperature") or 0.0) > 0:
+            raise PipelineError("refit.live_requests decodes the held-out requests greedily, but this log's requests "
+                                f"were sampled ({meta['sampling']}); set refit.live_requests=0 (the simulated "
+                                "comparison covers sampled logs)")
         arms = {"candidate": candidate_path, "current": current_path, "best-static": static}
         live_per, agree = decode_live(ctx, arms, list(test)[: rs.live_requests], spec, int(log["k_cap"]),
                                      int(log["max_model_len"]))
