@@ -33,6 +33,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
     ap.add_argument("--logs", required=True, help="the step log's directory (created)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="the server's context limit")
     bench.add_out(ap, None, required=True, help="where the responses and the check are written (JSON)")
     args = ap.parse_args(argv)
 
@@ -54,9 +55,14 @@ def main(argv=None) -> dict:
     rows = bench.held_out_prompts(args.source, load_tokenizer(EMBEDDED_TARGET), split=args.split, n=args.prompts)
     if not rows:
         raise SystemExit(f"serve_logged: no {args.source} prompts in split {args.split!r}")
+    fits = [r for r in rows if len(r["input_ids"]) + args.max_tokens <= args.max_model_len]
+    if len(fits) < len(rows):  # the server refuses them (HTTP 400): nothing to log or compare
+        print(f"[serve_logged] {len(rows) - len(fits)} prompts longer than --max-model-len {args.max_model_len} - "
+              f"--max-tokens {args.max_tokens} left out", flush=True)
+    rows = fits
     prompts = [list(r["input_ids"]) for r in rows]
     env = {LOG_ENV: str(logs), RATE_ENV: "1", FLUSH_ENV: "2"}
-    server = VllmServer(model_dir(), config, max_num_seqs=args.max_num_seqs, env=env,
+    server = VllmServer(model_dir(), config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, env=env,
                         extra_args=("--per-request-spec-decode-metrics", "detailed"),
                         log=Path(args.out).with_suffix(".server.log"))
     print(f"[serve_logged] {len(prompts)} {args.source}/{args.split} prompts, {args.max_tokens} tokens each, "

@@ -177,9 +177,13 @@ def compare_with_vllm(requests: dict, served: list[tuple[list[int], list[int], d
     used: set = set()
     for i, (prompt, output, spec) in enumerate(served):
         L, prompt, output = len(prompt), list(prompt), list(output)
-        mine = next((rid for rid, r in requests.items() if rid not in used and r["prompt_len"] == L
-                     and r["tokens"][:L] == prompt and r["tokens"][L: L + len(output)] == output
-                     and len(r["tokens"]) - L >= len(output)), None)
+        # the proposer may first see a request a few tokens into its decode (vLLM drafts nothing for it until
+        # then): its logged prompt is then the prompt and those tokens, and the matching request the one that starts
+        # with this prompt and output, the exact prompt length preferred
+        found = [rid for rid, r in requests.items() if rid not in used and r["prompt_len"] >= L
+                 and r["tokens"][:L] == prompt and r["tokens"][L: L + len(output)] == output
+                 and len(r["tokens"]) - L >= len(output)]
+        mine = min(found, key=lambda rid: (requests[rid]["prompt_len"] - L, rid)) if found else None
         theirs = list(zip((spec or {}).get("per_step_drafted") or [], (spec or {}).get("per_step_accepted") or []))
         out["steps"] += len(theirs)
         if mine is None:
