@@ -357,6 +357,10 @@ def test_compare_with_vllm_pairs_requests_by_tokens_and_finds_a_differing_step()
               ([6], [3, 3], spec([2], [0])), ([5], [1], None)]
     out = compare_with_vllm(reqs, served)
     assert out == {"served": 4, "logged": 3, "steps": 4, "equal_steps": 3, "mismatched": [2, 3]}
+    # a request the proposer first saw two tokens into its decode: its logged prompt is longer than the one sent
+    late = {"r4": {"prompt_len": 3, "tokens": [5, 6, 7, 8, 9], "steps": [step(2, 1), step(0, None)]}}
+    out = compare_with_vllm(late, [([5, 6], [7, 8, 9], spec([2], [1]))])
+    assert out == {"served": 1, "logged": 1, "steps": 1, "equal_steps": 1, "mismatched": []}
 
 
 # ---------------------------------------------------------------------- sampled serving
