@@ -113,6 +113,7 @@ class RefitSettings:
     # the server generated, prompt by prompt with the arms in turn: measured tokens/s beside the simulated ones.
     # 0: simulated only. The decision stays on the simulated comparison (every held-out request, no machine noise)
     live_requests: int = 0
+    live_repeats: int = 2  # each arm decodes each live request this often; its fastest time counts
     deploy_root: str | None = None  # deploy an accepted candidate there (sacpolicy.export.deploy)
     canary_fraction: float | None = None  # with deploy_root: deploy as a candidate on trial for this share of requests
 
