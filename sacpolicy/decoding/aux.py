@@ -34,12 +34,14 @@ class AuxCapture:
         """[B, T, len(layers) * H]: the last pass's hidden states at ``layers``, in that order."""
         return torch.cat([self._last[i] for i in layers], dim=-1)
 
-    def rows(self, layers, m: int | None = None, row: int = 0) -> torch.Tensor:
-        """[m, len(layers) * H]: the first m positions of sequence ``row`` of the last pass, a tensor of their own:
+    def rows(self, layers, m: int | None = None, row: int = 0, columns: list[int] | None = None) -> torch.Tensor:
+        """[m, len(layers) * H]: the first m positions of sequence ``row`` of the last pass (or its positions
+        ``columns``, a token tree's accepted path), a tensor of their own:
         concatenating only that row's positions, not the batch's and then slicing, which would copy the whole batch
         once per row and keep it alive as long as a drafter holds the slice (a row feeding its drafter one step's
         states while decoding autoregressively held [B, T, 3H] per step)."""
-        return torch.cat([self._last[i][row, :m] for i in layers], dim=-1)
+        at = slice(None, m) if columns is None else torch.tensor(columns, device=self._last[layers[0]].device)
+        return torch.cat([self._last[i][row, at] for i in layers], dim=-1)
 
     def __enter__(self):
         for i, block in zip(self.layers, self._blocks):
