@@ -277,3 +277,21 @@ def test_decoder_tree_sampling_matches_target_distribution(max_batch):
     expected = ((Pt[0] @ Pt)[:, None] * Pt).numpy().ravel()
     _, pval = chisquare(counts.ravel(), expected / expected.sum() * draws)
     assert pval > 1e-3, pval
+
+
+def test_the_feature_spec_carries_the_tree_budget(tiny_target, tmp_path):
+    from conftest import tiny_head_dir
+
+    from sacpolicy.build import build_drafter
+    from sacpolicy.runtime.spec import DrafterSpec, SpecError
+
+    path = str(tiny_head_dir(tiny_target, tmp_path))
+    spec = DrafterSpec.from_dict("head", {"kind": "feature", "path": path, "tree": 12, "tree_width": 3})
+    assert DrafterSpec.from_dict("head", spec.to_dict()) == spec
+    drafter = build_drafter(spec, tiny_target)
+    assert (drafter.tree_budget, drafter.tree_width) == (12, 3)
+    assert build_drafter(DrafterSpec(kind="feature", name="h", path=path), tiny_target).tree_budget == 0
+    with pytest.raises(SpecError, match="tree >= 0"):
+        DrafterSpec(kind="feature", name="h", path=path, tree=-2)
+    with pytest.raises(SpecError, match="may have"):
+        DrafterSpec.from_dict("n", {"kind": "ngram", "tree": 4})

@@ -19,8 +19,7 @@ from sacpolicy.decoding.types import (
     TeacherForced,
     TeacherForcing,
 )
-
-TREE_WIDTH = 4  # a token tree's nodes expanded per depth, and children kept per expanded node (EAGLE-2's top-k)
+from sacpolicy.runtime.spec import TREE_WIDTH
 
 
 @dataclass
