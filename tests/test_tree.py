@@ -295,3 +295,20 @@ def test_the_feature_spec_carries_the_tree_budget(tiny_target, tmp_path):
         DrafterSpec(kind="feature", name="h", path=path, tree=-2)
     with pytest.raises(SpecError, match="may have"):
         DrafterSpec.from_dict("n", {"kind": "ngram", "tree": 4})
+
+
+def test_bench_tree_pairs_tree_and_chain_by_prompt():
+    from toys import load_script
+
+    cli = load_script("bench_tree")
+    assert cli.configs([8], 6) == {"ar": (0, 0), "chain-k8": (8, 0), "tree-8": (6, 8)}
+    per = {"ar": {"tokens": [10, 10, 10], "seconds": [1.0, 1.0, 1.0], "steps": [10, 10, 10], "accepted": [0, 0, 0]},
+           "chain-k8": {"tokens": [10, 10, 10], "seconds": [1.0, 1.0, 1.0], "steps": [5, 5, 5],
+                        "accepted": [5, 5, 5]},
+           "tree-8": {"tokens": [10, 10, 10], "seconds": [0.5, 0.5, 0.5], "steps": [4, 4, 4], "accepted": [6, 6, 6]}}
+    s = cli.summarize(per, [8])
+    assert s["tree-8"]["accepted_per_step"] == 1.5 and s["chain-k8"]["accepted_per_step"] == 1.0
+    assert s["tree-8"]["accepted_per_step_vs_chain"] == pytest.approx(1.5)
+    assert s["tree-8"]["tokens_per_s_vs_chain"] == pytest.approx(2.0)
+    assert s["tree-8"]["tokens_per_s_interval"] == pytest.approx((2.0, 2.0))
+    assert "tree-8" in cli.markdown(s) and "1.50x" in cli.markdown(s)
