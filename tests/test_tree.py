@@ -312,3 +312,25 @@ def test_bench_tree_pairs_tree_and_chain_by_prompt():
     assert s["tree-8"]["tokens_per_s_vs_chain"] == pytest.approx(2.0)
     assert s["tree-8"]["tokens_per_s_interval"] == pytest.approx((2.0, 2.0))
     assert "tree-8" in cli.markdown(s) and "1.50x" in cli.markdown(s)
+
+
+def test_the_cost_model_prices_trees_by_the_tokens_their_pass_verifies():
+    from sacpolicy.runtime.cost import CostModel
+    from sacpolicy.runtime.curve import PiecewiseLinear
+
+    verify = {"tokens": PiecewiseLinear([1, 17, 33], [0.010, 0.012, 0.030]), "per_context": 0.0}
+    cost = CostModel("cpu", verify, {"head": PiecewiseLinear([0, 1000], [0.001, 0.001])}, {"head": True},
+                     draft_batch={"head": PiecewiseLinear([1, 4], [1.0, 0.5])})
+    # nodes + 1 tokens fed, priced as a chain block of as many; depth passes over width entries
+    assert cost.tree_step_time("head", 4, 16, 100, width=4) == pytest.approx(4 * 0.5 * 4 * 0.001 + 0.012)
+    assert cost.tree_step_time("head", 4, 0, 100) == cost.step_time("head", 4, 100)
+    assert cost.verify_time(16, 100) == cost.tree_step_time("head", 4, 16, 100, width=4) - 4 * 0.5 * 0.004
+    assert CostModel.expected_tree_tokens([0.9, 0.5, 0.1]) == pytest.approx(2.5)
+    # many likely nodes: the bigger tree pays for itself until the pass gets dear (33 tokens fed)
+    probs = [0.9] * 4 + [0.5] * 12 + [0.01] * 16
+    budget, tps = cost.best_tree_budget("head", 4, 100, probs, [4, 8, 16, 32], width=4)
+    assert budget == 16
+    assert tps == pytest.approx((1 + sum(sorted(probs, reverse=True)[:16])) / cost.tree_step_time("head", 4, 16, 100,
+                                                                                                    width=4))
+    with pytest.raises(ValueError, match="budgets"):
+        cost.best_tree_budget("head", 4, 100, probs, [0])
