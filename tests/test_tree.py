@@ -119,6 +119,9 @@ def test_trees_and_chains_share_a_batch(tiny_target, prompts, reference):
     requests = [RequestInfo(category="tree" if i % 2 else "chain") for i in range(len(prompts))]
     results = dec.generate_batch(prompts, 20, requests=requests)
     assert [r.tokens for r in results] == reference
+    hf = tiny_target.model.generate(torch.tensor([prompts[1]]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0, attention_mask=torch.ones(1, len(prompts[1]), dtype=torch.long))
+    assert results[1].tokens == hf[0, len(prompts[1]) :].tolist()  # transformers' own greedy decoding
     for i, r in enumerate(results):
         assert {s.tree for s in r.steps if s.drafted} == ({6} if i % 2 else {0})
     assert max(s.batch_size for r in results for s in r.steps) > 1
@@ -204,6 +207,38 @@ def test_feature_drafter_trees_are_exact_and_follow_its_chain(tiny_target, promp
         assert len(first) >= 2 and first == chain[: len(first)], (width, first, chain)
         if width == 1:
             assert block.tree.is_chain and first == chain
+
+
+def test_the_heads_state_after_a_tree_step_is_a_fresh_ones(tiny_target, prompts, tmp_path):
+    """After a tree proposal, ``accept`` and the target's features of the accepted path, the head's cache holds the
+    true entries only: the next tree equals the tree a fresh state fed every feature grows."""
+    from conftest import tiny_head_dir
+
+    from sacpolicy.decoding.aux import aux_pass
+    from sacpolicy.decoding.feature import load_feature_drafter
+    from sacpolicy.decoding.types import DraftRow
+
+    drafter = load_feature_drafter(tiny_target, tiny_head_dir(tiny_target, tmp_path), tree=6, tree_width=3)
+    ids = torch.tensor(prompts[3])
+    with torch.no_grad():
+        _, capture = aux_pass(tiny_target.model, ids, 1, drafter.aux_layers)
+    aux = capture.rows(drafter.aux_layers)
+    n = 20
+    state = drafter.new_state()
+    drafter.extend_features(state, aux[: n - 1])
+    for accepted in (2, 0, 3):
+        block = drafter.propose([DraftRow(state, ids[:n], 4, tree=6)])[0]
+        assert block.tree is not None and state.cache.length > state.true  # the tree's entries, after the true ones
+        drafter.accept(state, accepted)
+        assert state.cache.length == state.true
+        drafter.extend_features(state, aux[n - 1 : n + accepted])  # the verify pass: last token + accepted path
+        n += accepted + 1
+        fresh = drafter.new_state()
+        drafter.extend_features(fresh, aux[: n - 1])
+        ours, theirs = (drafter.propose([DraftRow(s, ids[:n], 4, tree=6)])[0] for s in (state, fresh))
+        assert torch.equal(ours.tokens, theirs.tokens) and ours.tree.parents == theirs.tree.parents
+        drafter.accept(fresh, 0)
+        drafter.accept(state, 0)
 
 
 # ---------------------------------------------------------------- sampling: the multi-draft rule
