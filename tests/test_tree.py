@@ -170,8 +170,11 @@ def test_a_bad_tree_budget_is_refused(tiny_target):
 # ---------------------------------------------------------------- the feature drafter's trees
 def test_feature_drafter_trees_are_exact_and_follow_its_chain(tiny_target, prompts, reference, tmp_path):
     from conftest import tiny_head_dir
+    from toys import propose_one
 
+    from sacpolicy.decoding.aux import aux_pass
     from sacpolicy.decoding.feature import FeatureDrafter, load_feature_drafter
+    from sacpolicy.decoding.types import DraftRow
 
     head = load_feature_drafter(tiny_target, tiny_head_dir(tiny_target, tmp_path), tree=6)
     for max_batch in (1, 3):
@@ -185,20 +188,14 @@ def test_feature_drafter_trees_are_exact_and_follow_its_chain(tiny_target, promp
     # masked out, change nothing), and width 1 grows exactly the chain
     ids = torch.tensor(prompts[3])
     with torch.no_grad():
-        from sacpolicy.decoding.aux import aux_pass
-
         _, capture = aux_pass(tiny_target.model, ids, 1, head.aux_layers)
     aux = capture.rows(head.aux_layers)
-    from toys import propose_one
-
     for width in (1, 3):
         drafter = FeatureDrafter(head.head, tree=0, tree_width=width)
         chains, trees = drafter.new_state(), drafter.new_state()
         drafter.extend_features(chains, aux[:-1])
         drafter.extend_features(trees, aux[:-1])
         chain = propose_one(drafter, ids, 5, state=chains).tokens.tolist()
-        from sacpolicy.decoding.types import DraftRow
-
         block = drafter.propose([DraftRow(trees, ids, 5, tree=5 if width == 1 else 12)])[0]
         first, col, children = [], 0, block.tree.children()
         while children[col]:

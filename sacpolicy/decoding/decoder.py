@@ -14,6 +14,11 @@ to the host: ``Verified``), commit (buffers, caches, drafters' acceptance), obse
 acceptance history and cooldown, ``Policy.observe``). Per drafted token statistics are made only on request
 (``DecoderConfig.step_stats``, ``sacpolicy.decoding.stats``).
 
+A draft is a chain or a token tree (``Decision.tree``, drafters that ``DraftsTrees``; ``sacpolicy.decoding.tree``):
+a tree's nodes are fed as the row's block with a tree attention mask (``RaggedCache.inputs``), walked by
+``sampling.verify_tree`` / ``verify_tree_greedy``, and its accepted path's KV entries are moved to the front of the
+step's columns before the cache keeps them (``RaggedCache.commit``). Rows with trees and with chains share a batch.
+
 The batching loop and the step it runs are one concept, read together in one module (the review rule in
 docs/architecture.md: a module holds one concept, whatever its length).
 """

@@ -8,6 +8,10 @@ share at the end is cropped at once (with one row, that is all of it: B = 1 neve
 single-sequence path). When the garbage inside the cache grows past ``slack`` of its width, ``compact`` gathers each
 row's valid columns to the right (one copy of the cache).
 
+A row may feed a token tree instead of a chain (``inputs(trees=...)``: its nodes attend their ancestors, at positions
+by depth); ``commit(columns=...)`` then moves the accepted path's columns to the front before keeping them, so every
+row's cache stays what its committed sequence alone would give.
+
 Masks are additive floats (0 or the dtype's minimum), passed as transformers' custom 4D mask: a query with nothing to
 attend (a padded slot) stays finite, and masked columns get exactly zero weight.
 

@@ -33,8 +33,8 @@ Expand = Callable[[list[int], list[int], list[int], list[int]], torch.Tensor]
 def grow_tree(root_logp: torch.Tensor, expand: Expand, budget: int, depth: int,
               width: int) -> tuple[list[int], list[int]]:
     """EAGLE-2's dynamic tree: (tokens, parents) of at most ``budget`` nodes and ``depth`` levels, topologically
-    ordered, siblings in descending draft probability. ``root_logp`` [V]: the draft's log-probabilities after the last committed
-    token. Each depth expands (one ``expand`` call) the ``width`` best nodes of the previous depth by cumulative
+    ordered, siblings in descending draft probability. ``root_logp`` [V]: the draft's log-probabilities after the
+    last committed token. Each depth expands (one ``expand`` call) the ``width`` best nodes of the previous depth by cumulative
     log-probability into their ``width`` best children, of which the ``width`` best form the next depth; growth stops
     early once no new node could enter the best ``budget`` (a child never outscores its parent). Token ids are the
     draft's own (the caller maps them to the target's)."""
