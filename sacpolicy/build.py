@@ -39,7 +39,8 @@ def build_drafter(spec: DrafterSpec, target):
     if spec.kind == "feature":
         from sacpolicy.decoding.feature import load_feature_drafter
 
-        return load_feature_drafter(target, head_dir(spec.path), name=spec.name)
+        return load_feature_drafter(target, head_dir(spec.path), name=spec.name, tree=spec.tree,
+                                    tree_width=spec.tree_width)
     return model_drafter(target, spec.path, name=spec.name)
 
 

@@ -149,3 +149,72 @@ def ngram_batch_rule() -> DecisionRule:
                      batch={2: {"tokens": PiecewiseLinear([1, 9], [0.07, 0.60]), "per_context": 1e-5},
                             4: {"tokens": PiecewiseLinear([1, 9], [0.08, 1.2]), "per_context": 1e-5}})
     return replace(rule, cost=cost)
+
+
+class MarkovTreeDrafter:
+    """Token trees from an order-1 Markov draft (``logq`` [vocab, vocab] log-probabilities), grown as the feature
+    drafter grows them (``tree.grow_tree``): a ``DraftsTrees`` drafter for exact distribution tests of tree decoding
+    with a ``Markov`` target. ``tree``: the budget of decisions that name none."""
+
+    vocab_size = None
+
+    def __init__(self, logq: torch.Tensor, name: str = "tree", tree: int = 0, width: int = 2):
+        self.logq, self.name, self.tree_budget, self.width = logq, name, tree, width
+
+    def new_state(self):
+        return None
+
+    def accept(self, state, n_accepted):
+        pass
+
+    def propose(self, rows):
+        from sacpolicy.decoding import DraftBlock
+        from sacpolicy.decoding.tree import TokenTree, grow_tree
+
+        out = []
+        for row in rows:
+            budget, width = (row.tree, self.width) if row.tree else (row.k, 1)  # budget 0: the greedy chain
+            tokens, parents = grow_tree(self.logq[row.context[-1]], lambda nodes, toks, par, dep: self.logq[
+                torch.tensor([toks[j] for j in nodes])], budget, row.k, width)
+            tree = TokenTree.build(torch.tensor(tokens, dtype=torch.long), parents)
+            out.append(DraftBlock(tree.tokens, None, tree=tree if row.tree else None))
+        return out
+
+
+class ModelTreeDrafter(MarkovTreeDrafter):
+    """Token trees from a causal LM's own next-token log-probabilities plus a fixed random bias per token (``scale``:
+    0 is the target itself, larger scales make its best guess wrong more often, so accepted paths run through other
+    children too), each node's distribution from a cache-free pass over the context and its path: a slow, obviously
+    correct ``DraftsTrees`` drafter for exactness tests on a real transformers target."""
+
+    def __init__(self, model, scale: float, name: str = "model-tree", tree: int = 0, width: int = 3, seed: int = 1):
+        self.model, self.name, self.tree_budget, self.width = model, name, tree, width
+        self.bias = torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(seed)) * scale
+
+    def _logp(self, seqs) -> torch.Tensor:
+        return torch.stack([torch.log_softmax(self.model(input_ids=x.view(1, -1)).logits[0, -1].float() + self.bias,
+                                              -1) for x in seqs])
+
+    def propose(self, rows):
+        from sacpolicy.decoding import DraftBlock
+        from sacpolicy.decoding.tree import TokenTree, grow_tree
+
+        out = []
+        for row in rows:
+            def expand(nodes, toks, par, dep, ctx=row.context):
+                paths = [[toks[a] for a in _ancestry(j, par)] for j in nodes]
+                return self._logp([torch.cat([ctx, torch.tensor(p, dtype=torch.long)]) for p in paths])
+
+            budget, width = (row.tree, self.width) if row.tree else (row.k, 1)
+            tokens, parents = grow_tree(self._logp([row.context])[0], expand, budget, row.k, width)
+            tree = TokenTree.build(torch.tensor(tokens, dtype=torch.long), parents)
+            out.append(DraftBlock(tree.tokens, None, tree=tree if row.tree else None))
+        return out
+
+
+def _ancestry(node: int, parents) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]

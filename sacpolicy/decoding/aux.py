@@ -34,14 +34,19 @@ class AuxCapture:
         """[B, T, len(layers) * H]: the last pass's hidden states at ``layers``, in that order."""
         return torch.cat([self._last[i] for i in layers], dim=-1)
 
-    def rows(self, layers, m: int | None = None, row: int = 0, start: int = 0) -> torch.Tensor:
+    def rows(self, layers, m: int | None = None, row: int = 0, start: int = 0,
+             columns: list[int] | None = None) -> torch.Tensor:
         """[m, len(layers) * H]: m positions of sequence ``row`` of the last pass from position ``start`` on (the first
-        m by default; a left-padded prefill's row starts after its pads), a tensor of their own:
+        m by default; a left-padded prefill's row starts after its pads), or its positions ``columns`` (a token tree's
+        accepted path), a tensor of their own:
         concatenating only that row's positions, not the batch's and then slicing, which would copy the whole batch
         once per row and keep it alive as long as a drafter holds the slice (a row feeding its drafter one step's
         states while decoding autoregressively held [B, T, 3H] per step)."""
-        end = None if m is None else start + m
-        return torch.cat([self._last[i][row, start:end] for i in layers], dim=-1)
+        if columns is not None:
+            at = torch.tensor(columns, device=self._last[layers[0]].device)
+        else:
+            at = slice(start, None if m is None else start + m)
+        return torch.cat([self._last[i][row, at] for i in layers], dim=-1)
 
     def __enter__(self):
         for i, block in zip(self.layers, self._blocks):

@@ -14,6 +14,11 @@ to the host: ``Verified``), commit (buffers, caches, drafters' acceptance), obse
 acceptance history and cooldown, ``Policy.observe``). Per drafted token statistics are made only on request
 (``DecoderConfig.step_stats``, ``sacpolicy.decoding.stats``).
 
+A draft is a chain or a token tree (``Decision.tree``, drafters that ``DraftsTrees``; ``sacpolicy.decoding.tree``):
+a tree's nodes are fed as the row's block with a tree attention mask (``RaggedCache.inputs``), walked by
+``sampling.verify_tree`` / ``verify_tree_greedy``, and its accepted path's KV entries are moved to the front of the
+step's columns before the cache keeps them (``RaggedCache.commit``). Rows with trees and with chains share a batch.
+
 The batching loop and the step it runs are one concept, read together in one module (the review rule in
 docs/architecture.md: a module holds one concept, whatever its length).
 """
@@ -40,6 +45,8 @@ from sacpolicy.decoding.sampling import (
     select_token,
     verify,
     verify_greedy,
+    verify_tree,
+    verify_tree_greedy,
 )
 from sacpolicy.decoding.types import (
     Autoregressive,
@@ -48,6 +55,7 @@ from sacpolicy.decoding.types import (
     DraftBlock,
     Drafter,
     DraftRow,
+    DraftsTrees,
     GenerationResult,
     Peekable,
     Policy,
@@ -87,6 +95,7 @@ class DecoderConfig:
     # left as they were. On by default because decoding's few-row passes are what they speed up; False keeps
     # transformers' own kernels throughout
     cpu_kernels: bool = True
+    tree_max: int = 64  # the most nodes a token tree may have (``Decision.tree``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -110,6 +119,7 @@ class Planned:
     cooldown: bool
     drafter: str | None
     k: int
+    tree: int = 0  # a token tree of at most this many nodes and depth k; 0: a chain of k
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,13 @@ class Verified:
     stopped: bool
     target_token: torch.Tensor
     stats: list | None = None
+    path: tuple[int, ...] | None = None  # a token tree's accepted nodes (None: a chain's first ``accepted``)
+
+    @property
+    def columns(self) -> list[int] | None:
+        """The verify pass's columns the row commits (the last committed token's and the accepted path's), when they
+        are not its first ``accepted + 1``."""
+        return None if self.path is None else [0] + [j + 1 for j in self.path]
 
 
 def _by_sampling(batch: list[Row]) -> list[tuple[SamplingConfig, list[int]]]:
@@ -421,6 +438,10 @@ class SpeculativeDecoder:
         if d.drafter is not None and d.drafter not in self.drafters:
             raise ValueError(f"policy {self.policy!r} chose unknown drafter {d.drafter!r}; known: "
                              f"{list(self.drafters)}")
+        if d.tree is not None and (not isinstance(d.tree, int) or not 0 <= d.tree <= self.config.tree_max):
+            raise ValueError(f"policy {self.policy!r} chose a token tree of {d.tree!r} nodes; it must be None (the "
+                             f"drafter's default), 0 (a chain) or an integer up to decoder tree_max="
+                             f"{self.config.tree_max}")
 
     def _step(self, batch: list[Row], cache: RaggedCache) -> list[StepRecord]:
         """One step of every row, in order: decide, draft, verify (one target pass over every row's block, one
@@ -462,14 +483,22 @@ class SpeculativeDecoder:
                 decisions[i] = (decision, False)
         if self.config.batch_k == "shared" and len(batch) > 1:  # one k for the batch, as vLLM drafts
             k = max(d.k for d, _ in decisions)
-            decisions = [(Decision(d.drafter, k) if d.drafter is not None else d, c) for d, c in decisions]
+            decisions = [(replace(d, k=k) if d.drafter is not None else d, c) for d, c in decisions]
         plans = []
         for run, (decision, cooldown) in zip(batch, decisions):
             name = decision.drafter if decision.drafter in run.state.drafters else None
             k = max(0, min(decision.k, run.left - 1)) if name is not None else 0
             run.state.drafter = name if k > 0 else None
-            plans.append(Planned(decision, cooldown, name, k))
+            plans.append(Planned(decision, cooldown, name, k, self._tree_budget(name, decision) if k > 0 else 0))
         return plans
+
+    def _tree_budget(self, name: str, decision: Decision) -> int:
+        """The row's token-tree budget: the decision's, else the drafter's default; 0 (a chain) for a drafter that
+        drafts chains only."""
+        drafter = self.drafters[name]
+        if not isinstance(drafter, DraftsTrees):
+            return 0
+        return int(drafter.tree_budget) if decision.tree is None else decision.tree
 
     def _draft(self, batch: list[Row], plans: list[Planned]) -> list[Drafted]:
         """Each row's draft. Rows drafting with the same drafter draft together (one ``propose`` call; a model
@@ -483,7 +512,7 @@ class SpeculativeDecoder:
                 groups.setdefault(plan.drafter, []).append(i)
         for name, rows in groups.items():
             t0 = self._now()
-            blocks = self._propose(name, [self._draft_row(batch[i], name, plans[i].k) for i in rows],
+            blocks = self._propose(name, [self._draft_row(batch[i], plans[i]) for i in rows],
                                    [batch[i] for i in rows])
             seconds = (self._now() - t0) / len(rows)
             for i, block in zip(rows, blocks):
@@ -491,9 +520,9 @@ class SpeculativeDecoder:
                                                                                             seconds)
         return drafts
 
-    def _draft_row(self, run: Row, name: str, k: int) -> DraftRow:
-        return DraftRow(run.drafts[name], run.context, k, run.sampling, run.generator,
-                        stop_callback(self.policy, run.policy))
+    def _draft_row(self, run: Row, plan: Planned) -> DraftRow:
+        return DraftRow(run.drafts[plan.drafter], run.context, plan.k, run.sampling, run.generator,
+                        stop_callback(self.policy, run.policy), plan.tree)
 
     def _propose(self, name: str, rows: list[DraftRow], runs: list[Row]) -> list[DraftBlock | None]:
         """``rows``' blocks from drafter ``name``, None for a row whose request dropped it."""
@@ -510,20 +539,24 @@ class SpeculativeDecoder:
 
     def _score(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted]) -> torch.Tensor:
         """One target pass over every row's [last committed token, block] (padded to the longest) -> logits
-        [B, T, V]: row i's position j is the target's distribution after its j-th fed token."""
+        [B, T, V]: row i's position j is the target's distribution after its j-th fed token (a token tree's node:
+        after its path, the tree attention mask of ``TokenTree.attention``)."""
         T = max(d.block.k for d in drafts) + 1
         ids = torch.stack([torch.cat([run.buf[run.n - 1 : run.n], d.block.tokens,
                                       run.buf[run.n - 1 : run.n].expand(T - 1 - d.block.k)])
                            for run, d in zip(batch, drafts)])
+        trees = [d.block.tree.attention(T, self.device) if d.block.tree is not None and not d.block.tree.is_chain
+                 else None for d in drafts]
         with self.features:
             return self.target(input_ids=ids, **with_cache(self.target, cache.cache), use_cache=True,
-                               logits_to_keep=T, **cache.inputs(T, self.dtype)).logits
+                               logits_to_keep=T, **cache.inputs(T, self.dtype, trees)).logits
 
     def _verify(self, batch: list[Row], drafts: list[Drafted], logits: torch.Tensor) -> list[Verified]:
         """Accept each row's longest drafted prefix the target agrees with (greedy) or that rejection sampling keeps,
         then the target's own next token: the blocks padded to the longest and verified in one call per sampling
         setting (rows of a batch mostly share one), the results read back to the host once for all rows. A row's
-        new tokens end at its first stop token and at its length limit."""
+        new tokens end at its first stop token and at its length limit. A token tree's row is walked on its own
+        (``_verify_tree``): its longest accepted path, then the target's token after it."""
         B, K = logits.shape[0], logits.shape[1] - 1
         lengths = [d.block.k for d in drafts]
         tokens = (torch.nn.utils.rnn.pad_sequence([d.block.tokens for d in drafts], batch_first=True)
@@ -534,7 +567,14 @@ class SpeculativeDecoder:
         n = torch.empty(B, dtype=torch.long, device=self.device)
         nxt = torch.empty_like(n)
         stats: list[torch.Tensor | None] = [None] * B
+        paths: list[list[int] | None] = [None] * B
         for cfg, rows in _by_sampling(batch):
+            for i in rows:
+                if drafts[i].block.tree is not None:
+                    paths[i] = self._verify_tree(drafts[i].block, logits[i, : lengths[i] + 1], cfg, draws[i], n, nxt, i)
+            rows = [i for i in rows if paths[i] is None]
+            if not rows:
+                continue
             sel = slice(None) if len(rows) == B else torch.tensor(rows, device=self.device)
             lens = torch.tensor([lengths[i] for i in rows], device=self.device)
             if cfg.greedy:
@@ -553,14 +593,28 @@ class SpeculativeDecoder:
         head = torch.cat([n[:, None], nxt[:, None], tokens], dim=1).tolist()  # the step's one read to the host
         out = []
         for i, (run, (acc, target_token, *drafted)) in enumerate(zip(batch, head)):
-            new = drafted[:acc] + [target_token]
+            new = (drafted[:acc] if paths[i] is None else [drafted[j] for j in paths[i]]) + [target_token]
             stop = next((j for j, t in enumerate(new) if t in run.stops), None)
             if stop is not None:
                 new = new[: stop + 1]
             new = new[: run.left]
             out.append(Verified(acc, tuple(new), stop is not None and stop < len(new), nxt[i],
-                                None if stats[i] is None else stats[i].tolist()))
+                                None if stats[i] is None else stats[i].tolist(),
+                                None if paths[i] is None else tuple(paths[i])))
         return out
+
+    def _verify_tree(self, block: DraftBlock, logits: torch.Tensor, cfg: SamplingConfig, draws, n: torch.Tensor,
+                     nxt: torch.Tensor, i: int) -> list[int]:
+        """One token tree's verification (``sampling.verify_tree_greedy`` / ``verify_tree``: its nodes are proposals
+        of probability one) from its logits [N + 1, V]: writes the accepted count and the next token into n[i] and
+        nxt[i], returns the accepted path."""
+        children = block.tree.children()
+        if cfg.greedy:
+            path, token = verify_tree_greedy(logits, block.tokens, children)
+        else:
+            path, token = verify_tree(probs_from_logits(logits, cfg), block.tokens, children, uniforms=draws)
+        n[i], nxt[i] = len(path), token
+        return path
 
     def _commit(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted], verified: list[Verified],
                 logits: torch.Tensor) -> None:
@@ -568,19 +622,25 @@ class SpeculativeDecoder:
         kept), its feature drafters' hidden states and its drafter's acceptance; the cache keeps the committed
         columns of every row."""
         for i, (run, d, v) in enumerate(zip(batch, drafts, verified)):
-            if d.block.k:
+            cols = v.columns  # a token tree's: the root's and its accepted path's
+            if cols is not None:
+                if v.accepted:
+                    run.buf[run.n : run.n + v.accepted] = d.block.tokens[list(v.path)]
+            elif d.block.k:
                 run.buf[run.n : run.n + d.block.k] = d.block.tokens
             run.buf[run.n + v.accepted] = v.target_token  # a device-side copy: no sync
             if run.logits is not None:  # row j of the verify pass is the distribution of the step's j-th new token
-                run.logits.append(logits[i, : len(v.new)])
-            self._extend_features(run, i, v.accepted + 1)
+                run.logits.append(logits[i, : len(v.new)] if cols is None else logits[i, cols[: len(v.new)]])
+            self._extend_features(run, i, v.accepted + 1, columns=cols)
             if d.drafter is not None:
                 self._settle(run, d.drafter, v.accepted)
             run.out.extend(v.new)
             run.n += len(v.new)
             if v.stopped:
                 run.finish = "eos"
-        cache.commit([v.accepted + 1 for v in verified], logits.shape[1])
+        trees = [v.columns for v in verified]
+        cache.commit([v.accepted + 1 for v in verified], logits.shape[1],
+                     None if all(c is None for c in trees) else trees)
 
     def _settle(self, run: Row, name: str, accepted: int) -> None:
         """Tell the drafter how many of the row's drafted tokens were accepted."""
@@ -594,7 +654,8 @@ class SpeculativeDecoder:
         """The step's record for the row, its acceptance history and cooldown, and the policy's observation."""
         rec = StepRecord(step=run.state.step, drafter=drafted.drafter, k=plan.decision.k, drafted=drafted.block.k,
                          accepted=v.accepted, emitted=len(v.new), context_len=run.state.context_len,
-                         draft_s=drafted.seconds, verify_s=verify_s, cooldown=plan.cooldown, batch_size=batch_size)
+                         draft_s=drafted.seconds, verify_s=verify_s, cooldown=plan.cooldown, batch_size=batch_size,
+                         tree=plan.tree if drafted.block.tree is not None else 0)
         if v.stats is not None:
             rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = (list(c) for c in zip(*v.stats))
         run.records.append(rec)
@@ -611,17 +672,18 @@ class SpeculativeDecoder:
             return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
         return probs_from_logits(block.logits, cfg)
 
-    def _extend_features(self, run: Row, row: int, m: int, start: int = 0) -> None:
+    def _extend_features(self, run: Row, row: int, m: int, start: int = 0, columns: list[int] | None = None) -> None:
         """Hand the row's feature drafters the target's hidden states of m positions of its row in the last pass,
-        from ``start`` on: the ones that are now committed (the prompt after prefill, after its row's pads; the last
-        token and the accepted drafts after a verify)."""
+        from ``start`` on (or of ``columns``, a token tree's committed ones): the ones that are now committed (the
+        prompt after prefill, after its row's pads; the last token and the accepted drafts after a verify)."""
         if not self.features.layers:
             return
         for name in run.state.drafters:
             layers = self.feature_layers.get(name)
             if layers:
                 try:
-                    self.drafters[name].extend_features(run.drafts[name], self.features.rows(layers, m, row, start))
+                    self.drafters[name].extend_features(run.drafts[name],
+                                                        self.features.rows(layers, m, row, start, columns))
                 except Exception as exc:
                     self._drop(run, name, exc)
 

@@ -328,6 +328,19 @@ class Eagle3Head(nn.Module):
             s += m
         return self.chain(layer.after_attention(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), hidden))
 
+    def layer_step_masked(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache,
+                          positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The layer's cached step for one row's m new entries at any positions and attending any cached entries: a
+        token tree's nodes (``FeatureDrafter``), each attending the row's true entries and its ancestors' entries.
+        hidden [1, m, H], input_ids [1, m], positions [m], mask [m, cache.length + m] bool (True = attend; the new
+        entries' own columns last) -> outputs [1, m, H] (``chain``), the entries cached after the cache's."""
+        layer = self.layers[0]
+        cos, sin = self.rotary_emb(hidden, positions.view(1, -1))
+        q, k, v = layer.qkv(self.embed(input_ids), hidden, cos, sin)
+        keys, values = cache.append(k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], enable_gqa=True)
+        return self.chain(layer.after_attention(out, hidden))
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Outputs [..., H] (as ``chain`` gives them) -> draft logits [..., Vd]."""
         return self.lm_head(out if self.config.norm_output else self.norm(out))

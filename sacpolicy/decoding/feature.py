@@ -9,7 +9,17 @@ import torch
 
 from sacpolicy.decoding.eagle3 import Eagle3Head, KVCache, load_head
 from sacpolicy.decoding.sampling import draft_stats, probs_from_logits, sample
-from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, ReadsFeatures, TeacherForced, TeacherForcing
+from sacpolicy.decoding.tree import TokenTree, grow_tree
+from sacpolicy.decoding.types import (
+    DraftBlock,
+    Drafter,
+    DraftRow,
+    DraftsTrees,
+    ReadsFeatures,
+    TeacherForced,
+    TeacherForcing,
+)
+from sacpolicy.runtime.spec import TREE_WIDTH
 
 
 @dataclass
@@ -24,7 +34,7 @@ class FeatureDraftState:
     tail: tuple | None = None  # (pre-norm output [1, 1, H], draft logits [Vd]) of the last true entry
 
 
-class FeatureDrafter(Drafter, ReadsFeatures, TeacherForcing):
+class FeatureDrafter(Drafter, DraftsTrees, ReadsFeatures, TeacherForcing):
     """Drafts a chain with an ``Eagle3Head`` from the target's hidden states.
 
     A row's state (``FeatureDraftState``): the feature rows of committed positions (``extend_features``; row t pairs
@@ -38,10 +48,22 @@ class FeatureDrafter(Drafter, ReadsFeatures, TeacherForcing):
     over b rows reads its weights once instead of b times), and the layer runs once over every row's entries
     (``Eagle3Head.layer_step_rows``: its projections and MLP over all of them, the attention per row on the row's own
     cache, since rows hold caches of different lengths), for each drafted token and for the target features handed
-    over since each row's last proposal, whose last outputs share one projection."""
+    over since each row's last proposal, whose last outputs share one projection.
 
-    def __init__(self, head: Eagle3Head, name: str = "feature"):
+    Token trees (``DraftRow.tree`` = n > 0; ``tree``: the budget of decisions that name none): EAGLE-2's dynamic tree
+    (``tree.grow_tree``) of at most n nodes and depth k, ``tree_width`` nodes expanded per depth in one masked layer
+    step (``Eagle3Head.layer_step_masked``: each node attends the row's true entries and its ancestors' entries, at
+    position true + depth - 1, as a chain along its path would). The tree is chosen deterministically from the head's
+    distributions (top-k, whatever the sampling settings), so its nodes are verified as proposals of probability one
+    (``sampling.verify_tree``). Its entries are cropped like a chain's (``accept``): the accepted path returns as true
+    entries with the target's features of it. Tree rows grow one after another, after the rows' common feed."""
+
+    def __init__(self, head: Eagle3Head, name: str = "feature", tree: int = 0, tree_width: int = TREE_WIDTH):
+        if tree < 0 or tree_width < 1:
+            raise ValueError(f"feature drafter {name!r}: tree must be >= 0 (0 = chains) and tree_width >= 1, got "
+                             f"{tree} and {tree_width}")
         self.head, self.name = head, name
+        self.tree_budget, self.tree_width = int(tree), int(tree_width)
         self.vocab_size = head.config.target_vocab_size
         self.aux_layers = tuple(head.config.aux_layer_ids)
 
@@ -95,6 +117,7 @@ class FeatureDrafter(Drafter, ReadsFeatures, TeacherForcing):
             logits = self.head.logits(last)  # [b, 1, Vd]
             for r, i in enumerate(fed):
                 rows[i].state.tail = tails[i] = (last[r : r + 1], logits[r, -1])
+        trees = {i: tails.pop(i) for i in sorted(tails) if rows[i].tree > 0}
         tails = dict(sorted(tails.items()))
         live = list(tails)
         tokens: dict[int, list] = {i: [] for i in live}
@@ -135,7 +158,39 @@ class FeatureDrafter(Drafter, ReadsFeatures, TeacherForcing):
             out[i] = DraftBlock(torch.stack(drafted), self.head.full_logits(trimmed),
                                 confidence=draft_stats(trimmed) if sampled else None,
                                 probs=self.head.full_probs(torch.stack(block_probs[i])) if sampled else None)
+        for i, tail in trees.items():
+            out[i] = self._tree(rows[i], tail)
         return out
+
+    def _tree(self, row: DraftRow, tail: tuple) -> DraftBlock:
+        """The row's token tree grown from its last true entry's (output, draft logits) ``tail``."""
+        head, cache = self.head, row.state.cache
+        true, device = cache.length, tail[0].device
+        outputs: dict[int, torch.Tensor] = {}  # an expanded node's output [1, 1, H] (what its children read)
+        slots: dict[int, int] = {}  # an expanded node's entry in the cache
+
+        def expand(nodes, tokens, parents, depths) -> torch.Tensor:
+            start, m = cache.length, len(nodes)
+            mask = torch.zeros(m, start + m, dtype=torch.bool)
+            mask[:, :true] = True
+            for r, j in enumerate(nodes):
+                a = parents[j]
+                while a >= 0:
+                    mask[r, slots[a]] = True
+                    a = parents[a]
+                mask[r, start + r] = True
+            hidden = torch.cat([tail[0] if parents[j] < 0 else outputs[parents[j]] for j in nodes], dim=1)
+            ids = head.draft_ids[torch.tensor([tokens[j] for j in nodes], device=device)].view(1, -1)
+            pos = torch.tensor([true + depths[j] - 1 for j in nodes], device=device)
+            h = head.layer_step_masked(hidden, ids, cache, pos, mask.to(device))
+            for r, j in enumerate(nodes):
+                outputs[j], slots[j] = h[:, r : r + 1], start + r
+            return torch.log_softmax(head.logits(h)[0].float(), dim=-1)
+
+        tokens, parents = grow_tree(torch.log_softmax(tail[1].float(), dim=-1), expand, row.tree, row.k,
+                                    self.tree_width)
+        tree = TokenTree.build(head.draft_ids[torch.tensor(tokens, dtype=torch.long, device=device)], parents)
+        return DraftBlock(tree.tokens, None, tree=tree)
 
     def accept(self, state: FeatureDraftState, n_accepted: int) -> None:
         state.cache.crop(state.true)
@@ -159,8 +214,11 @@ class FeatureDrafter(Drafter, ReadsFeatures, TeacherForcing):
         return TeacherForced(tokens, chained=True, logits=self.head.full_logits(steps[0][0, rows]))
 
 
-def load_feature_drafter(target, path, name: str = "feature") -> FeatureDrafter:
+def load_feature_drafter(target, path, name: str = "feature", tree: int = 0,
+                         tree_width: int = TREE_WIDTH) -> FeatureDrafter:
     """The head at ``path`` as a drafter for ``target`` (a ``LoadedModel``), on the target's device and dtype, after
     checking that the head belongs to this target. ``path``: a head directory in any format ``load_head`` reads (ours,
-    speculators' / vLLM's, SpecForge / SGLang's, the EAGLE authors')."""
-    return FeatureDrafter(load_head(path, device=target.device, dtype=target.dtype, target=target), name=name)
+    speculators' / vLLM's, SpecForge / SGLang's, the EAGLE authors'). ``tree``, ``tree_width``: its token trees
+    (``FeatureDrafter``)."""
+    return FeatureDrafter(load_head(path, device=target.device, dtype=target.dtype, target=target), name=name,
+                          tree=tree, tree_width=tree_width)

@@ -8,6 +8,10 @@ share at the end is cropped at once (with one row, that is all of it: B = 1 neve
 single-sequence path). When the garbage inside the cache grows past ``slack`` of its width, ``compact`` gathers each
 row's valid columns to the right (one copy of the cache).
 
+A row may feed a token tree instead of a chain (``inputs(trees=...)``: its nodes attend their ancestors, at positions
+by depth); ``commit(columns=...)`` then moves the accepted path's columns to the front before keeping them, so every
+row's cache stays what its committed sequence alone would give.
+
 Masks are additive floats (0 or the dtype's minimum), passed as transformers' custom 4D mask: a query with nothing to
 attend (a padded slot) stays finite, and masked columns get exactly zero weight.
 
@@ -116,23 +120,37 @@ class RaggedCache:
         return any(c != self.width for c in self.counts)
 
     # ------------------------------------------------------------------ a step
-    def inputs(self, T: int, dtype: torch.dtype) -> dict:
-        """Keyword arguments of a forward feeding T tokens per row: nothing when every row's cache is full (the
-        default causal mask and positions are right), else per-row positions and the 4D mask."""
-        if not self.ragged:
+    def inputs(self, T: int, dtype: torch.dtype, trees: list | None = None) -> dict:
+        """Keyword arguments of a forward feeding T tokens per row: nothing when every row's cache is full and every
+        row feeds a chain (the default causal mask and positions are right), else per-row positions and the 4D mask.
+        ``trees``: per row None (a chain: causal) or (mask [T, T] bool, offsets [T] long) from ``TokenTree.attention``:
+        among the fed columns the row attends as the mask says, at positions count + offset."""
+        if trees is not None and all(t is None for t in trees):
+            trees = None
+        if not self.ragged and trees is None:
             return {}
         B, P = self.rows, self.width
-        pos = torch.tensor(self.counts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        steps = torch.arange(T, device=self.device)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_()
-        keys = torch.cat([self.valid[:, None, :].expand(B, T, P), causal.expand(B, T, T)], dim=-1)
+        if trees is None:
+            offsets, own = steps.expand(B, T), causal.expand(B, T, T)
+        else:
+            offsets = torch.stack([steps if t is None else t[1] for t in trees])
+            own = torch.stack([causal if t is None else t[0] for t in trees])
+        pos = torch.tensor(self.counts, device=self.device)[:, None] + offsets
+        keys = torch.cat([self.valid[:, None, :].expand(B, T, P), own], dim=-1)
         mask = torch.zeros(B, 1, T, P + T, dtype=dtype, device=self.device)
         mask.masked_fill_(~keys[:, None], torch.finfo(dtype).min)
         return {"position_ids": pos, "attention_mask": mask}
 
-    def commit(self, kept: list[int], T: int) -> None:
-        """After a forward of T tokens per row: row i keeps its first kept[i] (0 <= kept[i] <= T)."""
+    def commit(self, kept: list[int], T: int, columns: list | None = None) -> None:
+        """After a forward of T tokens per row: row i keeps its first kept[i] (0 <= kept[i] <= T), or with
+        ``columns[i]`` (a list of kept[i] increasing column indices, a token tree's accepted path) those columns,
+        moved to the front first so the row's cache stays contiguous (``_gather``)."""
         if len(kept) != self.rows or not all(0 <= k <= T for k in kept):
             raise ValueError(f"commit needs one count in [0, {T}] per row ({self.rows}), got {kept}")
+        if columns is not None:
+            self._gather(kept, T, columns)
         tail = T - max(kept)  # garbage every row has at the end
         if tail:
             self.cache.crop(-tail)
@@ -145,6 +163,23 @@ class RaggedCache:
         self.counts = [c + k for c, k in zip(self.counts, kept)]
         self.width += keep
         self._compact_if_sparse()
+
+    def _gather(self, kept: list[int], T: int, columns: list) -> None:
+        """Move each row's kept columns among the last T (``columns[i]``, None: its first kept[i]) to the front of
+        them, in order, on every layer: one gather over the T fed columns, only when some row keeps others."""
+        order = []
+        for k, cols in zip(kept, columns):
+            cols = list(range(k)) if cols is None else [int(c) for c in cols]
+            if len(cols) != k or sorted(set(cols)) != cols or (cols and not 0 <= cols[0] <= cols[-1] < T):
+                raise ValueError(f"kept columns must be {k} increasing indices in [0, {T}), got {cols}")
+            order.append(cols + [c for c in range(T) if c not in set(cols)])
+        if all(o == list(range(T)) for o in order):
+            return
+        index = torch.tensor(order, device=self.device)
+        for layer in _layers(self.cache):
+            for t in (layer.keys, layer.values):
+                tail = t[:, :, -T:]
+                tail.copy_(tail.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])))
 
     # ------------------------------------------------------------------ rows join and leave
     @classmethod

@@ -2,12 +2,14 @@
 
 Symbols follow the speculative-sampling papers (Leviathan et al. 2023, Chen et al. 2023):
 ``p`` target probabilities, ``q`` draft probabilities, ``k`` drafted tokens, "bonus token" the extra token the target
-samples when every drafted token is accepted. Everything here is pure tensor code: no models, no caches, no host syncs.
+samples when every drafted token is accepted. Everything here is pure tensor code: no models, no caches, and no host
+syncs but the token-tree walks (``verify_tree``, ``verify_tree_greedy``: sequential over a small tree).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +192,62 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     else:
         n = torch.zeros(best.shape[:-1], dtype=torch.long, device=best.device)
     return n, best.gather(-1, n.unsqueeze(-1)).squeeze(-1)
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor,
+                       children: Sequence[Sequence[int]]) -> tuple[list[int], torch.Tensor]:
+    """Greedy verification of a token tree: target_logits [N + 1, V] (column 0 the root, column j + 1 node j), tokens
+    [N], ``children`` per column (``TokenTree.children``). From the root, move to the child whose token is the target's
+    argmax, while there is one. Returns (the accepted path's nodes, the target's argmax after it). Reads the argmaxes
+    and tokens back to the host once (the walk is sequential and a tree is small)."""
+    best = target_logits.argmax(-1)
+    host_best, host_tokens = best.tolist(), tokens.tolist()
+    path, col = [], 0
+    while True:
+        nxt = next((c for c in children[col] if host_tokens[c] == host_best[col]), None)
+        if nxt is None:
+            return path, best[col]
+        path.append(nxt)
+        col = nxt + 1
+
+
+def verify_tree(p: torch.Tensor, tokens: torch.Tensor, children: Sequence[Sequence[int]],
+                q: torch.Tensor | None = None, generator: torch.Generator | None = None, *,
+                uniforms: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[int], torch.Tensor]:
+    """Multi-draft speculative sampling of a token tree (recursive rejection over siblings: SpecInfer, Miao et al.
+    2024; EAGLE-2; vLLM's and SGLang's tree sampling).
+
+    p [N + 1, V]: target probabilities at every column (0 the root, j + 1 node j); tokens [N]; ``children`` per column
+    (``TokenTree.children``). At the current column (the root first), its children are tried in order: child x is
+    accepted with probability min(1, p'(x) / q'(x)), where p' starts as the column's p and becomes residual(p', q')
+    after each rejected sibling. On acceptance the walk moves to the child; when every child of a column is rejected
+    (or it has none) the next token is drawn from p' there. Returns (the accepted path's nodes, the next token).
+
+    ``q``: None when the tree is deterministic given the context (EAGLE-2's top-k growth): each candidate is then a
+    proposal of probability one (q' the one-hot of x), so x is accepted with probability p'(x) and a rejection zeroes
+    x in p' (SGLang's ``tree_speculative_sampling_target_only``): exact for any tree chosen without the target's
+    randomness. Else q [N + 1, V]: the draft distribution at each column, from which that column's children were drawn
+    independently (with replacement), q' = q at every try (SpecInfer). Each node has its own acceptance uniform
+    (``uniforms``: u [N] float32, v [1] float64 as ``draw_uniforms(N)`` makes them, else drawn from ``generator``), so
+    the draws do not depend on the walk. Reads one acceptance test per tried child back to the host."""
+    n = tokens.shape[0]
+    u, v = uniforms if uniforms is not None else draw_uniforms(n, generator, p.device)
+    host_tokens, host_u = tokens.tolist(), u.tolist()
+    path, col, pc = [], 0, p[0]
+    while True:
+        nxt = None
+        for c in children[col]:
+            x = host_tokens[c]
+            qc = q[col] if q is not None else torch.nn.functional.one_hot(tokens[c], p.shape[-1]).to(pc.dtype)
+            if host_u[c] * float(qc[x]) < float(pc[x]):
+                nxt = c
+                break
+            pc = residual(pc, qc)
+        if nxt is None:
+            return path, sample(pc, u=v)
+        path.append(nxt)
+        col = nxt + 1
+        pc = p[col]
 
 
 def draft_stats(logits: torch.Tensor) -> torch.Tensor:

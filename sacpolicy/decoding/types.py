@@ -15,6 +15,7 @@ New inputs go into these dataclasses, never into new method parameters.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
@@ -23,9 +24,9 @@ import torch
 from sacpolicy.decoding.sampling import SamplingConfig
 
 __all__ = ["Autoregressive", "DecodeState", "Decision", "DraftBlock", "DraftRow", "DraftToken", "Drafter",
-           "GenerationResult", "Peekable", "Policy", "PolicyRow", "ReadsFeatures", "RequestInfo", "Resettable",
-           "StepRecord", "StopFn", "TeacherForced", "TeacherForcing", "feature_layers", "fresh_drafters",
-           "propose_each", "reset_drafters", "teacher_force"]
+           "DraftsTrees", "GenerationResult", "Peekable", "Policy", "PolicyRow", "ReadsFeatures", "RequestInfo",
+           "Resettable", "StepRecord", "StopFn", "TeacherForced", "TeacherForcing", "TokenTree", "feature_layers",
+           "fresh_drafters", "propose_each", "reset_drafters", "teacher_force"]
 
 
 # ---------------------------------------------------------------------- requests, state, decisions
@@ -74,7 +75,10 @@ class DecodeState:
 @dataclass(frozen=True)
 class Decision:
     drafter: str | None  # None = autoregressive step
-    k: int
+    k: int  # a chain's length; a tree's depth at most
+    # a token tree of at most this many nodes (depth <= k; ``DraftsTrees`` drafters only), 0 a chain of k; None: the
+    # drafter's own default (``DraftsTrees.tree_budget``, 0 for drafters that draft chains only)
+    tree: int | None = None
 
     @classmethod
     def autoregressive(cls) -> Decision:
@@ -114,6 +118,7 @@ class StepRecord:
     verify_s: float
     cooldown: bool = False  # the decoder overrode the policy with an autoregressive step (low moving acceptance)
     batch_size: int = 1  # rows verified in the same target pass (verify_s is that whole pass)
+    tree: int = 0  # a token tree's node budget (``drafted`` its nodes, ``accepted`` its accepted path); 0: a chain
     top1: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
     margin: list[float] = field(default_factory=list)
@@ -174,6 +179,87 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------------- drafters
+@dataclass(frozen=True)
+class TokenTree:
+    """A draft tree (``sacpolicy.decoding.tree``: the layout and how trees grow): ``tokens`` [N] long (on the target's
+    device), ``parents`` (-1: the root, the last committed token) and ``depths`` per node (host ints)."""
+
+    tokens: torch.Tensor
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = int(self.tokens.shape[0])
+        if self.tokens.dim() != 1 or len(self.parents) != n or len(self.depths) != n:
+            raise ValueError(f"a token tree needs one parent and one depth per token; got {tuple(self.tokens.shape)} "
+                             f"tokens, {len(self.parents)} parents, {len(self.depths)} depths")
+        for j, (p, d) in enumerate(zip(self.parents, self.depths)):
+            if not -1 <= p < j or d != (1 if p < 0 else self.depths[p] + 1):
+                raise ValueError(f"tree node {j} has parent {p} and depth {d}: a parent must come before its child "
+                                 "(-1 = the root) and a node's depth must be its parent's + 1; build trees with "
+                                 "TokenTree.build or grow_tree")
+
+    @classmethod
+    def build(cls, tokens: torch.Tensor, parents: Sequence[int]) -> TokenTree:
+        """A tree of these tokens and parents (the depths follow)."""
+        depths: list[int] = []
+        for j, p in enumerate(parents):
+            p = int(p)
+            if not -1 <= p < j:
+                raise ValueError(f"tree node {j} has parent {p}; a parent must come before its child (-1 = the root)")
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return cls(tokens, tuple(int(p) for p in parents), tuple(depths))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> TokenTree:
+        """The chain of these tokens: node j's parent is node j - 1."""
+        n = int(tokens.shape[0])
+        return cls(tokens, tuple(range(-1, n - 1)), tuple(range(1, n + 1)))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.size - 1))
+
+    def children(self) -> list[list[int]]:
+        """Per column (0 = the root, j + 1 = node j): its children's node indices, in the order they are tried."""
+        out: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for j, p in enumerate(self.parents):
+            out[p + 1].append(j)
+        return out
+
+    def attention(self, T: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify pass's view of T >= size + 1 columns (the root, the nodes, then padding): (mask [T, T] bool, True
+        where column c attends column c'; offsets [T] long, each column's position after the root's). A node attends
+        the root, its ancestors and itself, at offset = its depth; padding columns are causal, at their own index."""
+        if T < self.size + 1:
+            raise ValueError(f"a tree of {self.size} nodes needs {self.size + 1} columns, got {T}")
+        mask = torch.ones(T, T, dtype=torch.bool).tril_()
+        mask[: self.size + 1, : self.size + 1] = False
+        mask[0, 0] = True
+        for j, p in enumerate(self.parents):
+            mask[j + 1] = mask[p + 1]
+            mask[j + 1, j + 1] = True
+        offsets = torch.arange(T)
+        offsets[1 : self.size + 1] = torch.tensor(self.depths, dtype=torch.long)
+        return mask.to(device), offsets.to(device)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from depth 1 down to ``node`` (-1: the root alone, an empty path)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
 # Called after each drafted token with (position in block, draft_stats of that position: [top-1 prob, entropy,
 # margin]); True stops the block after this token.
 StopFn = Callable[[int, torch.Tensor], bool]
@@ -190,6 +276,9 @@ class DraftBlock:
     # sampled model drafts only: [k, V] the processed distribution q each token was drawn from (sampling.
     # probs_from_logits of ``logits`` at the row's settings), handed to verification as is; None = the decoder makes it
     probs: torch.Tensor | None = None
+    # a token tree (``tokens`` its nodes in order; ``logits`` and ``probs`` None: its nodes are verified as proposals
+    # of probability one, ``sampling.verify_tree``); None: a chain
+    tree: TokenTree | None = None
 
     @property
     def k(self) -> int:
@@ -229,6 +318,7 @@ class DraftRow:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     generator: torch.Generator | None = None
     stop: StopFn | None = None  # called after each drafted token; True ends the block there
+    tree: int = 0  # ``DraftsTrees`` drafters: draft a token tree of at most this many nodes and depth k (0: a chain)
 
 
 class Drafter(Protocol):
@@ -271,6 +361,15 @@ class Peekable(Protocol):
         """The confidence (top-1, entropy, margin) of the proposal ``propose`` would make now, or None when it would
         propose nothing."""
         ...
+
+
+@runtime_checkable
+class DraftsTrees(Protocol):
+    """A drafter that drafts token trees (EAGLE-2): for a row whose ``DraftRow.tree`` is n > 0 it proposes a block
+    carrying a ``TokenTree`` of at most n nodes and depth ``k``. ``tree_budget``: the budget a ``Decision`` without one
+    (``tree=None``) gets (0: chains). Other drafters are always asked for chains."""
+
+    tree_budget: int
 
 
 @runtime_checkable

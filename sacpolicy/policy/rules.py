@@ -23,6 +23,7 @@ class _OneDrafter(Policy):
 
     def __init__(self, drafter: str | None = None):
         self.drafter = drafter
+        self.tree: int | None = None  # a token tree's node budget (Decision.tree); None: the drafter's default
 
     def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
         if not drafters:
@@ -33,17 +34,21 @@ class _OneDrafter(Policy):
         name = self.drafter or (state.drafters[0] if state.drafters else None)
         if name is None or name not in state.drafters or k == 0:
             return Decision.autoregressive()
-        return Decision(name, k)
+        return Decision(name, k, self.tree)
 
 
 class Static(_OneDrafter):
-    """Always draft k tokens."""
+    """Always draft k tokens; with ``tree`` = n > 0 a token tree of at most n nodes and depth k (drafters that draft
+    trees), with 0 a chain, with None (default) what the drafter does by default."""
 
-    def __init__(self, k: int, drafter: str | None = None):
+    def __init__(self, k: int, drafter: str | None = None, tree: int | None = None):
         check_k(k, k, "Static policy")
+        if tree is not None and (not isinstance(tree, int) or tree < 0):
+            raise ValueError(f"Static policy: tree must be None (the drafter's default), 0 (chains) or a node budget "
+                             f">= 1, got {tree!r}")
         super().__init__(drafter)
-        self.k = k
-        self.name = f"static-k{k}"
+        self.k, self.tree = k, tree
+        self.name = f"static-k{k}" + (f"-tree{tree}" if tree else "")
 
     def validate(self, drafters, k_max):
         super().validate(drafters, k_max)

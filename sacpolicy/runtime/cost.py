@@ -303,6 +303,48 @@ class CostModel:
                 best = (ks, tps)
         return best
 
+    # ------------------------------------------------------------------ token trees
+    def tree_step_time(self, drafter: str | None, depth: int, nodes: int, context_len: int, batch: int = 1,
+                       width: int = 1) -> float:
+        """One row's step drafting a token tree of ``nodes`` nodes and depth ``depth`` (``decoding.tree``), ``width``
+        nodes expanded per depth, verified in a pass of ``batch`` rows. The pass feeds nodes + 1 tokens and is priced
+        as a chain block of that length (the tree mask changes which fed tokens a token sees, not how many are fed);
+        the draft as ``depth`` passes over ``width`` entries each, i.e. ``width`` rows drafting together (their
+        batched share where ``draft_batch`` has the drafter, else ``width`` one-row passes: an upper bound, as is
+        paying a per-proposal cost once per entry). ``nodes`` = 0: a chain of ``depth`` (``step_time``)."""
+        if nodes <= 0:
+            return self.step_time(drafter, depth, context_len, batch)
+        return width * self.draft_time(drafter, depth, context_len, width) + self.verify_time(nodes, context_len,
+                                                                                              batch)
+
+    @staticmethod
+    def expected_tree_tokens(node_probs: Sequence[float]) -> float:
+        """node_probs[j] = P(tree node j is accepted): the probability that the target's continuation runs along the
+        node's path (e.g. the product of the draft's calibrated acceptance along it; EAGLE-2 ranks nodes by the
+        draft's own cumulative probability). At most one node per depth is accepted, so the expected accepted length
+        is their sum; the step emits one token more (the target's own)."""
+        if any(not 0.0 <= a <= 1.0 for a in node_probs):
+            raise ValueError(f"node acceptance probabilities must lie in [0, 1], got {list(node_probs)}")
+        return 1.0 + float(sum(node_probs))
+
+    def best_tree_budget(self, drafter: str, depth: int, context_len: int, node_probs: Sequence[float],
+                         budgets: Sequence[int], batch: int = 1, width: int = 1) -> tuple[int, float]:
+        """(budget, expected tokens/s) maximising tokens/s over ``budgets`` (node counts >= 1) for a tree that keeps
+        its most likely nodes (``decoding.tree.grow_tree`` keeps the best ``budget``): budget n expects
+        ``expected_tree_tokens`` of the n largest ``node_probs`` (the candidates' acceptance probabilities, more
+        than the largest budget when the tree may grow that far). Ties go to the smaller budget. A chain's rate is
+        ``expected_tokens_per_s``, to compare with."""
+        if not budgets or min(budgets) < 1:
+            raise ValueError(f"tree budgets must be node counts >= 1, got {list(budgets)}")
+        ranked = sorted(node_probs, reverse=True)
+        best = (0, -1.0)
+        for n in sorted(budgets):
+            tps = (self.expected_tree_tokens(ranked[:n])
+                   / self.tree_step_time(drafter, depth, min(n, len(ranked)), context_len, batch, width))
+            if tps > best[1]:
+                best = (n, tps)
+        return best
+
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         d = {"format": COST_FORMAT, "device": self.device, "verify": _curves_to_dict(self.verify),

@@ -10,12 +10,16 @@ from pathlib import Path
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM
 from sacpolicy.runtime.suffix import MAX_DEPTH, MAX_NODES, MAX_REQUESTS, MIN_TOKEN_PROB, SPEC_FACTOR
 
+TREE_WIDTH = 4  # a feature head's token tree: nodes expanded per depth and children kept per node (EAGLE-2's top-k)
+
 # kind -> (required fields, optional fields) besides kind and name
 KINDS = {
     "model": (("path",), ()),  # a draft model sharing the target's tokenizer: a draft dir or any model spec
     "ngram": ((), ("max_ngram", "min_ngram")),  # prompt lookup
     "layer_skip": (("layers",), ()),  # the target's first `layers` layers, sharing its weights
-    "feature": (("path",), ()),  # an EAGLE-3 head over the target's hidden states (a head dir)
+    # an EAGLE-3 head over the target's hidden states (a head dir); ``tree`` > 0: EAGLE-2 token trees of that many
+    # nodes by default (0: chains), ``tree_width`` nodes expanded per depth
+    "feature": (("path",), ("tree", "tree_width")),
     # SuffixDecoding over the request and a global index of earlier outputs (sacpolicy.runtime.suffix)
     "suffix": ((), ("max_depth", "spec_factor", "min_token_prob", "max_nodes", "max_requests")),
 }
@@ -38,6 +42,8 @@ class DrafterSpec:
     min_token_prob: float = MIN_TOKEN_PROB
     max_nodes: int = MAX_NODES
     max_requests: int = MAX_REQUESTS  # 0: no global index over earlier requests
+    tree: int = 0  # feature heads: the token-tree budget of decisions that name none (0: chains)
+    tree_width: int = TREE_WIDTH
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -51,6 +57,9 @@ class DrafterSpec:
                             f"{self.min_ngram}, {self.max_ngram}")
         if self.kind == "suffix":
             self._check_suffix()
+        if self.kind == "feature" and (self.tree < 0 or self.tree_width < 1):
+            raise SpecError(f"feature drafter {self.name!r} needs tree >= 0 (0 = chains) and tree_width >= 1, got "
+                            f"{self.tree} and {self.tree_width}")
         if self.kind == "layer_skip" and int(self.layers) < 1:
             raise SpecError(f"layer-skip drafter {self.name!r} needs layers >= 1, got {self.layers}")
 

@@ -1,0 +1,73 @@
+"""Token trees (EAGLE-2 / SpecInfer): a draft of several candidate continuations sharing prefixes, verified by the
+target in one pass with a tree attention mask.
+
+A tree hangs below the row's last committed token (the root, column 0 of the verify pass). Node j (0-based) is column
+j + 1; ``parents[j]`` is its parent node (-1: the root) and ``depths[j]`` its depth (1 below the root). Nodes are in
+topological order (a parent before its children) and a node's children in the order verification tries them (most
+likely first). A chain of k tokens is the tree whose node j has parent j - 1.
+
+``TokenTree.attention`` is the part of the verify pass's mask among the block's own columns: a node sees the root,
+its ancestors and itself, at position (committed length - 1) + depth, so the target computes each node exactly as if
+its path were the committed sequence. ``grow_tree`` builds a tree the EAGLE-2 way (Li et al. 2024, "EAGLE-2: faster
+inference of language models with dynamic draft trees"): depth by depth, expand the ``width`` best nodes of the last
+depth by cumulative draft log-probability, each into its ``width`` best children; finally keep the ``budget`` best
+nodes of all. A child's score is at most its parent's, so the kept nodes always include their ancestors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sacpolicy.decoding.types import TokenTree
+
+__all__ = ["TokenTree", "grow_tree"]  # TokenTree lives with the decoder's other plain data (types)
+
+
+# expand(nodes, tokens, parents, depths): the draft's log-probabilities [len(nodes), V] of the children of ``nodes``,
+# given every node grown so far (token ids in the draft's vocabulary, parents, depths)
+Expand = Callable[[list[int], list[int], list[int], list[int]], torch.Tensor]
+
+
+def grow_tree(root_logp: torch.Tensor, expand: Expand, budget: int, depth: int,
+              width: int) -> tuple[list[int], list[int]]:
+    """EAGLE-2's dynamic tree: (tokens, parents) of at most ``budget`` nodes and ``depth`` levels, topologically
+    ordered, siblings in descending draft probability. ``root_logp`` [V]: the draft's log-probabilities after the
+    last committed token. Each depth expands (one ``expand`` call) the ``width`` best nodes of the previous depth by cumulative
+    log-probability into their ``width`` best children, of which the ``width`` best form the next depth; growth stops
+    early once no new node could enter the best ``budget`` (a child never outscores its parent). Token ids are the
+    draft's own (the caller maps them to the target's)."""
+    if budget < 1 or depth < 1 or width < 1:
+        raise ValueError(f"a token tree needs budget, depth and width >= 1, got {budget}, {depth}, {width}")
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+
+    def add(cands: list[tuple[float, int, int]], d: int) -> list[int]:
+        new = []
+        for s, parent, tok in cands:
+            if s != float("-inf"):
+                new.append(len(tokens))
+                tokens.append(tok), parents.append(parent), depths.append(d), scores.append(s)
+        return new
+
+    top = root_logp.float().topk(min(width, root_logp.shape[-1]))
+    frontier = add([(s, -1, t) for s, t in zip(top.values.tolist(), top.indices.tolist())], 1)
+    for d in range(2, depth + 1):
+        if not frontier:
+            break
+        if len(scores) >= budget and max(scores[f] for f in frontier) <= sorted(scores, reverse=True)[budget - 1]:
+            break  # every descendant scores at most its ancestor: none would be kept
+        logp = expand(frontier, tokens, parents, depths).float()  # [f, V]
+        top = logp.topk(min(width, logp.shape[-1]), dim=-1)
+        cand = torch.tensor([scores[f] for f in frontier], dtype=torch.float64)[:, None] + top.values.double()
+        best = cand.flatten().topk(min(width, cand.numel()))
+        w = top.indices.shape[1]
+        ids = top.indices.tolist()
+        frontier = add([(s, frontier[i // w], ids[i // w][i % w])
+                        for s, i in zip(best.values.tolist(), best.indices.tolist())], d)
+    keep = sorted(sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:budget])
+    index = {old: new for new, old in enumerate(keep)}
+    return [tokens[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep]
