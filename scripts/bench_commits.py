@@ -10,7 +10,7 @@ held-out MT-Bench first turns (after warm-up prompts that are not counted), writ
 Repeats alternate the order of the trees (AB BA AB ...), so a machine that drifts moves both alike. Configurations:
 ``ar``; ``ngram-k3``; ``layerskip-k4`` (the target's first 4 layers); ``head-heuristic`` (the shipped EAGLE-3 head);
 ``learned`` (``--policy``: a policy artifact, its drafters rebuilt from it); ``batch<B>-...`` (``--batch B``: the
-learned policy, or static n-gram k=3 without one, decoding all prompts with continuous batching at ``max_batch`` B,
+learned policy where its cost model was profiled over batch sizes, else static n-gram k=3, decoding all prompts with continuous batching at ``max_batch`` B,
 timed as one call). Greedy: every configuration's tokens must be equal across the trees, else the run fails.
 
 Only the public decoder API is used, so any commit since the batched decoder (``generate_batch``) can be the base.
@@ -81,7 +81,8 @@ def work(args) -> dict:
             res = dec.generate(ids, args.max_new_tokens)
             out[name].append([len(res.tokens), time.perf_counter() - t0, res.tokens])
     if args.batch:
-        name = "learned" if args.policy else "ngram-k3"
+        # the learned rule plans each step for the live batch: only a cost model profiled over batch sizes can
+        name = "learned" if args.policy and getattr(configs["learned"][1].rule.cost, "batch", None) else "ngram-k3"
         drafters, policy = configs[name]
         dec = SpeculativeDecoder(target, drafters, policy, stop_token_ids=eos,
                                  config=DecoderConfig(max_batch=args.batch))
