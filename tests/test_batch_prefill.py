@@ -34,6 +34,9 @@ class OneByOne(SpeculativeDecoder):
         return caches[0]
 
 
+ONE_PASS = float("inf")  # every joining request in one prefill pass, however ragged (prefill_pad_slack)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     """Mixed lengths (1 to 37 tokens) and a repetitive prompt the n-gram drafter finds long blocks in."""
@@ -82,7 +85,7 @@ def _prefill_calls(model):
 def test_batched_prefill_gives_the_one_by_one_outputs(tiny_target, tiny_draft, head, prompts, kind, B):
     drafters = _drafters(kind, tiny_target, tiny_draft, head)
     name = drafters[0].name
-    batched, alone = _pair(tiny_target.model, drafters, Static(3, name), config=DecoderConfig(max_batch=B))
+    batched, alone = _pair(tiny_target.model, drafters, Static(3, name), config=DecoderConfig(prefill_pad_slack=ONE_PASS, max_batch=B))
     calls, hook = _prefill_calls(tiny_target.model)
     try:
         got = batched.generate_batch(prompts, 12, keep_logits=True)
@@ -110,7 +113,8 @@ def test_k_joining_requests_make_one_target_call(tiny_target, prompts):
     hook = tiny_target.model.register_forward_pre_hook(lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)),
                                                        with_kwargs=True)
     try:
-        results = SpeculativeDecoder(tiny_target.model, stop_token_ids=[]).generate_batch(prompts[:4], 6, max_batch=4)
+        results = SpeculativeDecoder(tiny_target.model, stop_token_ids=[], config=DecoderConfig(
+            prefill_pad_slack=ONE_PASS)).generate_batch(prompts[:4], 6, max_batch=4)
     finally:
         hook.remove()
     assert seen[0] == (4, 37) and all(rows <= 4 and tokens == 1 for rows, tokens in seen[1:])
@@ -178,7 +182,7 @@ def test_feature_drafters_get_each_prompts_hidden_states(tiny_target, head, prom
     for cls in (SpeculativeDecoder, OneByOne):
         log = logs[cls] = []
         dec = cls(tiny_target.model, [Recording(head, log)], Autoregressive(), stop_token_ids=[],
-                  config=DecoderConfig(max_batch=4))
+                  config=DecoderConfig(prefill_pad_slack=ONE_PASS, max_batch=4))
         dec.generate_batch(prompts[:4], 1)  # one new token each: the prefill's, so only the prefill hands states
     got, ref = logs[SpeculativeDecoder], logs[OneByOne]
     assert [a.shape[0] for a in got] == [len(p) for p in prompts[:4]] == [b.shape[0] for b in ref]
@@ -201,7 +205,7 @@ def test_sampled_rows_draw_the_same_tokens_as_one_by_one(seeded):
     outs = []
     for cls in (SpeculativeDecoder, OneByOne):
         dec = cls(Markov(P.log()), [ModelDrafter(Markov(Q.log()), name="q")], Static(3, "q"), stop_token_ids=[],
-                  sampling=SamplingConfig(temperature=1.0, seed=9), config=DecoderConfig(timing=False, max_batch=4))
+                  sampling=SamplingConfig(temperature=1.0, seed=9), config=DecoderConfig(timing=False, prefill_pad_slack=ONE_PASS, max_batch=4))
         outs.append([r.tokens for r in dec.generate_batch(prompts, [9, 4, 12, 7, 10, 6], requests=requests)])
     assert outs[0] == outs[1]
     assert len({t for row in outs[0] for t in row}) > 2  # sampled, not a constant
@@ -213,7 +217,7 @@ def test_sampled_rows_on_a_real_target_follow_the_one_by_one_draws(tiny_target, 
     outs = []
     for cls in (SpeculativeDecoder, OneByOne):
         dec = cls(tiny_target.model, [NgramDrafter()], Static(3, "ngram"), stop_token_ids=[],
-                  config=DecoderConfig(max_batch=3))
+                  config=DecoderConfig(prefill_pad_slack=ONE_PASS, max_batch=3))
         outs.append([r.tokens for r in dec.generate_batch(prompts, 10, requests=requests)])
     assert outs[0] == outs[1]
 
@@ -235,9 +239,33 @@ def test_cost_model_prices_one_padded_pass_and_the_replay_clock_pays_it():
     seqs = [[i] * n + [50 + i, 60] for i, n in enumerate(lengths)]
     clock = VirtualClock()
     dec = SpeculativeDecoder(ReplayTarget(seqs, 100, clock=clock, cost=cost), stop_token_ids=[],
-                             config=DecoderConfig(timing=False, max_batch=4))
+                             config=DecoderConfig(timing=False, prefill_pad_slack=ONE_PASS, max_batch=4))
     dec.clock = clock
     out = dec.generate_batch([q[:n] for q, n in zip(seqs, lengths)], 1)
     assert [r.tokens for r in out] == [[50 + i] for i in range(4)]  # each row read its own sequence past its pads
     assert clock.t == pytest.approx(cost.prefill_time(30, 4))
     assert sum(r.prefill_s for r in out) == pytest.approx(clock.t)
+
+
+def test_ragged_joiners_prefill_in_groups_that_waste_little_padding(tiny_target):
+    """The default ``prefill_pad_slack``: requests join the current group in order while padding stays within 25% of
+    their tokens; a pass over a long prompt's pads for short ones would cost more than it saves."""
+    from sacpolicy.decoding.rows import Row
+
+    dec = SpeculativeDecoder(tiny_target.model, [], Autoregressive(), stop_token_ids=[])
+
+    def runs(*lengths):
+        out = []
+        for n in lengths:
+            r = Row.__new__(Row)
+            r.n = n
+            out.append(r)
+        return out
+
+    groups = dec._prefill_groups(runs(10, 11, 12, 40, 38, 5))
+    assert [[r.n for r in g] for g in groups] == [[10, 11, 12], [40, 38], [5]]
+    one = SpeculativeDecoder(tiny_target.model, [], Autoregressive(), stop_token_ids=[],
+                             config=DecoderConfig(prefill_pad_slack=ONE_PASS))
+    assert len(one._prefill_groups(runs(10, 40, 5))) == 1
+    with pytest.raises(ValueError, match="prefill_pad_slack"):
+        DecoderConfig(prefill_pad_slack=-1)

@@ -96,8 +96,15 @@ class DecoderConfig:
     # transformers' own kernels throughout
     cpu_kernels: bool = True
     tree_max: int = 64  # the most nodes a token tree may have (``Decision.tree``)
+    # Joining requests prefill together only while padding to the group's longest prompt adds at most this share of
+    # their own tokens; a longer or shorter one starts a group of its own (a pass over pads costs like real tokens).
+    # 0: only prompts of one length share a pass
+    prefill_pad_slack: float = 0.25
 
     def __post_init__(self) -> None:
+        if not self.prefill_pad_slack >= 0:
+            raise ValueError(f"prefill_pad_slack must be >= 0 (the share of padding a joint prefill may add), got "
+                             f"{self.prefill_pad_slack}")
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"decoder max_batch must be an integer >= 1, got {self.max_batch!r}")
         if self.batch_k not in BATCH_K:
@@ -308,7 +315,8 @@ class SpeculativeDecoder:
         while waiting or batch:
             # again after each prefill: requests that arrived during it join before the next step
             while joining := self._admit(waiting, B - len(batch), t0):
-                cache = self._join(joining, batch, cache)
+                for group in self._prefill_groups(joining):
+                    cache = self._join(group, batch, cache)
             if not batch:
                 if waiting:
                     self.clock.sleep(max(0.0, waiting[-1].arrival - (self._now() - t0)))
@@ -334,6 +342,20 @@ class SpeculativeDecoder:
             run.queued_s = self._now() - t0 - run.arrival
             joining.append(run)
         return joining
+
+    def _prefill_groups(self, joining: list[Row]) -> list[list[Row]]:
+        """The joining requests in order, cut into groups that prefill in one pass: a request joins the current group
+        while the group's padded tokens stay within ``prefill_pad_slack`` of its real ones."""
+        groups: list[list[Row]] = []
+        for run in joining:
+            group = groups[-1] if groups else None
+            if group is not None:
+                lengths = [r.n for r in group] + [run.n]
+                if max(lengths) * len(lengths) <= (1 + self.config.prefill_pad_slack) * sum(lengths):
+                    group.append(run)
+                    continue
+            groups.append([run])
+        return groups
 
     def _join(self, joining: list[Row], batch: list[Row], cache: RaggedCache | None) -> RaggedCache | None:
         """Prefill the joining requests together; those still decoding join ``batch`` (in place) and their rows the
