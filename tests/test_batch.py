@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from toys import Markov, decide_one, policy_rows, propose_one
+from toys import Markov, decide_one, markov_pair, mixed_prompts, policy_rows, propose_one
 
 from sacpolicy.decoding import (
     DecoderConfig,
@@ -31,10 +31,7 @@ from sacpolicy.policy import Autoregressive, Confidence, Heuristic, SeedRule, St
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(0)
-    out = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (5, 23, 1, 37, 12)]
-    out.append([5, 6, 7, 8] * 6)  # repetitive: the n-gram drafter finds long accepted blocks
-    return out
+    return mixed_prompts((5, 23, 1, 37, 12), seed=0, repeats=6)
 
 
 @pytest.fixture(scope="module")
@@ -228,10 +225,7 @@ def test_batched_sampling_follows_the_target_distribution():
     """Rows sampled in batches (each with its own seed) have the target's joint distribution of tokens 2, 3; greedy
     rows in the same batches (mixed settings, per request) stay the greedy chain."""
     v = 6
-    g = torch.Generator().manual_seed(5)
-    P = torch.rand(v, v, generator=g) ** 2 + 0.02
-    Q = torch.rand(v, v, generator=g) ** 2 + 0.02
-    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    P, Q = markov_pair(v, seed=5)
     dec = SpeculativeDecoder(Markov(P.log()), [ModelDrafter(Markov(Q.log()), name="q")], Heuristic(k0=2),
                              stop_token_ids=[], config=DecoderConfig(timing=False, max_batch=4))
     greedy = [int(P[0].argmax())]

@@ -7,7 +7,7 @@ requests; the cost model prices that one pass, and a batched replay's clock adva
 
 import pytest
 import torch
-from toys import Markov
+from toys import Markov, mixed_prompts
 
 from sacpolicy.decoding import (
     DecoderConfig,
@@ -40,10 +40,7 @@ ONE_PASS = float("inf")  # every joining request in one prefill pass, however ra
 @pytest.fixture(scope="module")
 def prompts():
     """Mixed lengths (1 to 37 tokens) and a repetitive prompt the n-gram drafter finds long blocks in."""
-    g = torch.Generator().manual_seed(3)
-    out = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (9, 1, 37, 4, 23)]
-    out.append([5, 6, 7, 8] * 5)
-    return out
+    return mixed_prompts((9, 1, 37, 4, 23), seed=3, repeats=5)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from toys import Markov, propose_one
+from toys import Markov, markov_pair, propose_one
 from transformers import LlamaConfig
 
 from sacpolicy.decoding import (
@@ -334,10 +334,7 @@ def test_sampling_with_a_smaller_vocabulary_draft_matches_the_target_at_t07():
 # ---------------------------------------------------------------- sampling through the real decoder loop
 def test_decoder_sampling_matches_target_distribution():
     v = 6
-    g = torch.Generator().manual_seed(5)
-    P = torch.rand(v, v, generator=g) ** 2 + 0.02
-    Q = torch.rand(v, v, generator=g) ** 2 + 0.02
-    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    P, Q = markov_pair(v, seed=5)
     sampling = SamplingConfig(temperature=1.0)
     dec = SpeculativeDecoder(Markov(P.log()), [ModelDrafter(Markov(Q.log()), name="q")], Heuristic(k0=2), sampling=sampling,
                              config=DecoderConfig(timing=False), stop_token_ids=[])

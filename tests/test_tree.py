@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from toys import Markov, MarkovTreeDrafter, ModelTreeDrafter
+from toys import Markov, MarkovTreeDrafter, ModelTreeDrafter, markov_pair, mixed_prompts
 
 from sacpolicy.decoding import DecoderConfig, RequestInfo, SamplingConfig, SpeculativeDecoder
 from sacpolicy.decoding.sampling import draw_uniforms, verify_tree, verify_tree_greedy
@@ -18,10 +18,7 @@ from sacpolicy.policy import Static
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(0)
-    out = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (5, 23, 1, 37, 12)]
-    out.append([5, 6, 7, 8] * 6)
-    return out
+    return mixed_prompts((5, 23, 1, 37, 12), seed=0, repeats=6)
 
 
 @pytest.fixture(scope="module")
@@ -249,10 +246,7 @@ def test_multi_draft_rule_samples_the_target(drawn):
     follows p(root) and, when it is a node with children, the second p(that node). Candidates fixed (q = None: proposals
     of probability one) or drawn i.i.d. from q at their parent, anew for every trial (SpecInfer)."""
     V = 6
-    g = torch.Generator().manual_seed(7)
-    P = torch.rand(V, V, generator=g) ** 2 + 0.02
-    Q = torch.rand(V, V, generator=g) ** 2 + 0.02
-    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    P, Q = markov_pair(V, seed=7)
     parents, root = [-1, -1, -1, 0, 0, 1], 2
     fixed = [4, 1, 0, 1, 3, 5]
     draws = 12_000
@@ -290,10 +284,7 @@ def test_decoder_tree_sampling_matches_target_distribution(max_batch):
     """At T = 0.7, tokens 2 and 3 (from a tree step: the Markov draft's dynamic tree) follow the target's processed
     distribution, one row and batched."""
     v = 6
-    g = torch.Generator().manual_seed(5)
-    P = torch.rand(v, v, generator=g) ** 2 + 0.02
-    Q = torch.rand(v, v, generator=g) ** 2 + 0.02
-    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    P, Q = markov_pair(v, seed=5)
     sampling = SamplingConfig(temperature=0.7)
     dec = SpeculativeDecoder(Markov(P.log()), [MarkovTreeDrafter(Q.log(), tree=5, width=2)], Static(3),
                              sampling=sampling, config=DecoderConfig(timing=False), stop_token_ids=[])

@@ -50,6 +50,22 @@ def propose_one(drafter, context, k, sampling=None, generator=None, stop=None, s
     return drafter.propose([row])[0]
 
 
+def mixed_prompts(lengths, seed: int, repeats: int) -> list[list[int]]:
+    """Random prompts of ``lengths`` (ids 3..49151: the tiny target's vocabulary) and one repetitive prompt, [5, 6, 7,
+    8] ``repeats`` times, that the n-gram drafter finds long accepted blocks in: the batch tests' mixed workload."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lengths] + [[5, 6, 7, 8] * repeats]
+
+
+def markov_pair(v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, Q): two random [v, v] transition matrices, rows normalised and every entry at least a little likely, for a
+    Markov target and a Markov draft that disagree; the chi-square tests' pair."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.rand(v, v, generator=g) ** 2 + 0.02
+    Q = torch.rand(v, v, generator=g) ** 2 + 0.02
+    return P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+
+
 class Markov(torch.nn.Module):
     """An order-1 Markov chain: logits of the next token depend on the last token only. ``logp`` [vocab, out]: rows
     are log-probabilities over ``out`` tokens (fewer than the vocabulary for a trimmed-vocabulary draft)."""

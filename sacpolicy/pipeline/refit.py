@@ -59,6 +59,8 @@ def run(ctx: RunContext) -> dict:
     current_path = current_policy(ctx)  # resolved before this run writes policies of its own
     meta, tf_dir = production_traces(ctx)
     log = meta["log"]
+    if rs.live_requests > 0:  # refused before minutes of fitting
+        check_live(rs, meta)
     grouped, by_split, split_of = split_requests(ctx, tf_dir, meta)
     spec = meta["drafter"]
     mixed = run_traces(ctx, spec["name"], set(grouped), meta["sampling"]) if rs.include_run_traces else {}
@@ -81,16 +83,9 @@ def run(ctx: RunContext) -> dict:
     ratios = compare(per, seed=cfg.seed, resamples=rs.resamples, level=rs.level)
     live_part = None
     if rs.live_requests > 0:
-        if rs.live_repeats < 1:
-            raise PipelineError(f"refit.live_repeats={rs.live_repeats}: each live request needs at least one "
-                                "decode per arm; set refit.live_repeats=1 or more")
-        if float((meta.get("sampling") or {}).get("temperature") or 0.0) > 0:
-            raise PipelineError("refit.live_requests decodes the held-out requests greedily, but this log's requests "
-                                f"were sampled ({meta['sampling']}); set refit.live_requests=0 (the simulated "
-                                "comparison covers sampled logs)")
         arms = {"candidate": candidate_path, "current": current_path, "best-static": static}
-        live_per, agree = decode_live(ctx, arms, list(test)[: rs.live_requests], spec, int(log["k_cap"]),
-                                     int(log["max_model_len"]), rs.live_repeats)
+        live_per, agree = decode_live(ctx, arms, list(test)[: rs.live_requests], specs[spec["name"]],
+                                     int(log["k_cap"]), int(log["max_model_len"]), rs.live_repeats)
         live_part = {"requests": len(live_per["candidate"]["tokens"]), **agree,
                      "mode": f"live: our decoder, prompt by prompt with the arms in turn, to the served lengths, the "
                              f"fastest of {rs.live_repeats} repeats",
@@ -270,10 +265,22 @@ def replay(ctx: RunContext, policy, test: dict, log: dict, drafter: str) -> dict
             "seconds": [float(out.total_s) for _, out in sim.results]}
 
 
-def decode_live(ctx: RunContext, arms: dict, ids: list, spec: dict, k_cap: int, max_model_len: int,
+def check_live(rs, meta: dict) -> None:
+    """Refuse live arms the log cannot support: no repeat, or a sampled log (the live arms decode greedily)."""
+    if rs.live_repeats < 1:
+        raise PipelineError(f"refit.live_repeats={rs.live_repeats}: each live request needs at least one "
+                            "decode per arm; set refit.live_repeats=1 or more")
+    if float((meta.get("sampling") or {}).get("temperature") or 0.0) > 0:
+        raise PipelineError("refit.live_requests decodes the held-out requests greedily, but this log's requests "
+                            f"were sampled ({meta['sampling']}); set refit.live_requests=0 (the simulated "
+                            "comparison covers sampled logs)")
+
+
+def decode_live(ctx: RunContext, arms: dict, ids: list, spec, k_cap: int, max_model_len: int,
                 repeats: int = 1) -> tuple[dict, dict]:
     """({arm: {"tokens", "seconds"}}, agreement) of each arm (a policy directory or a best static {"drafter", "k"})
-    decoding the held-out requests ``ids`` live in our decoder with the served drafter: each request's logged prompt,
+    decoding the held-out requests ``ids`` live in our decoder with the served drafter (``spec``, a ``DrafterSpec``,
+    built by ``build.build_drafters``, fresh per arm): each request's logged prompt,
     to the length the server generated, prompt by prompt with the arms in turn (machine noise hits all alike), after
     one warm-up generation each; wall seconds per request, the fastest of ``repeats`` (a shared machine's stalls hit
     one repeat, not all). Greedy: every arm must emit the same tokens (lossless;
@@ -281,7 +288,8 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, spec: dict, k_cap: int, 
     kernels may round differently: reported, not required)."""
     import time
 
-    from sacpolicy.decoding import DecoderConfig, NgramDrafter, SpeculativeDecoder
+    from sacpolicy.build import build_drafters
+    from sacpolicy.decoding import DecoderConfig, SpeculativeDecoder
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
@@ -297,8 +305,8 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, spec: dict, k_cap: int, 
             rule = load_artifact(policy).rule
             pol = AsServed(LearnedPolicy(rule), tuple(rule.drafters), k_cap, int(max_model_len))
             k_max = max(rule.k_max, k_cap)
-        drafter = NgramDrafter(spec["max_ngram"], spec["min_ngram"], name=spec["name"])
-        return SpeculativeDecoder(target.model, [drafter], pol, config=DecoderConfig(k_max=k_max),
+        return SpeculativeDecoder(target.model, build_drafters([spec], target), pol,
+                                  config=DecoderConfig(k_max=k_max),
                                   stop_token_ids=target.eos_token_ids)
 
     decoders = {arm: decoder(p) for arm, p in arms.items()}
