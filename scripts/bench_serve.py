@@ -32,6 +32,14 @@ intervals from a paired bootstrap over repeats and requests: ``sacpolicy.bench.s
 writes JSON (``--out``, each run's per-request latencies included) and a plot of TPOT and P99 latency against rate
 (``--plot``, default beside ``--out``). ``--rescore A.json[,B.json] --workdir A_WORK[,B_WORK]`` re-tables earlier
 runs from their raw results, starting no server; several runs of the same rates are pooled, their repeats joined.
+
+Hot-reload drill (``--reload-at S --reload-policy P``): the learned server follows a deploy root made from
+``--export`` (``sacpolicy.export.deploy``; it checks the root every second and logs every step), and S seconds into
+each of its runs the other version (``P``, then ``--export`` again) is deployed and made current under load. The
+learned row then also reports the server's swaps (``reloads``, ``reload_failures``) and the verify steps each policy
+id planned (``policy_steps``, from the step log): a swap mid-run shows as steps under both ids, with failed requests
+and identical outputs counted as for every row. Run it at one rate per server (``--rates 1``): the counts are per
+server.
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ from sacpolicy.bench.serve import draw, markdown, per_request, same_as, summariz
 from sacpolicy.export.vllm_run import vllm_status
 from sacpolicy.export.vllm_serve import CONFIGS, ServeError, VllmServer, bench_serve, completions, serve_config
 from sacpolicy.io import write_text
-from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
+from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, served_model
+
+NOT_RATES = ("proposer", "reload")  # results[config] keys that hold per-server records, not a rate's runs
 
 
 def dataset(prompts: list[dict], tok, path: Path) -> list[str]:
@@ -96,12 +106,20 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-at", type=float, default=None,
                     help="fault drill: kill the learned server this many seconds into its first run (it is "
                          "restarted for the next run)")
+    ap.add_argument("--reload-at", type=float, default=None,
+                    help="hot-reload drill: deploy --reload-policy this many seconds into each learned run")
+    ap.add_argument("--reload-policy", default=None,
+                    help="the policy (artifact or vLLM export) the drill swaps to; the next run swaps back")
     ap.add_argument("--plot", default=None, help="PNG of TPOT and P99 latency against rate (default: beside --out)")
     ap.add_argument("--workdir", default=None, help="keep the servers' logs and raw results here")
     ap.add_argument("--rescore", default=None, help="earlier runs' JSON, comma-separated: re-table (and pool) them "
                     "from their raw results in --workdir (one per run), starting no server")
     bench.add_out(ap, "bench_serve.json")
     args = ap.parse_args(argv)
+    if (args.reload_at is None) != (args.reload_policy is None):
+        ap.error("--reload-at and --reload-policy go together")
+    if args.reload_at is not None and "learned" not in args.configs.split(","):
+        ap.error("the hot-reload drill runs on the learned configuration: add learned to --configs")
     if args.rescore:
         return rescore(args.rescore.split(","), (args.workdir or "").split(","), Path(args.out))
 
@@ -113,7 +131,7 @@ def main(argv=None) -> int:
     if len(prompts) < args.prompts:
         raise SystemExit(f"bench_serve: {args.source} has {len(prompts)} held-out test prompts, fewer than "
                          f"--prompts {args.prompts}")
-    target_dir = model_dir()
+    target_dir = served_model()  # what vLLM loads
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         work = Path(args.workdir or tmp_name)
@@ -121,6 +139,9 @@ def main(argv=None) -> int:
         data = work / "prompts.jsonl"
         dataset(prompts, tok, data)
         configs = configs_of(args, work, target_dir)
+        drill = ReloadDrill(args.export, args.reload_policy, work) if args.reload_at is not None else None
+        if drill is not None:
+            configs["learned"] = drill.config(served_model=str(target_dir))
         print(f"vLLM {why}; {len(prompts)} {args.source} held-out prompts, {args.max_tokens} tokens max, greedy; "
               f"configurations: {', '.join(configs)}", flush=True)
 
@@ -136,6 +157,7 @@ def main(argv=None) -> int:
                 killer = threading.Timer(args.kill_at, server.kill)
                 killer.start()
                 killed.append(name)
+            swapper = drill.swap_after(args.reload_at) if drill is not None and name == "learned" else None
             t = time.perf_counter()
             try:
                 res = bench_serve(server.url, data, work / f"{tag}.json", num_prompts=len(prompts), rate=rate,
@@ -147,6 +169,8 @@ def main(argv=None) -> int:
             finally:
                 if killer is not None:
                     killer.cancel()
+                if swapper is not None:
+                    swapper.join()
             return res
 
         killed: list[str] = []
@@ -171,9 +195,11 @@ def main(argv=None) -> int:
         for rep, name in bench.alternating(list(configs), args.repeats):
             config = configs[name]
             if name == "learned":  # the proposer reports its calls, failures and live batch sizes through a file
-                from sacpolicy.export.vllm import STATS_ENV
+                from sacpolicy.export.vllm import LOG_ENV, STATS_ENV
 
                 config.env = {**config.env, STATS_ENV: str(work / f"proposer-{rep}.json")}
+                if drill is not None:  # one step log per server: the steps each policy id planned
+                    config.env[LOG_ENV] = str(drill.log_dir(rep))
             t0 = time.perf_counter()
             server = VllmServer(target_dir, config, log=work / f"{name}-{rep}.log", max_num_seqs=args.max_num_seqs)
             preload = server.env.get("LD_PRELOAD", "")  # the OpenMP runtime the servers ran with
@@ -195,6 +221,10 @@ def main(argv=None) -> int:
                           f"{row.get('p99_e2el_ms') or float('nan'):.0f} ms, identical {row['identical']}/"
                           f"{row['compared']}, failed {row['failed']}", flush=True)
             keep_proposer_stats(results, name, rep, work / f"proposer-{rep}.json")
+            if drill is not None and name == "learned":
+                swaps = drill.report(rep, work / f"proposer-{rep}.json")
+                results[name].setdefault("reload", []).append(swaps)
+                print(f"  [{rep}] learned: hot reload {swaps}", flush=True)
             print(f"  [{rep}] {name}: {time.perf_counter() - t0:.0f} s with start-up", flush=True)
 
     v = verdict(results, rates)
@@ -211,7 +241,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"wrote {args.out} (no plot: {e})")
     lossless = all(r["identical"] == r["compared"] for n in results for k, rows in results[n].items()
-                   if k != "proposer" for r in rows)
+                   if k not in NOT_RATES for r in rows)
     return 0 if lossless else 1
 
 
@@ -227,7 +257,7 @@ def rescore(paths: list[str], workdirs: list[str], out: Path) -> int:
         run = json.loads(Path(path).read_text())
         for name, by_rate in run["results"].items():
             for r, rows in by_rate.items():
-                for row in rows if r != "proposer" else []:
+                for row in rows if r not in NOT_RATES else []:
                     raw = Path(workdir) / f"{name}-{row['repeat']}-{r}.json"
                     if not raw.is_file():
                         raise SystemExit(f"bench_serve: {raw} is missing; --workdir must be the run's own workdir")
@@ -239,15 +269,85 @@ def rescore(paths: list[str], workdirs: list[str], out: Path) -> int:
                              "of the same rates")
         else:
             base = 1 + max(row["repeat"] for by in payload["results"].values() for r, rows in by.items()
-                           if r != "proposer" for row in rows)
+                           if r not in NOT_RATES for row in rows)
             payload["results"] = {n: {r: rows + [{**x, "repeat": x["repeat"] + base} for x in run["results"][n][r]]
-                                      for r, rows in by.items() if r != "proposer"}
+                                      for r, rows in by.items() if r not in NOT_RATES}
                                   for n, by in payload["results"].items() if n in run["results"]}
     res, rates = payload["results"], payload["rates_x"]
     payload["verdict"] = verdict(res, rates)
     payload["markdown"] = markdown(res, rates, payload["capacity_rps"], payload["verdict"])
     print(f"{payload['markdown']}\n\nwrote {bench.write_results(out, payload)}")
     return 0
+
+
+class ReloadDrill:
+    """The hot-reload drill's deploy root (``work/deploy``) with ``export`` current, and its swaps: each learned run
+    deploys the other of (``other``, ``export``) ``at`` seconds in."""
+
+    def __init__(self, export, other, work: Path):
+        from sacpolicy.export.deploy import deploy
+
+        if export is None:
+            raise SystemExit("bench_serve: the hot-reload drill needs --export (the version served first)")
+        self.root, self.work = Path(work) / "deploy", Path(work)
+        self.sources = [Path(export), Path(other)]
+        deploy(export, self.root)
+        self.swaps: list[dict] = []
+
+    def config(self, served_model: str):
+        """The learned configuration serving the deploy root's ``current``, checking it every second."""
+        from sacpolicy.export.reload import RELOAD_ENV
+
+        config = serve_config("learned", export=self.root / "current", served_model=served_model)
+        config.env = {**config.env, RELOAD_ENV: "1"}
+        return config
+
+    def log_dir(self, rep: int) -> Path:
+        return self.work / f"reload-steplog-{rep}"
+
+    def swap_after(self, seconds: float):
+        """A started thread that deploys the next version ``seconds`` from now (a failed deploy is reported in the
+        swap's record, never raised in the run)."""
+        import threading
+
+        from sacpolicy.export.deploy import deploy
+
+        source = self.sources[1 - len(self.swaps) % 2]
+        record = {"deploy": str(source), "at_s": seconds}
+        self.swaps.append(record)
+
+        def swap():
+            time.sleep(seconds)
+            try:
+                record["version"] = deploy(source, self.root).name
+                record["unix_s"] = time.time()
+            except Exception as e:  # noqa: BLE001 - the drill reports it
+                record["error"] = f"{type(e).__name__}: {e}"
+
+        thread = threading.Thread(target=swap, daemon=True)
+        thread.start()
+        return thread
+
+    def report(self, rep: int, stats_path: Path) -> dict:
+        return reload_report(self.log_dir(rep), stats_path, self.swaps[-1:])
+
+
+def reload_report(log_dir: Path, stats_path: Path, swaps: list[dict]) -> dict:
+    """What a drill server did: its swaps and failed swaps (the proposer's stats file), the policy id it ended on,
+    and the verify steps each policy id planned (its step log), beside the deploys the drill made."""
+    from sacpolicy.traces.production import read_step_log
+
+    stats = json.loads(Path(stats_path).read_text()) if Path(stats_path).is_file() else {}
+    steps: dict[str, int] = {}
+    span: dict[str, list[float]] = {}
+    if Path(log_dir).is_dir() and any(Path(log_dir).glob("*.parquet")):
+        for r in read_step_log(log_dir)[0]:
+            steps[r["policy"]] = steps.get(r["policy"], 0) + 1
+            first, last = span.setdefault(r["policy"], [r["unix_s"], r["unix_s"]])
+            span[r["policy"]] = [min(first, r["unix_s"]), max(last, r["unix_s"])]
+    return {"reloads": stats.get("reloads"), "reload_failures": stats.get("reload_failures"),
+            "final_policy_id": stats.get("policy_id"), "policy_steps": steps,
+            "policy_unix_s": span, "deploys": [dict(s) for s in swaps]}
 
 
 def keep_proposer_stats(results: dict, name: str, rep: int, path: Path) -> None:

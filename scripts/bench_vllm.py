@@ -31,7 +31,7 @@ from sacpolicy.export import static_k
 from sacpolicy.export.vllm import learned_config, speculative_config
 from sacpolicy.export.vllm_run import run_engine, vllm_status
 from sacpolicy.export.vllm_serve import VLLM_NGRAM_DOCS
-from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
+from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, served_model
 from sacpolicy.runtime import load_artifact
 
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_vllm: {why}")
     tok = load_tokenizer(EMBEDDED_TARGET)
     prompts = [r["input_ids"] for r in bench.held_out_prompts(args.source, tok, n=args.prompts)]
-    target_dir = model_dir()
+    target_dir = served_model()  # what vLLM loads
     print(f"vLLM {why}; {len(prompts)} {args.source} test prompts, {args.max_tokens} new tokens, greedy, float32")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

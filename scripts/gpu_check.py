@@ -18,9 +18,9 @@ from pathlib import Path
 def _served_target(spec: str) -> str:
     """The directory vLLM serves: the run's target's, or for the tiny target (CPU dry run) the embedded model's,
     whose tokenizer the tiny models share (vLLM's CPU attention has no kernel for the tiny model's head size 16)."""
-    from sacpolicy.models import EMBEDDED_TARGET, model_dir
+    from sacpolicy.models import EMBEDDED_TARGET, served_model
 
-    return str(model_dir(EMBEDDED_TARGET if spec.startswith("tiny:") else spec))
+    return served_model(EMBEDDED_TARGET if spec.startswith("tiny:") else spec)
 
 
 def vllm_step(run_dir: Path, out: Path, prompts: int = 4, max_tokens: int = 32) -> dict:

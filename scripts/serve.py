@@ -53,11 +53,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from sacpolicy.export.vllm_run import vllm_status
-    from sacpolicy.models import EMBEDDED_TARGET, model_dir
+    from sacpolicy.models import EMBEDDED_TARGET, served_model
 
     target = args.target or EMBEDDED_TARGET
     try:
-        served = str(model_dir(target)) if not target.startswith("hf:") else target.removeprefix("hf:")
+        served = served_model(target) if not target.startswith("hf:") else target.removeprefix("hf:")
         config = serve_config(args.config, export=args.export, head=args.head, head_export=args.head_export,
                               target=target, served_model=served)
     except ServeError as e:

@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     from sacpolicy.export.steplog import FLUSH_ENV, RATE_ENV
     from sacpolicy.export.vllm import LOG_ENV
     from sacpolicy.export.vllm_serve import ServeError, VllmServer, completions, serve_config
-    from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, model_dir
+    from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, served_model
     from sacpolicy.traces.production import compare_with_vllm, read_step_log, requests_of
 
     logs = Path(args.logs).resolve()
@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     rows = fits
     prompts = [list(r["input_ids"]) for r in rows]
     env = {LOG_ENV: str(logs), RATE_ENV: "1", FLUSH_ENV: "2"}
-    server = VllmServer(model_dir(), config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, env=env,
+    server = VllmServer(served_model(), config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, env=env,
                         extra_args=("--per-request-spec-decode-metrics", "detailed"),
                         log=Path(args.out).with_suffix(".server.log"))
     print(f"[serve_logged] {len(prompts)} {args.source}/{args.split} prompts, {args.max_tokens} tokens each, "

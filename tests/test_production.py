@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from toys import ngram_rule
+from toys import load_script, ngram_rule
 
 from sacpolicy.export import steplog
 from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
@@ -516,3 +516,42 @@ def test_foreign_files_and_shards_of_another_server_setting_are_refused_with_the
     pq.write_table(pa.table({"x": [1, 2]}), path)
     with pytest.raises(StepLogError, match=f"{path} is not a step-log shard.*move it out of {foreign} or log again"):
         read_step_log(foreign)
+
+
+def test_the_reload_drill_swaps_the_served_policy_mid_run_and_counts_each_ids_steps(tmp_path, monkeypatch):
+    """bench_serve's hot-reload drill under a fake engine: the proposer follows the drill's deploy root, the drill
+    deploys the other policy mid-run, and its report shows the swap (reloads, the final id) and steps planned under
+    both ids, the old id's before the new one's; the next swap deploys the first policy again."""
+    from sacpolicy.export.reload import RELOAD_ENV
+    from sacpolicy.export.vllm import STATS_ENV
+
+    cli = load_script("bench_serve")
+    drafters = {"ngram": {"kind": "ngram", "max_ngram": 3}}
+    a, b = (save_policy(tmp_path / m, ngram_rule(m), drafters=drafters, provenance={"target": TARGET}, metrics={})
+            for m in ("stop", "k"))
+    drill = cli.ReloadDrill(a, b, tmp_path / "work")
+    stats = tmp_path / "stats.json"
+    monkeypatch.setenv(RELOAD_ENV, "3600")  # the drill's own 1 s is what a server gets; here the test polls
+    monkeypatch.setenv(LOG_ENV, str(drill.log_dir(0)))
+    monkeypatch.setenv(STATS_ENV, str(stats))
+    config = vllm_config()
+    config.speculative_config.num_speculative_tokens = 8  # the deploy root's k cap (the policies' k_max)
+    prop = PolicyNgramProposer(config, str(drill.root))  # what a version's vllm.env names
+    first = prop.policy_id
+
+    def on_step(t):
+        if t == 20:
+            drill.swap_after(0.0).join()
+            prop.slot.next_poll = 0.0  # the reload interval has passed
+
+    workload().run(prop, on_step)
+    prop.steplog.close()
+    prop.write_stats()  # a server writes them every 20 steps
+    report = drill.report(0, stats)
+    second = report["deploys"][0]["version"]
+    assert "error" not in report["deploys"][0] and second != first
+    assert report["reloads"] == 1 and report["reload_failures"] == 0
+    assert set(report["policy_steps"]) == {first, second} and min(report["policy_steps"].values()) > 10
+    assert report["policy_unix_s"][first][0] <= report["policy_unix_s"][second][0]
+    drill.swap_after(0.0).join()
+    assert drill.swaps[-1]["deploy"] == str(a) and "version" in drill.swaps[-1]

@@ -2,7 +2,7 @@
 started, waited for and stopped, its spec-decode counters read, and vLLM's own load client (``vllm bench serve``) run
 against it. ``scripts/serve.py`` and ``scripts/bench_serve.py`` are the command lines; tests/test_serve.py proves it.
 
-    with VllmServer(model_dir(), serve_config("learned", export="deploy/vllm")) as server:
+    with VllmServer(served_model(), serve_config("learned", export="deploy/vllm")) as server:
         print(server.url)                      # http://127.0.0.1:<port>/v1 ... /health, /metrics
         texts = completions(server.url, ["Hello"], max_tokens=32)
 
@@ -165,7 +165,7 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
     ``format=vllm drafter=feature`` directory (learned-head); ``target``: the sacpolicy model spec served (default:
     the embedded target); ``served_model``: the directory vLLM loads (default: the target's); ``log_dir``: where
     ``learned-logged`` writes its step log (default: a new temporary directory)."""
-    from sacpolicy.models import EMBEDDED_TARGET, model_dir
+    from sacpolicy.models import EMBEDDED_TARGET, served_model as served_dir
 
     target = target or EMBEDDED_TARGET
     if name not in CONFIGS:
@@ -182,7 +182,7 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
         if head is None:
             raise ServeError("configuration 'head' needs --head <dir>: an EAGLE-3 head in the speculators format "
                              "(python scripts/export.py head_dir=<run>/head/head format=speculators out=<dir>)")
-        return ServeConfig(name, check_head_export(head, served_model or str(model_dir(target))))
+        return ServeConfig(name, check_head_export(head, served_model or served_dir(target)))
     if name == "learned-head":
         if head_export is None:
             raise ServeError("configuration 'learned-head' needs --head-export <dir>: the learned rule's EAGLE-3 head "
@@ -198,7 +198,7 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
     if spec.get("method") == "eagle3":  # the rule's head: its files there and made for the served model
         head_dir = Path(spec.get("model", ""))
         head_dir = head_dir if head_dir.is_dir() else Path(export) / "head"  # the export moved: its own copy
-        checked = check_head_export(head_dir, served_model or str(model_dir(target)))
+        checked = check_head_export(head_dir, served_model or served_dir(target))
         spec = {**spec, "model": checked["model"]}
     elif name == "learned-head":
         raise ServeError(f"{Path(export) / file} runs {spec.get('method')!r}, not the rule's EAGLE-3 head; export "
