@@ -11,7 +11,7 @@ from toys import Markov, MarkovTreeDrafter, ModelTreeDrafter, markov_pair, mixed
 
 from sacpolicy.decoding import DecoderConfig, RequestInfo, SamplingConfig, SpeculativeDecoder
 from sacpolicy.decoding.sampling import draw_uniforms, verify_tree, verify_tree_greedy
-from sacpolicy.decoding.tree import TokenTree, grow_tree
+from sacpolicy.decoding.tree import TokenTree, best_nodes, grow_tree
 from sacpolicy.decoding.types import Decision, Policy
 from sacpolicy.policy import Static
 
@@ -72,6 +72,19 @@ def test_grow_tree_keeps_the_best_nodes_with_their_ancestors():
                                4, 4, 1)
     assert parents == [-1, 0, 1, 2]  # width 1: the greedy chain
     assert chain[0] == int(logq[0].argmax()) and chain[1] == int(logq[chain[0]].argmax())
+
+
+def test_a_grown_tree_cut_to_its_best_nodes_is_the_tree_grown_with_that_budget():
+    g = torch.Generator().manual_seed(5)
+    logq = torch.log_softmax(torch.randn(12, 12, generator=g) * 2, -1)
+
+    def expand(nodes, toks, par, dep):
+        return logq[torch.tensor([toks[j] for j in nodes])]
+
+    big = grow_tree(logq[0], expand, 24, 5, 3, return_scores=True)
+    for n in (1, 2, 5, 11, 24):
+        assert best_nodes(*big, n) == grow_tree(logq[0], expand, n, 5, 3)
+        TokenTree.build(torch.tensor(best_nodes(*big, n)[0]), best_nodes(*big, n)[1])  # ancestors kept
 
 
 def test_greedy_tree_walk_takes_the_child_the_target_chooses():
@@ -203,6 +216,40 @@ def test_feature_drafter_trees_are_exact_and_follow_its_chain(tiny_target, promp
             assert block.tree.is_chain and first == chain
 
 
+def _tree_cost(per_token: float):
+    """A cost model for the tiny head: each token a pass verifies costs ``per_token`` s on top of 10 ms."""
+    from sacpolicy.runtime.cost import CostModel
+    from sacpolicy.runtime.curve import PiecewiseLinear
+
+    verify = {"tokens": PiecewiseLinear([1, 65], [0.010, 0.010 + 64 * per_token]), "per_context": 0.0}
+    return CostModel("cpu", verify, {"feature": PiecewiseLinear([0, 1000], [0.001, 0.001])}, {"feature": True})
+
+
+def test_trees_sized_by_the_cost_model_are_exact_and_shrink_when_verifying_is_dear(tiny_target, prompts, reference,
+                                                                                   tmp_path):
+    """EAGLE-2's dynamic size: the tree is cut to the nodes that pay for their verify cost. Free verification keeps
+    the budget; dear verification keeps fewer nodes (a chain of one at the extreme); greedy output is unchanged."""
+    from conftest import tiny_head_dir
+
+    from sacpolicy.decoding.feature import load_feature_drafter
+
+    head = load_feature_drafter(tiny_target, tiny_head_dir(tiny_target, tmp_path), tree=8)
+    sizes = {}
+    for per_token in (None, 0.0, 1e-4, 1.0):
+        head.size_trees_by(None if per_token is None else _tree_cost(per_token))
+        dec = SpeculativeDecoder(tiny_target.model, [head], Static(4), stop_token_ids=[],
+                                 config=DecoderConfig(max_batch=3))
+        results = dec.generate_batch(prompts[:10], 20)
+        assert [r.tokens for r in results] == reference[:10]
+        sizes[per_token] = [s.drafted for r in results for s in r.steps if s.drafted]
+    assert sizes[0.0] == sizes[None] and max(sizes[None]) == 8  # a free pass: every node the budget allows
+    assert max(sizes[1.0]) == 1  # a second per token: one node
+    assert 1 < np.mean(sizes[1e-4]) < np.mean(sizes[None]), sizes[1e-4]
+    head.size_trees_by(None)
+    with pytest.raises(ValueError, match="prices drafters"):
+        head.size_trees_by(_tree_cost(0.0), drafter="other")
+
+
 def test_the_heads_state_after_a_tree_step_is_a_fresh_ones(tiny_target, prompts, tmp_path):
     """After a tree proposal, ``accept`` and the target's features of the accepted path, the head's cache holds the
     true entries only: the next tree equals the tree a fresh state fed every feature grows."""
@@ -313,7 +360,10 @@ def test_the_feature_spec_carries_the_tree_budget(tiny_target, tmp_path):
     assert DrafterSpec.from_dict("head", spec.to_dict()) == spec
     drafter = build_drafter(spec, tiny_target)
     assert (drafter.tree_budget, drafter.tree_width) == (12, 3)
-    assert build_drafter(DrafterSpec(kind="feature", name="h", path=path), tiny_target).tree_budget == 0
+    chains = DrafterSpec(kind="feature", name="h", path=path)
+    assert build_drafter(chains, tiny_target).tree_budget == 0
+    # chains write no tree fields: the artifact stays readable by a runtime from before token trees
+    assert chains.to_dict() == {"kind": "feature", "path": path} and DrafterSpec.from_dict("h", chains.to_dict()) == chains
     with pytest.raises(SpecError, match="tree >= 0"):
         DrafterSpec(kind="feature", name="h", path=path, tree=-2)
     with pytest.raises(SpecError, match="may have"):

@@ -3,13 +3,15 @@ hidden states by the decoder after every target pass."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
 
 from sacpolicy.decoding.eagle3 import Eagle3Head, KVCache, load_head
 from sacpolicy.decoding.sampling import draft_stats, probs_from_logits, sample
-from sacpolicy.decoding.tree import TokenTree, grow_tree
+from sacpolicy.decoding.tree import TokenTree, best_nodes, grow_tree
 from sacpolicy.decoding.types import (
     DraftBlock,
     Drafter,
@@ -64,8 +66,26 @@ class FeatureDrafter(Drafter, DraftsTrees, ReadsFeatures, TeacherForcing):
                              f"{tree} and {tree_width}")
         self.head, self.name = head, name
         self.tree_budget, self.tree_width = int(tree), int(tree_width)
+        self.tree_cost = None  # (CostModel, its name for this head): trees sized by it (``size_trees_by``)
         self.vocab_size = head.config.target_vocab_size
         self.aux_layers = tuple(head.config.aux_layer_ids)
+
+    def size_trees_by(self, cost, drafter: str | None = None) -> None:
+        """Size every token tree by ``cost`` (a ``runtime.cost.CostModel``) after growing it, as EAGLE-2 does: of the
+        row's tree of at most n nodes, keep the m <= n best that maximise expected tokens per second
+        (``CostModel.best_tree_budget``, at the row's context length and the number of rows proposing, or one where
+        the cost model was profiled at one row only), a node's
+        acceptance taken as its cumulative draft probability (EAGLE-2's estimate: the head's own confidence, not
+        calibrated against the target). The decision's budget is then the most nodes a tree may keep. ``drafter``: the
+        cost model's name for this head (default: the drafter's name). ``cost=None``: trees keep their budget."""
+        if cost is None:
+            self.tree_cost = None
+            return
+        name = drafter or self.name
+        if name not in cost.draft:
+            raise ValueError(f"the cost model prices drafters {sorted(cost.draft)}, not {name!r}: pass the name it "
+                             "profiled this head under (size_trees_by(cost, drafter=...))")
+        self.tree_cost = (cost, name)
 
     def new_state(self) -> FeatureDraftState:
         return FeatureDraftState()
@@ -159,10 +179,10 @@ class FeatureDrafter(Drafter, DraftsTrees, ReadsFeatures, TeacherForcing):
                                 confidence=draft_stats(trimmed) if sampled else None,
                                 probs=self.head.full_probs(torch.stack(block_probs[i])) if sampled else None)
         for i, tail in trees.items():
-            out[i] = self._tree(rows[i], tail)
+            out[i] = self._tree(rows[i], tail, len(rows))
         return out
 
-    def _tree(self, row: DraftRow, tail: tuple) -> DraftBlock:
+    def _tree(self, row: DraftRow, tail: tuple, batch: int = 1) -> DraftBlock:
         """The row's token tree grown from its last true entry's (output, draft logits) ``tail``."""
         head, cache = self.head, row.state.cache
         true, device = cache.length, tail[0].device
@@ -187,8 +207,14 @@ class FeatureDrafter(Drafter, DraftsTrees, ReadsFeatures, TeacherForcing):
                 outputs[j], slots[j] = h[:, r : r + 1], start + r
             return torch.log_softmax(head.logits(h)[0].float(), dim=-1)
 
-        tokens, parents = grow_tree(torch.log_softmax(tail[1].float(), dim=-1), expand, row.tree, row.k,
-                                    self.tree_width)
+        tokens, parents, scores = grow_tree(torch.log_softmax(tail[1].float(), dim=-1), expand, row.tree, row.k,
+                                            self.tree_width, return_scores=True)
+        if self.tree_cost is not None and len(tokens) > 1:
+            cost, name = self.tree_cost
+            n, _ = cost.best_tree_budget(name, row.k, int(row.context.shape[0]), [math.exp(s) for s in scores],
+                                         range(1, len(tokens) + 1), batch=batch if cost.batch else 1,
+                                         width=self.tree_width)
+            tokens, parents = best_nodes(tokens, parents, scores, n)
         tree = TokenTree.build(head.draft_ids[torch.tensor(tokens, dtype=torch.long, device=device)], parents)
         return DraftBlock(tree.tokens, None, tree=tree)
 

@@ -22,7 +22,7 @@ import torch
 
 from sacpolicy.decoding.types import TokenTree
 
-__all__ = ["TokenTree", "grow_tree"]  # TokenTree lives with the decoder's other plain data (types)
+__all__ = ["TokenTree", "grow_tree", "best_nodes"]  # TokenTree lives with the decoder's other plain data (types)
 
 
 # expand(nodes, tokens, parents, depths): the draft's log-probabilities [len(nodes), V] of the children of ``nodes``,
@@ -30,14 +30,15 @@ __all__ = ["TokenTree", "grow_tree"]  # TokenTree lives with the decoder's other
 Expand = Callable[[list[int], list[int], list[int], list[int]], torch.Tensor]
 
 
-def grow_tree(root_logp: torch.Tensor, expand: Expand, budget: int, depth: int,
-              width: int) -> tuple[list[int], list[int]]:
+def grow_tree(root_logp: torch.Tensor, expand: Expand, budget: int, depth: int, width: int,
+              return_scores: bool = False) -> tuple[list[int], list[int]] | tuple[list[int], list[int], list[float]]:
     """EAGLE-2's dynamic tree: (tokens, parents) of at most ``budget`` nodes and ``depth`` levels, topologically
     ordered, siblings in descending draft probability. ``root_logp`` [V]: the draft's log-probabilities after the
     last committed token. Each depth expands (one ``expand`` call) the ``width`` best nodes of the previous depth by cumulative
     log-probability into their ``width`` best children, of which the ``width`` best form the next depth; growth stops
     early once no new node could enter the best ``budget`` (a child never outscores its parent). Token ids are the
-    draft's own (the caller maps them to the target's)."""
+    draft's own (the caller maps them to the target's). ``return_scores``: each kept node's cumulative draft
+    log-probability as well (what ``best_nodes`` ranks by)."""
     if budget < 1 or depth < 1 or width < 1:
         raise ValueError(f"a token tree needs budget, depth and width >= 1, got {budget}, {depth}, {width}")
     tokens: list[int] = []
@@ -68,6 +69,15 @@ def grow_tree(root_logp: torch.Tensor, expand: Expand, budget: int, depth: int,
         ids = top.indices.tolist()
         frontier = add([(s, frontier[i // w], ids[i // w][i % w])
                         for s, i in zip(best.values.tolist(), best.indices.tolist())], d)
-    keep = sorted(sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:budget])
+    return best_nodes(tokens, parents, scores, budget, return_scores)
+
+
+def best_nodes(tokens: list[int], parents: list[int], scores: list[float], n: int, return_scores: bool = False):
+    """The ``n`` best nodes of a tree by cumulative log-probability ``scores`` (ties: the earlier node), in their
+    tree order, parents renumbered: (tokens, parents[, scores]). A child never outscores its parent and comes after
+    it, so the kept nodes hold their ancestors: a tree grown with budget N cut to its n best is the tree grown with
+    budget n (EAGLE-2 sizes its tree so, after growing it)."""
+    keep = sorted(sorted(range(len(tokens)), key=lambda j: (-scores[j], j))[:n])
     index = {old: new for new, old in enumerate(keep)}
-    return [tokens[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep]
+    out = [tokens[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep]
+    return (*out, [scores[j] for j in keep]) if return_scores else out

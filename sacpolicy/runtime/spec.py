@@ -24,6 +24,10 @@ KINDS = {
     "suffix": ((), ("max_depth", "spec_factor", "min_token_prob", "max_nodes", "max_requests")),
 }
 
+# fields added after artifacts were first shipped, with the value that means "not used": written only when set, so an
+# artifact that does not use them stays readable by a runtime from before them (a production engine not yet upgraded)
+LATER_FIELDS = {"tree": 0, "tree_width": TREE_WIDTH}
+
 
 class SpecError(ValueError):
     pass
@@ -75,9 +79,11 @@ class DrafterSpec:
             raise SpecError(f"suffix drafter {self.name!r} needs {', '.join(problems)}")
 
     def to_dict(self) -> dict:
-        """{"kind": ..., <the kind's fields>}: the JSON form (the name is the key it is stored under)."""
+        """{"kind": ..., <the kind's fields>}: the JSON form (the name is the key it is stored under); ``LATER_FIELDS``
+        only where they are set."""
         required, optional = KINDS[self.kind]
-        return {"kind": self.kind, **{f: getattr(self, f) for f in required + optional}}
+        return {"kind": self.kind, **{f: getattr(self, f) for f in required + optional
+                                      if f not in LATER_FIELDS or getattr(self, f) != LATER_FIELDS[f]}}
 
     @classmethod
     def from_dict(cls, name: str, d: dict) -> DrafterSpec:
