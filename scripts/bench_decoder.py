@@ -3,8 +3,10 @@
     python scripts/bench_decoder.py                          # all 80 MT-Bench first turns, 128 new tokens
     python scripts/bench_decoder.py --prompts 4 --ks 1,2,4   # a quick subset
     python scripts/bench_decoder.py --device cuda --dtype bfloat16
+    python scripts/bench_decoder.py --source revision --drafters ngram,suffix --only ngram-static,suffix-static
 
-Greedy decoding of MT-Bench first turns with the embedded target. Rows are measured side by side: for every prompt,
+Greedy decoding of MT-Bench first turns (``--source``: another prompt set's held-out test split, e.g. revision,
+humaneval_edit) with the embedded target. Rows are measured side by side: for every prompt,
 every row runs once (so machine noise hits all rows alike), after warm-up prompts that are not counted. Every row's
 output is checked to be the target's own greedy output. Prints a Markdown table and writes bench_decoder.json.
 
@@ -17,7 +19,9 @@ measured tokens/s of the same policies is the evaluate stage's (``eval.json``: l
 Drafts: ``layerskip`` = the target's first L layers sharing its weights; ``model`` = a separate draft model, the one
 both we and transformers' assisted generation use: ``--draft DIR`` (e.g. a distilled draft; we draft with its
 trimmed vocabulary when it has one, transformers with its full head) or, without it, a copy of the target's first L
-layers; ``ngram`` = prompt lookup (max n-gram 2, transformers' default); ``feature`` (with ``--head DIR``) = an
+layers; ``ngram`` = prompt lookup (max n-gram 2, transformers' default); ``suffix`` = SuffixDecoding (the
+request's tokens and a global index over the requests decoded before it in the same row, as a server's
+proposer accumulates it; no transformers counterpart); ``feature`` (with ``--head DIR``) = an
 EAGLE-3 head over the target's hidden states (no transformers counterpart).
 """
 
@@ -43,6 +47,7 @@ from sacpolicy.decoding import (
     SpeculativeDecoder,
 )
 from sacpolicy.decoding.drafters import truncated_view
+from sacpolicy.decoding.suffix import SuffixDrafter
 from sacpolicy.models import load_model
 from sacpolicy.policy import Autoregressive, Confidence, Heuristic, Static
 
@@ -173,6 +178,7 @@ def build_rows(args, lm, eos, warm):
         "layerskip": lambda: LayerSkipDrafter(target, args.layers, name="layerskip"),
         "model": lambda: ours_draft,
         "ngram": lambda: NgramDrafter(max_ngram=2, name="ngram"),
+        "suffix": lambda: SuffixDrafter(name="suffix"),
     }
     if args.head:  # an EAGLE-3 feature head over the target's hidden states
         from sacpolicy.decoding.feature import load_feature_drafter
@@ -190,7 +196,7 @@ def build_rows(args, lm, eos, warm):
         for k in args.ks:
             rows.append(Row(f"{d}-static-k{k}", ours(target, [drafters[d]()], Static(k), eos)))
         rows.append(Row(f"{d}-heuristic", ours(target, [drafters[d]()], Heuristic(k0=args.k0), eos)))
-        if d != "ngram":  # n-gram proposals carry no confidence
+        if d not in ("ngram", "suffix"):  # lookup proposals carry no draft confidence
             rows.append(Row(f"{d}-confidence-0.4", ours(target, [drafters[d]()], Confidence(0.4, k=args.kmax), eos)))
             tuned[d] = tune_threshold(target, drafters[d](), args.kmax, warm, eos, 32)
             rows.append(Row(f"{d}-confidence-tuned-{tuned[d]:g}",
@@ -239,6 +245,7 @@ def main(argv=None) -> dict:
     ap = bench.parser(__doc__)
     bench.add_target(ap, device="cpu", dtype="auto")
     ap.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns to measure (after warm-up)")
+    ap.add_argument("--source", default="mt_bench", help="prompt set (other than mt_bench: its held-out test split)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4,6,8")
@@ -258,7 +265,8 @@ def main(argv=None) -> dict:
 
     lm = bench.load_target(args.target, device=args.device, dtype=args.dtype)
     target, eos = lm.model, lm.eos_token_ids
-    ds = load_prompts("mt_bench", tokenizer=lm.tokenizer)
+    ds = (load_prompts("mt_bench", tokenizer=lm.tokenizer) if args.source == "mt_bench"
+          else load_prompts(args.source, tokenizer=lm.tokenizer, split="test"))
     ids = [r["input_ids"] for r in ds]
     warm, measured = ids[: args.warmup], ids[args.warmup : args.warmup + args.prompts]
 
@@ -294,7 +302,7 @@ def main(argv=None) -> dict:
     results = [r.result(ar_tps) for r in rows]
     meta = {
         "target": args.target, "device": str(target.device), "dtype": str(next(target.parameters()).dtype),
-        "prompts": len(measured), "warmup_prompts": len(warm), "max_new_tokens": args.max_new_tokens,
+        "source": args.source, "prompts": len(measured), "warmup_prompts": len(warm), "max_new_tokens": args.max_new_tokens,
         "layers": args.layers, "draft": args.draft or f"first {args.layers} target layers", "tuned_thresholds": tuned,
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
     }
@@ -325,7 +333,7 @@ def markdown(rows, meta) -> str:
         return "-" if r["draft_share"] is None else f"{r['draft_share']:.2f} / {r['verify_share']:.2f}"
 
     lines = [
-        f"Greedy, {meta['target']} on {meta['device']} ({meta['dtype']}), {meta['prompts']} MT-Bench prompts x "
+        f"Greedy, {meta['target']} on {meta['device']} ({meta['dtype']}), {meta['prompts']} {meta.get('source', 'mt_bench')} prompts x "
         f"{meta['max_new_tokens']} new tokens", "",
         bench.table(["row", "tokens/s", "speedup vs our AR", "tokens per target call", "acceptance",
                      "draft / verify share", "peak RSS MB", "lossless"],

@@ -5,12 +5,15 @@ paired prompt by prompt with bootstrap intervals.
     python scripts/bench_tree.py                                    # budgets 8,16, 16 held-out MT-Bench prompts
     python scripts/bench_tree.py --budgets 4,8,16,32 --depth 6 --prompts 48 --source sharegpt
     python scripts/bench_tree.py --prompts 2 --max-new-tokens 16    # smoke run
+    python scripts/bench_tree.py --budgets 8,16 --cost outputs/default/cost.json   # and trees sized by a cost model
 
 Every configuration decodes every prompt, the order reversed every other prompt, after one warm-up
 generation each; greedy unless ``--temperature``. Per configuration: tokens per verify step (accepted + the target's
 own), accepted tokens per verify step, tokens/s and the speedup over autoregressive decoding; per budget, tree over
 chain for both, with paired bootstrap intervals over prompts (``evaluation.intervals``). Prints a Markdown table and
-writes ``bench_tree.json``.
+writes ``bench_tree.json``. ``--cost <cost.json>`` (a run's cost model, profiled with the head as ``--cost-drafter``)
+adds ``tree-<budget>-sized``: the same tree cut after growing to the nodes that pay for their verify cost
+(``FeatureDrafter.size_trees_by``, EAGLE-2's dynamic size), with its ratios to the chain and to the full tree.
 """
 
 from __future__ import annotations
@@ -22,18 +25,21 @@ import numpy as np
 from sacpolicy import bench
 
 
-def configs(budgets: list[int], depth: int) -> dict[str, tuple[int, int]]:
-    """name -> (k, tree budget): autoregressive, then per budget the chain of that length and the tree."""
+def configs(budgets: list[int], depth: int, sized: bool = False) -> dict[str, tuple[int, int]]:
+    """name -> (k, tree budget): autoregressive, then per budget the chain of that length and the tree (and the
+    tree sized by the cost model: ``sized``)."""
     out = {"ar": (0, 0)}
     for b in budgets:
         out[f"chain-k{b}"] = (b, 0)
         out[f"tree-{b}"] = (min(depth, b), b)
+        if sized:
+            out[f"tree-{b}-sized"] = (min(depth, b), b)
     return out
 
 
 def run(args) -> dict:
     from sacpolicy.decoding import DecoderConfig, SamplingConfig, SpeculativeDecoder
-    from sacpolicy.decoding.feature import load_feature_drafter
+    from sacpolicy.decoding.feature import FeatureDrafter, load_feature_drafter
     from sacpolicy.heads import shipped_head
     from sacpolicy.policy import Autoregressive, Static
 
@@ -45,11 +51,18 @@ def run(args) -> dict:
         raise SystemExit(f"no held-out prompts in {args.source!r}; pick another --source")
     sampling = SamplingConfig(temperature=args.temperature, seed=0)
     k_max = max(max(args.budgets), args.depth)
+    sized = None
+    if args.cost:
+        from sacpolicy.runtime.cost import CostModel
+
+        sized = FeatureDrafter(head.head, name="head", tree_width=args.width)  # the same weights, trees cut by cost
+        sized.size_trees_by(CostModel.from_json(args.cost), drafter=args.cost_drafter)
 
     decs = {}
-    for name, (k, tree) in configs(args.budgets, args.depth).items():
+    for name, (k, tree) in configs(args.budgets, args.depth, sized is not None).items():
         policy = Autoregressive() if k == 0 else Static(k, tree=tree)
-        decs[name] = SpeculativeDecoder(target.model, [] if k == 0 else [head], policy, sampling=sampling,
+        drafters = [] if k == 0 else [sized if name.endswith("-sized") else head]
+        decs[name] = SpeculativeDecoder(target.model, drafters, policy, sampling=sampling,
                                         config=DecoderConfig(k_max=k_max), stop_token_ids=target.eos_token_ids)
     for dec in decs.values():
         dec.generate(prompts[0], 8)  # warm-up
@@ -62,6 +75,7 @@ def run(args) -> dict:
             row["seconds"].append(r.decode_s)
             row["steps"].append(len(r.steps))
             row["accepted"].append(sum(s.accepted for s in r.steps))
+            row.setdefault("nodes", []).append(sum(s.drafted for s in r.steps))
     return {"prompts": len(prompts), "per_prompt": per, "summary": summarize(per, args.budgets)}
 
 
@@ -72,34 +86,49 @@ def summarize(per: dict, budgets: list[int]) -> dict:
     out = {}
     for name, t in tot.items():
         out[name] = {"tokens_per_step": t["tokens"] / max(t["steps"], 1),
+                     "nodes_per_step": t.get("nodes", 0.0) / max(t["steps"], 1),
                      "accepted_per_step": t["accepted"] / max(t["steps"], 1),
                      "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
                      "speedup_vs_ar": (t["tokens"] / t["seconds"]) / (tot["ar"]["tokens"] / tot["ar"]["seconds"])}
     idx = bootstrap_indices(len(per["ar"]["tokens"]))
     for b in budgets:
-        tree, chain = per[f"tree-{b}"], per[f"chain-k{b}"]
-        s = out[f"tree-{b}"]
-        s["accepted_per_step_vs_chain"] = s["accepted_per_step"] / max(out[f"chain-k{b}"]["accepted_per_step"], 1e-9)
-        s["tokens_per_s_vs_chain"] = s["tokens_per_s"] / out[f"chain-k{b}"]["tokens_per_s"]
-        if len(tree["tokens"]) >= 3:
-            s["accepted_per_step_interval"] = paired_ratio_interval(
-                tree["accepted"], tree["steps"], chain["accepted"], chain["steps"], idx=idx)
-            s["tokens_per_s_interval"] = paired_ratio_interval(
-                tree["tokens"], tree["seconds"], chain["tokens"], chain["seconds"], idx=idx)
+        chain = per[f"chain-k{b}"]
+        for name in (f"tree-{b}", f"tree-{b}-sized"):
+            if name not in per:
+                continue
+            tree, s = per[name], out[name]
+            s["accepted_per_step_vs_chain"] = s["accepted_per_step"] / max(out[f"chain-k{b}"]["accepted_per_step"],
+                                                                           1e-9)
+            s["tokens_per_s_vs_chain"] = s["tokens_per_s"] / out[f"chain-k{b}"]["tokens_per_s"]
+            if len(tree["tokens"]) >= 3:
+                s["accepted_per_step_interval"] = paired_ratio_interval(
+                    tree["accepted"], tree["steps"], chain["accepted"], chain["steps"], idx=idx)
+                s["tokens_per_s_interval"] = paired_ratio_interval(
+                    tree["tokens"], tree["seconds"], chain["tokens"], chain["seconds"], idx=idx)
+        if f"tree-{b}-sized" in per:  # the sized tree against the full one
+            sized, full, s = per[f"tree-{b}-sized"], per[f"tree-{b}"], out[f"tree-{b}-sized"]
+            s["tokens_per_s_vs_tree"] = s["tokens_per_s"] / out[f"tree-{b}"]["tokens_per_s"]
+            if len(sized["tokens"]) >= 3:
+                s["tokens_per_s_vs_tree_interval"] = paired_ratio_interval(
+                    sized["tokens"], sized["seconds"], full["tokens"], full["seconds"], idx=idx)
     return out
 
 
 def markdown(summary: dict) -> str:
     rows = []
     for name, s in summary.items():
-        rows.append([name, bench.cell(s["tokens_per_step"]), bench.cell(s["accepted_per_step"]),
+        rows.append([name, bench.cell(s.get("nodes_per_step", 0.0)), bench.cell(s["tokens_per_step"]),
+                     bench.cell(s["accepted_per_step"]),
                      bench.cell(s["tokens_per_s"], ".1f"), bench.ratio(s["speedup_vs_ar"]),
                      bench.ratio(s["accepted_per_step_vs_chain"], s.get("accepted_per_step_interval"))
                      if "accepted_per_step_vs_chain" in s else "-",
                      bench.ratio(s["tokens_per_s_vs_chain"], s.get("tokens_per_s_interval"))
-                     if "tokens_per_s_vs_chain" in s else "-"])
-    return bench.table(["config", "tokens / verify step", "accepted / verify step", "tokens/s", "vs AR",
-                        "accepted / step, tree vs chain", "tokens/s, tree vs chain"], rows)
+                     if "tokens_per_s_vs_chain" in s else "-",
+                     bench.ratio(s["tokens_per_s_vs_tree"], s.get("tokens_per_s_vs_tree_interval"))
+                     if "tokens_per_s_vs_tree" in s else "-"])
+    return bench.table(["config", "drafted / step", "tokens / verify step", "accepted / verify step", "tokens/s",
+                        "vs AR", "accepted / step, tree vs chain", "tokens/s, tree vs chain",
+                        "tokens/s, sized vs full tree"], rows)
 
 
 def main(argv=None) -> None:
@@ -113,6 +142,8 @@ def main(argv=None) -> None:
     ap.add_argument("--depth", type=int, default=6, help="a tree's depth at most (k of its decisions)")
     ap.add_argument("--width", type=int, default=None, help="tree nodes expanded per depth (default: the spec's)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--cost", default=None, help="a cost.json that prices the head: adds trees sized by it")
+    ap.add_argument("--cost-drafter", default="feature", help="the cost model's name for the head")
     bench.add_out(ap, "bench_tree.json")
     args = ap.parse_args(argv)
     if args.width is None:

@@ -110,6 +110,18 @@ def test_bench_decoder_times_the_trace_pass_against_live_decoding(tmp_path, caps
     assert "| ngram-static-k2 |" in out and "Trace cost over" in out and "| ours / transformers" in out
 
 
+def test_bench_decoder_races_the_suffix_drafter_on_another_prompt_sets_test_split(tmp_path):
+    """--source picks the prompt set (its held-out test split) and ``suffix`` is a drafter of its rows, lossless."""
+    script = load_script("bench_decoder")
+    report = script.main(["--target", "tiny:llama-4l", "--dtype", "float32", "--prompts", "2", "--warmup", "1",
+                          "--max-new-tokens", "6", "--ks", "2", "--drafters", "ngram,suffix", "--layers", "2",
+                          "--source", "revision", "--only", "ngram-static,suffix-static",
+                          "--out", str(tmp_path / "d.json")])
+    rows = {r["name"]: r for r in report["rows"]}
+    assert set(rows) == {"ar", "hf-ar", "ngram-static-k2", "suffix-static-k2"}
+    assert all(r["lossless"] for r in rows.values()) and report["meta"]["source"] == "revision"
+
+
 def test_the_head_shipping_gate_measures_validation_prompts_never_the_test_split(tiny_target, tmp_path, monkeypatch):
     """bench_eagle3 ``ship`` compares heads on the val split: ``eval --split val`` selects exactly the val prompts,
     and a curve of the test split (where the headline is measured) is refused even when the new head wins on it."""

@@ -385,6 +385,13 @@ def test_bench_tree_pairs_tree_and_chain_by_prompt():
     assert s["tree-8"]["tokens_per_s_vs_chain"] == pytest.approx(2.0)
     assert s["tree-8"]["tokens_per_s_interval"] == pytest.approx((2.0, 2.0))
     assert "tree-8" in cli.markdown(s) and "1.50x" in cli.markdown(s)
+    assert cli.configs([8], 6, sized=True)["tree-8-sized"] == (6, 8)
+    per["tree-8-sized"] = {"tokens": [10, 10, 10], "seconds": [0.4, 0.4, 0.4], "steps": [4, 4, 4],
+                           "accepted": [6, 6, 6], "nodes": [12, 12, 12]}
+    s = cli.summarize(per, [8])
+    assert s["tree-8-sized"]["tokens_per_s_vs_tree"] == pytest.approx(1.25)
+    assert s["tree-8-sized"]["tokens_per_s_vs_chain"] == pytest.approx(2.5)
+    assert s["tree-8-sized"]["nodes_per_step"] == 3.0 and "1.25x" in cli.markdown(s)
 
 
 def test_the_cost_model_prices_trees_by_the_tokens_their_pass_verifies():
