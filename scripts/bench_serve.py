@@ -198,8 +198,10 @@ def main(argv=None) -> int:
                 from sacpolicy.export.vllm import LOG_ENV, STATS_ENV
 
                 config.env = {**config.env, STATS_ENV: str(work / f"proposer-{rep}.json")}
-                if drill is not None:  # one step log per server: the steps each policy id planned
-                    config.env[LOG_ENV] = str(drill.log_dir(rep))
+                if drill is not None:  # one step log per server: the steps each policy id planned, written every
+                    from sacpolicy.export.steplog import FLUSH_ENV  # second (a stopped server flushes nothing)
+
+                    config.env.update({LOG_ENV: str(drill.log_dir(rep)), FLUSH_ENV: "1"})
             t0 = time.perf_counter()
             server = VllmServer(target_dir, config, log=work / f"{name}-{rep}.log", max_num_seqs=args.max_num_seqs)
             preload = server.env.get("LD_PRELOAD", "")  # the OpenMP runtime the servers ran with
