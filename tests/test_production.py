@@ -555,3 +555,34 @@ def test_the_reload_drill_swaps_the_served_policy_mid_run_and_counts_each_ids_st
     assert report["policy_unix_s"][first][0] <= report["policy_unix_s"][second][0]
     drill.swap_after(0.0).join()
     assert drill.swaps[-1]["deploy"] == str(a) and "version" in drill.swaps[-1]
+
+
+def _log_and_end(policy, log, how):
+    """A multiprocessing child (as vLLM's engine core is): it logs a few requests with a flush interval longer than
+    its life, then ends by returning or by SystemExit (how vLLM's engine core answers SIGTERM)."""
+    import os
+    import sys
+
+    from sacpolicy.export.steplog import FLUSH_ENV
+
+    os.environ.update({LOG_ENV: str(log), FLUSH_ENV: "3600"})
+    workload(n=4).run(PolicyNgramProposer(vllm_config(), str(policy)))
+    if how == "exit":
+        sys.exit(0)
+
+
+@pytest.mark.parametrize("how", ["return", "exit"])
+def test_a_multiprocessing_child_writes_its_step_log_when_it_ends(tmp_path, how):
+    """A multiprocessing child ends through os._exit, which skips atexit: the log is written by multiprocessing's
+    finalizers instead (without them this child's records, queued but not yet flushed, were lost)."""
+    import multiprocessing
+
+    policy = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram",
+                         "max_ngram": 3}}, provenance={"target": TARGET}, metrics={})
+    child = multiprocessing.get_context("fork").Process(target=_log_and_end, args=(policy, tmp_path / "log", how))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    records, meta = read_step_log(tmp_path / "log", target=TARGET)
+    reqs, incomplete = requests_of(records)
+    assert len(reqs) == 4 and not incomplete and meta["shards"] == 1

@@ -24,7 +24,10 @@ for. A request is found again only from the engine step just before (vLLM propos
 step), so a later request with the same prompt starts its own log, and a request vLLM preempted and resumed later
 is logged as a new one whose first context holds its tokens so far. A daemon thread writes the records as Parquet shards
 atomically (a temporary file, then a rename): every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds, every
-``SHARD_ROWS`` rows, and on ``close`` (also at interpreter exit). Each shard's metadata names the target (the policy's
+``SHARD_ROWS`` rows, and on ``close`` (also at interpreter exit, and when a multiprocessing child that holds the
+log ends normally). vLLM force-kills its worker process when the server shuts down, so the records of the last
+flush interval are lost then: stop a server at least that long after its last request, or set the interval lower
+(``bench_serve``'s reload drill and ``serve_logged.py`` use 1-2 s). Each shard's metadata names the target (the policy's
 provenance and vLLM's model, tokenizer and vocabulary), the policy, the drafter and the server's k cap, so logs of
 another target are refused when they are read.
 
@@ -47,6 +50,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from multiprocessing import util as mp_util
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -93,7 +97,10 @@ class StepLogger:
         self._closed = False
         self.thread = threading.Thread(target=self._run, name="sacpolicy-steplog", daemon=True)
         self.thread.start()
+        # written at exit: atexit for a main process; a multiprocessing child exits through os._exit (no atexit)
+        # after running multiprocessing's finalizers. A killed process writes nothing (module docstring)
         atexit.register(self.close)
+        mp_util.Finalize(self, self.close, exitpriority=10)
 
     @classmethod
     def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger:
