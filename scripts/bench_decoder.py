@@ -302,7 +302,8 @@ def main(argv=None) -> dict:
     results = [r.result(ar_tps) for r in rows]
     meta = {
         "target": args.target, "device": str(target.device), "dtype": str(next(target.parameters()).dtype),
-        "source": args.source, "prompts": len(measured), "warmup_prompts": len(warm), "max_new_tokens": args.max_new_tokens,
+        "source": args.source, "prompts": len(measured), "warmup_prompts": len(warm),
+        "max_new_tokens": args.max_new_tokens,
         "layers": args.layers, "draft": args.draft or f"first {args.layers} target layers", "tuned_thresholds": tuned,
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
     }
@@ -333,8 +334,8 @@ def markdown(rows, meta) -> str:
         return "-" if r["draft_share"] is None else f"{r['draft_share']:.2f} / {r['verify_share']:.2f}"
 
     lines = [
-        f"Greedy, {meta['target']} on {meta['device']} ({meta['dtype']}), {meta['prompts']} {meta.get('source', 'mt_bench')} prompts x "
-        f"{meta['max_new_tokens']} new tokens", "",
+        f"Greedy, {meta['target']} on {meta['device']} ({meta['dtype']}), {meta['prompts']} {meta['source']} "
+        f"prompts x {meta['max_new_tokens']} new tokens", "",
         bench.table(["row", "tokens/s", "speedup vs our AR", "tokens per target call", "acceptance",
                      "draft / verify share", "peak RSS MB", "lossless"],
                     ([r["name"], f"{r['tokens_per_s']:.1f}", f"{bench.cell(r['speedup_vs_ar'])}x",

@@ -195,13 +195,10 @@ def main(argv=None) -> int:
         for rep, name in bench.alternating(list(configs), args.repeats):
             config = configs[name]
             if name == "learned":  # the proposer reports its calls, failures and live batch sizes through a file
-                from sacpolicy.export.vllm import LOG_ENV, STATS_ENV
+                from sacpolicy.export.vllm import STATS_ENV
 
-                config.env = {**config.env, STATS_ENV: str(work / f"proposer-{rep}.json")}
-                if drill is not None:  # one step log per server: the steps each policy id planned, written every
-                    from sacpolicy.export.steplog import FLUSH_ENV  # second (a stopped server flushes nothing)
-
-                    config.env.update({LOG_ENV: str(drill.log_dir(rep)), FLUSH_ENV: "1"})
+                config.env = {**config.env, STATS_ENV: str(work / f"proposer-{rep}.json"),
+                              **(drill.server_env(rep) if drill is not None else {})}
             t0 = time.perf_counter()
             server = VllmServer(target_dir, config, log=work / f"{name}-{rep}.log", max_num_seqs=args.max_num_seqs)
             preload = server.env.get("LD_PRELOAD", "")  # the OpenMP runtime the servers ran with
@@ -306,6 +303,14 @@ class ReloadDrill:
 
     def log_dir(self, rep: int) -> Path:
         return self.work / f"reload-steplog-{rep}"
+
+    def server_env(self, rep: int) -> dict:
+        """Repeat ``rep``'s server: a step log of its own (the steps each policy id planned), written every second
+        (vLLM kills its worker at shutdown: what the log holds unwritten then is lost)."""
+        from sacpolicy.export.steplog import FLUSH_ENV
+        from sacpolicy.export.vllm import LOG_ENV
+
+        return {LOG_ENV: str(self.log_dir(rep)), FLUSH_ENV: "1"}
 
     def swap_after(self, seconds: float):
         """A started thread that deploys the next version ``seconds`` from now (a failed deploy is reported in the

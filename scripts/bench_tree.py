@@ -66,7 +66,7 @@ def run(args) -> dict:
                                         config=DecoderConfig(k_max=k_max), stop_token_ids=target.eos_token_ids)
     for dec in decs.values():
         dec.generate(prompts[0], 8)  # warm-up
-    per = {name: {"tokens": [], "seconds": [], "steps": [], "accepted": []} for name in decs}
+    per = {name: {"tokens": [], "seconds": [], "steps": [], "accepted": [], "nodes": []} for name in decs}
     for i, ids in enumerate(prompts):
         for name in (list(decs) if i % 2 == 0 else list(decs)[::-1]):  # ABC CBA ...: drift moves all alike
             r = decs[name].generate(ids, args.max_new_tokens)
@@ -75,7 +75,7 @@ def run(args) -> dict:
             row["seconds"].append(r.decode_s)
             row["steps"].append(len(r.steps))
             row["accepted"].append(sum(s.accepted for s in r.steps))
-            row.setdefault("nodes", []).append(sum(s.drafted for s in r.steps))
+            row["nodes"].append(sum(s.drafted for s in r.steps))
     return {"prompts": len(prompts), "per_prompt": per, "summary": summarize(per, args.budgets)}
 
 
@@ -91,26 +91,25 @@ def summarize(per: dict, budgets: list[int]) -> dict:
                      "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
                      "speedup_vs_ar": (t["tokens"] / t["seconds"]) / (tot["ar"]["tokens"] / tot["ar"]["seconds"])}
     idx = bootstrap_indices(len(per["ar"]["tokens"]))
+
+    def versus(name: str, other: str, suffix: str, rates: tuple) -> None:
+        """``name``'s rates over ``other``'s: ``<rate>_vs_<suffix>`` and, over 3+ prompts, its paired interval
+        ``<interval key>``; ``rates``: (rate key, numerator, denominator, interval key)."""
+        for key, num, den, interval in rates:
+            out[name][f"{key}_vs_{suffix}"] = out[name][key] / max(out[other][key], 1e-9)
+            if len(per[name]["tokens"]) >= 3:
+                out[name][interval] = paired_ratio_interval(per[name][num], per[name][den], per[other][num],
+                                                            per[other][den], idx=idx)
+
+    tokens_per_s = ("tokens_per_s", "tokens", "seconds", "tokens_per_s_interval")
     for b in budgets:
-        chain = per[f"chain-k{b}"]
         for name in (f"tree-{b}", f"tree-{b}-sized"):
-            if name not in per:
-                continue
-            tree, s = per[name], out[name]
-            s["accepted_per_step_vs_chain"] = s["accepted_per_step"] / max(out[f"chain-k{b}"]["accepted_per_step"],
-                                                                           1e-9)
-            s["tokens_per_s_vs_chain"] = s["tokens_per_s"] / out[f"chain-k{b}"]["tokens_per_s"]
-            if len(tree["tokens"]) >= 3:
-                s["accepted_per_step_interval"] = paired_ratio_interval(
-                    tree["accepted"], tree["steps"], chain["accepted"], chain["steps"], idx=idx)
-                s["tokens_per_s_interval"] = paired_ratio_interval(
-                    tree["tokens"], tree["seconds"], chain["tokens"], chain["seconds"], idx=idx)
+            if name in per:
+                versus(name, f"chain-k{b}", "chain",
+                       (("accepted_per_step", "accepted", "steps", "accepted_per_step_interval"), tokens_per_s))
         if f"tree-{b}-sized" in per:  # the sized tree against the full one
-            sized, full, s = per[f"tree-{b}-sized"], per[f"tree-{b}"], out[f"tree-{b}-sized"]
-            s["tokens_per_s_vs_tree"] = s["tokens_per_s"] / out[f"tree-{b}"]["tokens_per_s"]
-            if len(sized["tokens"]) >= 3:
-                s["tokens_per_s_vs_tree_interval"] = paired_ratio_interval(
-                    sized["tokens"], sized["seconds"], full["tokens"], full["seconds"], idx=idx)
+            versus(f"tree-{b}-sized", f"tree-{b}", "tree",
+                   (("tokens_per_s", "tokens", "seconds", "tokens_per_s_vs_tree_interval"),))
     return out
 
 

@@ -62,8 +62,8 @@ def main(argv=None) -> dict:
     rows = fits
     prompts = [list(r["input_ids"]) for r in rows]
     env = {LOG_ENV: str(logs), RATE_ENV: "1", FLUSH_ENV: "2"}
-    server = VllmServer(served_model(), config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, env=env,
-                        extra_args=("--per-request-spec-decode-metrics", "detailed"),
+    server = VllmServer(served_model(), config, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        env=env, extra_args=("--per-request-spec-decode-metrics", "detailed"),
                         log=Path(args.out).with_suffix(".server.log"))
     print(f"[serve_logged] {len(prompts)} {args.source}/{args.split} prompts, {args.max_tokens} tokens each, "
           f"{args.concurrency} at a time; step log in {logs}", flush=True)

@@ -532,7 +532,8 @@ def test_the_reload_drill_swaps_the_served_policy_mid_run_and_counts_each_ids_st
     drill = cli.ReloadDrill(a, b, tmp_path / "work")
     stats = tmp_path / "stats.json"
     monkeypatch.setenv(RELOAD_ENV, "3600")  # the drill's own 1 s is what a server gets; here the test polls
-    monkeypatch.setenv(LOG_ENV, str(drill.log_dir(0)))
+    for key, value in drill.server_env(0).items():  # the drill's step log, as its server gets it
+        monkeypatch.setenv(key, value)
     monkeypatch.setenv(STATS_ENV, str(stats))
     config = vllm_config()
     config.speculative_config.num_speculative_tokens = 8  # the deploy root's k cap (the policies' k_max)

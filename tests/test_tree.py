@@ -363,7 +363,8 @@ def test_the_feature_spec_carries_the_tree_budget(tiny_target, tmp_path):
     chains = DrafterSpec(kind="feature", name="h", path=path)
     assert build_drafter(chains, tiny_target).tree_budget == 0
     # chains write no tree fields: the artifact stays readable by a runtime from before token trees
-    assert chains.to_dict() == {"kind": "feature", "path": path} and DrafterSpec.from_dict("h", chains.to_dict()) == chains
+    assert chains.to_dict() == {"kind": "feature", "path": path}
+    assert DrafterSpec.from_dict("h", chains.to_dict()) == chains
     with pytest.raises(SpecError, match="tree >= 0"):
         DrafterSpec(kind="feature", name="h", path=path, tree=-2)
     with pytest.raises(SpecError, match="may have"):

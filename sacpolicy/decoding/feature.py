@@ -4,7 +4,6 @@ hidden states by the decoder after every target pass."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch

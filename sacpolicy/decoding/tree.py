@@ -31,7 +31,7 @@ Expand = Callable[[list[int], list[int], list[int], list[int]], torch.Tensor]
 
 
 def grow_tree(root_logp: torch.Tensor, expand: Expand, budget: int, depth: int, width: int,
-              return_scores: bool = False) -> tuple[list[int], list[int]] | tuple[list[int], list[int], list[float]]:
+              return_scores: bool = False) -> tuple[list, ...]:
     """EAGLE-2's dynamic tree: (tokens, parents) of at most ``budget`` nodes and ``depth`` levels, topologically
     ordered, siblings in descending draft probability. ``root_logp`` [V]: the draft's log-probabilities after the
     last committed token. Each depth expands (one ``expand`` call) the ``width`` best nodes of the previous depth by cumulative

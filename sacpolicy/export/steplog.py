@@ -50,8 +50,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from multiprocessing import util as mp_util
 from datetime import datetime, timezone
+from multiprocessing import util as mp_util
 from pathlib import Path
 
 import numpy as np

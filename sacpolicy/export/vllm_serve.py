@@ -165,7 +165,8 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
     ``format=vllm drafter=feature`` directory (learned-head); ``target``: the sacpolicy model spec served (default:
     the embedded target); ``served_model``: the directory vLLM loads (default: the target's); ``log_dir``: where
     ``learned-logged`` writes its step log (default: a new temporary directory)."""
-    from sacpolicy.models import EMBEDDED_TARGET, served_model as served_dir
+    from sacpolicy.models import EMBEDDED_TARGET
+    from sacpolicy.models import served_model as served_dir
 
     target = target or EMBEDDED_TARGET
     if name not in CONFIGS:
