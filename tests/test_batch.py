@@ -156,6 +156,53 @@ def test_rejected_columns_are_masked_then_compacted(tiny_target):
     torch.testing.assert_close(logits(), before, rtol=1e-4, atol=1e-4)
 
 
+def test_rows_leave_and_join_inside_the_growing_buffer_with_the_same_logits(tiny_target):
+    """Four rows joined in one call (blocks of different widths), two verify passes, rows 1 and 3 leaving, a row
+    joining, two more passes: the growing cache gives the same logits as transformers' ``DynamicCache`` after the same
+    calls, and rows leave inside the buffer (the pass after the select writes where the passes before it did)."""
+    from transformers import DynamicCache
+
+    from sacpolicy.decoding.compat import with_cache
+    from sacpolicy.decoding.ragged import new_cache
+
+    model = tiny_target.model
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randint(3, 1000, (1, L), generator=g) for L in (5, 9, 3, 6, 4)]
+
+    def run(make):
+        rows = []
+        for x in xs:
+            c = make()
+            model(input_ids=x, **with_cache(model, c), use_cache=True)
+            rows.append(RaggedCache(c, x.shape[1], torch.device("cpu"), slack=10.0))
+        cache, outs, ptrs = rows[0], [], []
+        cache.join(*rows[1:4])
+        assert cache.counts == [5, 9, 3, 6] and cache.width == 9
+
+        def step(T, kept, seed):
+            x = torch.randint(3, 1000, (cache.rows, T), generator=torch.Generator().manual_seed(seed))
+            outs.append(model(input_ids=x, **with_cache(model, cache.cache), use_cache=True, logits_to_keep=T,
+                              **cache.inputs(T, torch.float32)).logits)
+            ptrs.append(cache.cache.layers[0].keys.data_ptr())
+            cache.commit(kept, T)
+
+        step(3, [1, 3, 2, 1], 1)
+        step(2, [2, 1, 1, 2], 2)
+        cache.select([0, 2])
+        assert cache.counts == [8, 6]
+        step(2, [1, 2], 3)
+        cache.join(rows[4])
+        step(3, [3, 1, 2], 4)
+        return outs, ptrs
+
+    with torch.inference_mode():
+        ours, ptrs = run(lambda: new_cache(model.config))
+        theirs, _ = run(lambda: DynamicCache(config=model.config))
+    assert ptrs[0] == ptrs[1] == ptrs[2]  # joined once into a buffer; the select moved row 2 inside it
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
 def test_growing_cache_appends_in_place_and_holds_what_a_dynamic_cache_holds(tiny_target):
     """``new_cache``'s layers write each forward's keys and values into spare room (no copy of the layer), and after
     prefills, verify passes, crops, rows joining and leaving, and compaction the cache holds exactly what

@@ -315,8 +315,7 @@ class SpeculativeDecoder:
         while waiting or batch:
             # again after each prefill: requests that arrived during it join before the next step
             while joining := self._admit(waiting, B - len(batch), t0):
-                for group in self._prefill_groups(joining):
-                    cache = self._join(group, batch, cache)
+                cache = self._join(self._prefill_groups(joining), batch, cache)
             if not batch:
                 if waiting:
                     self.clock.sleep(max(0.0, waiting[-1].arrival - (self._now() - t0)))
@@ -357,21 +356,26 @@ class SpeculativeDecoder:
             groups.append([run])
         return groups
 
-    def _join(self, joining: list[Row], batch: list[Row], cache: RaggedCache | None) -> RaggedCache | None:
-        """Prefill the joining requests together; those still decoding join ``batch`` (in place) and their rows the
-        batch's cache, the others finish at once. -> the batch's cache."""
-        new = self._prefill(joining)
-        live = [i for i, r in enumerate(joining) if r.active]
-        for r in joining:
-            if not r.active:
-                self._finish(r)
-        if not live:
+    def _join(self, groups: list[list[Row]], batch: list[Row], cache: RaggedCache | None) -> RaggedCache | None:
+        """Prefill each group of joining requests in one pass; those still decoding join ``batch`` (in place, in
+        order) and their rows the batch's cache, all groups in one copy; the others finish at once. -> the batch's
+        cache."""
+        caches = []
+        for group in groups:
+            new = self._prefill(group)
+            live = [i for i, r in enumerate(group) if r.active]
+            for r in group:
+                if not r.active:
+                    self._finish(r)
+            if live:
+                new.select(live)
+                batch.extend(group[i] for i in live)
+                caches.append(new)
+        if not caches:
             return cache
-        new.select(live)
-        batch.extend(joining[i] for i in live)
         if cache is None:
-            return new
-        cache.join(new)
+            cache, caches = caches[0], caches[1:]
+        cache.join(*caches)
         return cache
 
     def _new_run(self, index, input_ids, max_new_tokens, request, arrival, stops, keep_logits) -> Row:

@@ -62,14 +62,50 @@ class GrowingLayer(DynamicLayer):
 
     def _holds(self, key_states, value_states, m: int) -> bool:
         """The current keys/values are prefixes of this layer's buffers, which have room for m tokens of this kind."""
-        if self._kv_buffers is None:
+        if not self._in_buffer():
             return False
-        for cur, buf, new in zip((self.keys, self.values), self._kv_buffers, (key_states, value_states)):
-            if (buf.shape[-2] < m or cur.data_ptr() != buf.data_ptr() or cur.stride() != buf.stride()
-                    or cur.shape[:2] != buf.shape[:2] or new.shape[:2] != buf.shape[:2] or new.dtype != buf.dtype
-                    or new.device != buf.device or (buf.is_inference() and not torch.is_inference_mode_enabled())):
+        for buf, new in zip(self._kv_buffers, (key_states, value_states)):
+            if buf.shape[-2] < m or new.shape[:2] != buf.shape[:2] or new.dtype != buf.dtype or new.device != buf.device:
                 return False
         return True
+
+    def _in_buffer(self) -> bool:
+        """The current keys/values are prefixes of this layer's buffers (same rows), which may be written here."""
+        buffers = getattr(self, "_kv_buffers", None)
+        if buffers is None:
+            return False
+        for cur, buf in zip((self.keys, self.values), buffers):
+            if (cur.data_ptr() != buf.data_ptr() or cur.stride() != buf.stride() or cur.shape[:2] != buf.shape[:2]
+                    or (buf.is_inference() and not torch.is_inference_mode_enabled())):
+                return False
+        return True
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep these rows (increasing indices), in order. Inside the layer's buffer this moves only the kept rows
+        after the first one left out, each up into the slot before it (the buffer keeps its spare rows and columns,
+        so the next ``update`` appends in place); otherwise transformers' index select (a copy of every kept row,
+        and a new buffer at the next update)."""
+        if not self._in_buffer() or any(b <= a for a, b in zip(rows, rows[1:])):
+            self.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.keys.device))
+            return
+        n = self.keys.shape[-2]
+        kept = []
+        for buf in self._kv_buffers:
+            for slot, row in enumerate(rows):
+                if row != slot:  # row > slot: its source is never a slot written before it
+                    buf[slot, :, :n].copy_(buf[row, :, :n])
+            kept.append(buf[: len(rows)])
+        self._kv_buffers = tuple(kept)
+        self.keys, self.values = kept[0][:, :, :n], kept[1][:, :, :n]
+
+    def adopt(self, keys: list[torch.Tensor], values: list[torch.Tensor], width: int) -> None:
+        """Hold these blocks of rows, stacked in order and each left-padded with zeros to ``width`` columns, in a new
+        buffer with room to grow: one copy of each block, where a concatenation and the next update's reallocation
+        would copy them twice."""
+        capacity = width + max(_MIN_HEADROOM, int(_HEADROOM * width))
+        self._kv_buffers = tuple(_left_padded_stack(parts, width, capacity) for parts in (keys, values))
+        self.keys, self.values = (buf[:, :, :width] for buf in self._kv_buffers)
+        self.is_initialized = True
 
     def _reallocate(self, key_states, value_states, n: int, m: int) -> None:
         capacity = m + max(_MIN_HEADROOM, int(_HEADROOM * m))
@@ -221,26 +257,39 @@ class RaggedCache:
             out.update(layer.keys[i : i + 1, :, cols], layer.values[i : i + 1, :, cols], j)
         return out
 
-    def join(self, other: RaggedCache) -> None:
-        """Append the rows of ``other`` (the cache of requests prefilled together), left-padding the narrower side."""
-        a, b = _layers(self.cache), _layers(other.cache)
-        if len(a) != len(b):
-            raise ValueError(f"caches of {len(a)} and {len(b)} layers cannot be batched")
-        W = max(self.width, other.width)
-        for mine, theirs in zip(a, b):
-            mine.keys = torch.cat([_left_pad(mine.keys, W), _left_pad(theirs.keys, W)])
-            mine.values = torch.cat([_left_pad(mine.values, W), _left_pad(theirs.values, W)])
-        self.valid = torch.cat([_left_pad(self.valid, W, dim=1), _left_pad(other.valid, W, dim=1)])
-        self.counts += other.counts
+    def join(self, *others: RaggedCache) -> None:
+        """Append the rows of ``others`` in order (each the cache of requests prefilled together), left-padding every
+        block to the widest: one copy of each layer however many join (into a buffer with room to grow where the
+        layer appends in place)."""
+        if not others:
+            return
+        mine = _layers(self.cache)
+        theirs = [_layers(o.cache) for o in others]
+        if any(len(t) != len(mine) for t in theirs):
+            raise ValueError(f"caches of {len(mine)} and {[len(t) for t in theirs]} layers cannot be batched")
+        W = max(self.width, *(o.width for o in others))
+        for i, layer in enumerate(mine):
+            keys = [layer.keys] + [t[i].keys for t in theirs]
+            values = [layer.values] + [t[i].values for t in theirs]
+            if isinstance(layer, GrowingLayer):
+                layer.adopt(keys, values, W)
+            else:
+                layer.keys, layer.values = _left_padded_stack(keys, W, W), _left_padded_stack(values, W, W)
+        self.valid = torch.cat([_left_pad(v, W, dim=1) for v in [self.valid, *(o.valid for o in others)]])
+        for o in others:
+            self.counts += o.counts
         self.width = W
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished ones leave and stop costing compute)."""
         if rows == list(range(self.rows)):
             return
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.cache.batch_select_indices(index)
-        self.valid = self.valid[index]
+        for layer in _layers(self.cache):
+            if isinstance(layer, GrowingLayer):
+                layer.keep_rows(rows)
+            else:
+                layer.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
+        self.valid = self.valid[torch.tensor(rows, dtype=torch.long, device=self.device)]
         self.counts = [self.counts[i] for i in rows]
         self._compact_if_sparse()
 
@@ -286,6 +335,20 @@ def _left_padded(lengths: list[int], device: torch.device) -> torch.Tensor:
     """[B, max(lengths)] bool: True on row i's last lengths[i] columns."""
     W = max(lengths)
     return torch.arange(W, device=device)[None] >= (W - torch.tensor(lengths, device=device))[:, None]
+
+
+def _left_padded_stack(blocks: list[torch.Tensor], width: int, capacity: int) -> torch.Tensor:
+    """[sum of rows, H, capacity, D]: the blocks [b, H, w, D] stacked in order, block columns ending at ``width``
+    (zeros before them, so a masked pad column is finite; nothing written after ``width``)."""
+    first = blocks[0]
+    out = first.new_empty((sum(b.shape[0] for b in blocks), first.shape[1], capacity, first.shape[-1]))
+    row = 0
+    for b in blocks:
+        w = b.shape[-2]
+        out[row : row + b.shape[0], :, : width - w].zero_()
+        out[row : row + b.shape[0], :, width - w : width].copy_(b)
+        row += b.shape[0]
+    return out
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
