@@ -52,7 +52,16 @@ import time
 from pathlib import Path
 
 from sacpolicy import bench
-from sacpolicy.bench.serve import draw, markdown, per_request, same_as, summarize, verdict
+from sacpolicy.bench.serve import (
+    LEARNED,
+    draw,
+    log_cost,
+    markdown,
+    per_request,
+    same_as,
+    summarize,
+    verdict,
+)
 from sacpolicy.export.vllm_run import vllm_status
 from sacpolicy.export.vllm_serve import CONFIGS, ServeError, VllmServer, bench_serve, completions, serve_config
 from sacpolicy.io import write_text
@@ -194,7 +203,7 @@ def main(argv=None) -> int:
         results: dict = {name: {str(r): [] for r in rates} for name in configs}
         for rep, name in bench.alternating(list(configs), args.repeats):
             config = configs[name]
-            if name == "learned":  # the proposer reports its calls, failures and live batch sizes through a file
+            if name in LEARNED:  # the proposer reports its calls, failures, batch sizes, log cost through a file
                 from sacpolicy.export.vllm import STATS_ENV
 
                 config.env = {**config.env, STATS_ENV: str(work / f"proposer-{rep}.json"),
@@ -231,7 +240,8 @@ def main(argv=None) -> int:
     print(md)
     payload = {"vllm": why, "ld_preload": preload,
                "source": args.source, "n_prompts": len(prompts), "capacity_rps": capacity,
-               "capacity_run": summarize(cap), "rates_x": rates, "results": results, "markdown": md, "verdict": v}
+               "capacity_run": summarize(cap), "rates_x": rates, "results": results, "markdown": md, "verdict": v,
+               "log_cost": log_cost(results, rates)}
     bench.write_results(args.out, payload, args)
     plot = Path(args.plot or Path(args.out).with_suffix(".png"))
     try:
@@ -358,9 +368,9 @@ def reload_report(log_dir: Path, stats_path: Path, swaps: list[dict]) -> dict:
 
 
 def keep_proposer_stats(results: dict, name: str, rep: int, path: Path) -> None:
-    """Append one repeat's stats file of the learned rule's proposer (calls, seconds, failures, live batch sizes) to
-    ``results[name]["proposer"]``, a list over repeats."""
-    if name == "learned" and Path(path).is_file():
+    """Append one repeat's stats file of a learned rule's proposer (calls, seconds, failures, live batch sizes, the
+    step log's cost) to ``results[name]["proposer"]``, a list over repeats."""
+    if name in LEARNED and Path(path).is_file():
         results[name].setdefault("proposer", []).append({"repeat": rep, **json.loads(Path(path).read_text())})
 
 

@@ -188,6 +188,10 @@ def test_the_step_log_equals_the_engines_truth_while_rows_reorder_join_and_leave
     steps_by_time = sorted({(s["unix_s"], s["batch_size"]) for r in reqs.values() for s in r["steps"]})
     assert [b for _, b in steps_by_time] == engine.batches
     assert {s["policy"] for r in reqs.values() for s in r["steps"]} == {prop.policy_id}
+    # what the log cost is counted where it was spent: every engine step, every record written
+    cost = prop.steplog.cost()
+    assert cost["steps"] == len(engine.batches) and cost["written"] == sum(len(r["steps"]) for r in reqs.values())
+    assert cost["engine_s"] > 0 and cost["writer_cpu_s"] > 0 and cost["dropped"] == 0
 
 
 def test_rebuilt_traces_load_and_the_logged_policys_replay_reproduces_its_accepts(tmp_path, monkeypatch):

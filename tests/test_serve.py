@@ -74,6 +74,17 @@ def test_bench_serve_prices_the_step_log_against_learned_with_it_off():
     rows = {x["policy"]: x for x in cli.verdict(results, [1.0])}
     assert rows["learned-logged"]["tpot_vs_learned"] == pytest.approx(1.02)
     assert "tpot_vs_learned" not in rows["learned"]  # never against itself
+    assert cli.log_cost(results, [1.0]) is None  # no proposer stats: nothing to say
+    # the log's own cost: its seconds from the proposers' stats over the time each server served, all repeats
+    results["learned-logged"]["1.0"][0] |= {"duration": 40.0, "repeat": 0}
+    results["learned-logged"]["1.0"].append({**run(52)[0], "duration": 60.0, "repeat": 1})
+    log = lambda e, w: {"engine_s": e, "writer_cpu_s": w, "steps": 900, "written": 4000, "dropped": 0}  # noqa: E731
+    results["learned-logged"]["proposer"] = [{"repeat": 0, "steplog": log(0.2, 0.4)},
+                                             {"repeat": 1, "steplog": log(0.3, 0.6)}]
+    cost = cli.log_cost(results, [1.0])
+    assert cost["engine_share"] == pytest.approx(0.005) and cost["writer_share"] == pytest.approx(0.01)
+    assert cost["steps"] == 1800 and cost["written"] == 8000
+    assert "engine thread 0.50% of the served time, writer thread CPU 1.00%" in cli.markdown(results, [1.0], 4.0)
 
 
 def test_broken_or_mismatched_exports_are_refused_before_a_server_starts(tmp_path):

@@ -93,7 +93,31 @@ def markdown(results: dict, rates: list[float], capacity: float, v: list[dict] |
                             "best other (throughput)"],
                            [[x["policy"], f"{x['rate_x']}x", *(_with_ci(x, k) for k in keys),
                              x.get("best_other", "-")] for x in v]))
+    cost = log_cost(results, rates)
+    if cost:
+        out.append("The step log's own cost (learned-logged; the proposer's stats over each server's runs): engine "
+                   f"thread {cost['engine_share']:.2%} of the served time, writer thread CPU "
+                   f"{cost['writer_share']:.2%} of it ({cost['steps']} engine steps, {cost['written']} records "
+                   f"written, {cost['dropped']} dropped)")
     return "\n\n".join(out)
+
+
+def log_cost(results: dict, rates: list[float]) -> dict | None:
+    """What the step log cost the ``learned-logged`` servers, from their proposers' stats (``steplog``: engine-thread
+    seconds in the log, the writer thread's CPU seconds) against the time the server served requests (each repeat's
+    runs' durations, all rates): the shares over all repeats, and the steps, records written and dropped. None when
+    no such server reported."""
+    stats = [x for x in results.get("learned-logged", {}).get("proposer", []) if x.get("steplog")]
+    served = {rep: sum(r.get("duration") or 0.0 for rate in rates
+                       for r in results["learned-logged"].get(str(rate), []) if r["repeat"] == rep)
+              for rep in {x["repeat"] for x in stats}}
+    seconds = sum(served.values())
+    if not stats or not seconds:
+        return None
+    total = {k: sum(x["steplog"][k] for x in stats) for k in ("engine_s", "writer_cpu_s", "steps", "written",
+                                                               "dropped")}
+    return {"engine_share": total["engine_s"] / seconds, "writer_share": total["writer_cpu_s"] / seconds,
+            "served_s": seconds, **total}
 
 
 def _with_ci(x: dict, key: str) -> str:

@@ -20,7 +20,9 @@ Penalties (repetition, frequency, presence) are not logged; traces take the logg
 The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
 queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle
 cannot be rebuilt and is left out of the traces, one missing its last steps is rebuilt up to them), never waited
-for. A request is found again only from the engine step just before (vLLM proposes for every running request each
+for. What the log costs is counted where it is spent (``cost``): the engine thread's seconds in ``step`` and the
+writer thread's CPU seconds (building records and shards), which ``PolicyNgramProposer``'s stats file reports and
+``bench_serve`` sets against the served run's time. A request is found again only from the engine step just before (vLLM proposes for every running request each
 step), so a later request with the same prompt starts its own log, and a request vLLM preempted and resumed later
 is logged as a new one whose first context holds its tokens so far. A daemon thread writes the records as Parquet shards
 atomically (a temporary file, then a rename): every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds, every
@@ -94,6 +96,7 @@ class StepLogger:
         self.requests: OrderedDict = OrderedDict()
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.dropped = self.written = self.shards = self.write_failures = self._ids = self._steps = 0
+        self.engine_s = self.writer_cpu_s = 0.0  # the log's own cost: engine-thread seconds, writer CPU seconds
         self._closed = False
         self.thread = threading.Thread(target=self._run, name="sacpolicy-steplog", daemon=True)
         self.thread.start()
@@ -132,6 +135,13 @@ class StepLogger:
         A request is found again only from the step just before: vLLM proposes for every running request each step,
         so an entry older than that is a finished request's, and a later request reaching the same context (the
         same prompt sent again) starts its own log instead of continuing that one."""
+        t0 = time.perf_counter()
+        try:
+            self._step(rows, batch, seconds, drafter)
+        finally:
+            self.engine_s += time.perf_counter() - t0
+
+    def _step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         entries, out = [], []
         self._steps += 1
         for context, committed, *_ in rows:
@@ -166,6 +176,12 @@ class StepLogger:
                 self.dropped += len(out)
 
     # ------------------------------------------------------------------ the writer thread
+    def cost(self) -> dict:
+        """What the log has cost so far: ``engine_s``, seconds the engine thread spent in ``step``; ``writer_cpu_s``,
+        CPU seconds of the writer thread (records, Parquet, files); and the steps, records written and dropped."""
+        return {"engine_s": round(self.engine_s, 6), "writer_cpu_s": round(self.writer_cpu_s, 6),
+                "steps": self._steps, "written": self.written, "dropped": self.dropped, "shards": self.shards}
+
     def _run(self) -> None:
         buf, last = [], time.monotonic()
         while True:
@@ -175,6 +191,7 @@ class StepLogger:
                 item = None
             if item is _STOP:
                 break
+            cpu = time.thread_time()
             if item is not None:
                 buf += _records(item)
             if buf and (len(buf) >= self.shard_rows or time.monotonic() - last >= self.flush_s):
@@ -182,8 +199,11 @@ class StepLogger:
                 buf, last = [], time.monotonic()
             elif not buf:
                 last = time.monotonic()
+            self.writer_cpu_s += time.thread_time() - cpu
+        cpu = time.thread_time()
         if buf:
             self._write(buf)
+        self.writer_cpu_s += time.thread_time() - cpu
 
     def _write(self, rows: list[dict]) -> None:
         import pyarrow as pa

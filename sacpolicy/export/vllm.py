@@ -280,7 +280,8 @@ class PolicyNgramProposer:
             write_json(self.stats_path, {"calls": self.calls, "seconds": self.seconds, "failures": self.failures,
                                          "load_aware": self.load_aware,
                                          "batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}}
-                       | self.slot.stats())  # policy_id, reloads, reload_failures, canary (sacpolicy.export.reload)
+                       | self.slot.stats()  # policy_id, reloads, reload_failures, canary (sacpolicy.export.reload)
+                       | ({"steplog": self.steplog.cost()} if self.steplog is not None else {}))
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sampled_token_ids]
