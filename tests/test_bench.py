@@ -152,3 +152,44 @@ def test_the_head_shipping_gate_measures_validation_prompts_never_the_test_split
         script.main(curve("val", 1.4))
     script.check_beats_shipped(json.loads(Path(curve("val", 2.0)[-1]).read_text()), head)  # a val win passes
     assert not out.exists()  # a refused head writes nothing
+
+
+def test_bench_suffix_replays_exactly_what_live_decoding_does(tiny_target):
+    """The replay's target calls per prompt equal a live greedy decode's with the same drafter setting, the suffix
+    drafter's global index grown over the prompts in the same order; ratios pair prompts."""
+    from toys import mixed_prompts
+
+    from sacpolicy.decoding import NgramDrafter, SpeculativeDecoder
+    from sacpolicy.decoding.suffix import SuffixDrafter
+    from sacpolicy.policy import Static
+    from sacpolicy.runtime.cost import CostModel
+    from sacpolicy.runtime.curve import PiecewiseLinear
+
+    cli = load_script("bench_suffix")
+    assert cli.parse_settings("1:0.1:24,8:0.05:48") == [(1.0, 0.1, 24), (8.0, 0.05, 48)]
+    with pytest.raises(SystemExit, match="spec_factor:min_token_prob:max_depth"):
+        cli.parse_settings("8:0.1")
+    prompts = mixed_prompts((9, 14), seed=4, repeats=6) + [[9, 10, 11, 12, 13] * 4]
+    rows = [{"input_ids": p, "prompt_id": f"p{i}", "category": "other"} for i, p in enumerate(prompts)]
+    outs = cli.greedy_outputs(tiny_target, rows, 24)
+    line = PiecewiseLinear([0.0, 1000.0], [1e-4, 1e-4])
+    cost = CostModel("cpu", {"tokens": PiecewiseLinear([1, 9], [0.01, 0.012]), "per_context": 0.0},
+                     {"ngram": line, "suffix": line}, {"ngram": False, "suffix": False})
+    setting = (4.0, 0.1, 32)
+    per = cli.replay(tiny_target, rows, outs, setting, [2, 6], cost)
+    for k in (2, 6):
+        for name, make in (("ngram", lambda: NgramDrafter(name="ngram")),
+                           ("suffix", lambda: SuffixDrafter(max_depth=32, spec_factor=4.0, name="suffix"))):
+            dec = SpeculativeDecoder(tiny_target.model, [make()], Static(k, name),
+                                     stop_token_ids=tiny_target.eos_token_ids)
+            live = [dec.generate(p, 24) for p in prompts]  # one drafter object: its global index grows along
+            assert [r.tokens for r in live] == [o for o, _ in outs]
+            assert per[f"{name}-k{k}"]["calls"] == [r.target_calls for r in live], (name, k)
+    assert sum(per["suffix-k6"]["calls"]) < sum(len(o) for o, _ in outs)  # it drafted and was accepted
+    rows_k = cli.summarize(per, [2, 6])
+    r6 = rows_k[1]
+    assert r6["tokens_per_call"] == pytest.approx(sum(per["suffix-k6"]["tokens"]) / sum(per["suffix-k6"]["calls"]))
+    assert r6["tokens_per_call_vs_ngram"] == pytest.approx(r6["tokens_per_call"] / r6["ngram_tokens_per_call"])
+    lo, hi = r6["tokens_per_call_interval"]
+    assert lo <= r6["tokens_per_call_vs_ngram"] <= hi
+    assert "suffix sf4 p0.1 d32" in cli.markdown({"revision": {cli.setting_name(setting): rows_k}})

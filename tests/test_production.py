@@ -240,6 +240,7 @@ def test_a_blocked_writer_never_blocks_the_engine_and_drops_are_counted(tmp_path
 
     monkeypatch.setattr(steplog, "_records", blocked)
     monkeypatch.setattr(steplog, "QUEUE_SIZE", 2)
+    monkeypatch.setattr(steplog, "DRAIN_S", 0.001)  # the writer takes the first step at once, and gets stuck in it
     prop = proposer(tmp_path, monkeypatch)
     engine = workload(seed=3)
     times = engine.run(prop, on_step=lambda t: t == 20 and release.set())  # the writer is stuck for 20 steps

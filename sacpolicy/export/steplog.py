@@ -18,20 +18,21 @@ Penalties (repetition, frequency, presence) are not logged; traces take the logg
 ``traces.production`` rebuilds every request's token sequence from these alone and turns the log into traces.
 
 The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
-queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle
-cannot be rebuilt and is left out of the traces, one missing its last steps is rebuilt up to them), never waited
-for. What the log costs is counted where it is spent (``cost``): the engine thread's seconds in ``step`` and the
-writer thread's CPU seconds (building records and shards), which ``PolicyNgramProposer``'s stats file reports and
-``bench_serve`` sets against the served run's time. A request is found again only from the engine step just before (vLLM proposes for every running request each
-step), so a later request with the same prompt starts its own log, and a request vLLM preempted and resumed later
-is logged as a new one whose first context holds its tokens so far. A daemon thread writes the records as Parquet shards
-atomically (a temporary file, then a rename): every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds, every
-``SHARD_ROWS`` rows, and on ``close`` (also at interpreter exit, and when a multiprocessing child that holds the
-log ends normally). vLLM force-kills its worker process when the server shuts down, so the records of the last
-flush interval are lost then: stop a server at least that long after its last request, or set the interval lower
-(``bench_serve``'s reload drill and ``serve_logged.py`` use 1-2 s). Each shard's metadata names the target (the policy's
-provenance and vLLM's model, tokenizer and vocabulary), the policy, the drafter and the server's k cap, so logs of
-another target are refused when they are read.
+queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle cannot
+be rebuilt and is left out of the traces, one missing its last steps is rebuilt up to them), never waited for. What
+the log costs is counted where it is spent (``cost``): the engine thread's seconds in ``step`` and the writer thread's
+CPU seconds (building records and shards), which ``PolicyNgramProposer``'s stats file reports and ``bench_serve`` sets
+against the served run's time. A request is found again only from the engine step just before (vLLM proposes for every
+running request each step), so a later request with the same prompt starts its own log, and a request vLLM preempted
+and resumed later is logged as a new one whose first context holds its tokens so far. A daemon thread writes the
+records as Parquet shards atomically (a temporary file, then a rename); it wakes every ``DRAIN_S`` to take what is
+queued, not at every step, and writes every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds, every ``SHARD_ROWS`` rows, and
+on ``close`` (also at interpreter exit, and when a multiprocessing child that holds the log ends normally). vLLM
+force-kills its worker process when the server shuts down, so the records of the last flush interval are lost then:
+stop a server at least that long after its last request, or set the interval lower (``bench_serve``'s reload drill and
+``serve_logged.py`` use 1-2 s). Each shard's metadata names the target (the policy's provenance and vLLM's model,
+tokenizer and vocabulary), the policy, the drafter and the server's k cap, so logs of another target are refused when
+they are read.
 
 Privacy and retention: the log stores the token ids of the prompts and of the outputs (detokenizing them gives the
 text back), so treat the directory as you treat request logs. Nothing is ever deleted by sacpolicy: shards are named
@@ -67,6 +68,7 @@ logger = logging.getLogger(__name__)
 RATE_ENV = "SACPOLICY_PROPOSER_LOG_RATE"  # share of requests logged, in (0, 1] (default 1)
 FLUSH_ENV = "SACPOLICY_PROPOSER_LOG_FLUSH_S"  # seconds between shards while records arrive (default FLUSH_S)
 QUEUE_SIZE, SHARD_ROWS, FLUSH_S = 4096, 50_000, 30.0  # engine steps queued at most; rows per shard at most
+DRAIN_S = 0.5  # the writer takes the queued steps this often (a wake per engine step would cost the engine more)
 _STOP = object()
 
 
@@ -98,6 +100,8 @@ class StepLogger:
         self.dropped = self.written = self.shards = self.write_failures = self._ids = self._steps = 0
         self.engine_s = self.writer_cpu_s = 0.0  # the log's own cost: engine-thread seconds, writer CPU seconds
         self._closed = False
+        self.drain_s = min(DRAIN_S, flush_s)
+        self._wake = threading.Event()  # set by close: drain now
         self.thread = threading.Thread(target=self._run, name="sacpolicy-steplog", daemon=True)
         self.thread.start()
         # written at exit: atexit for a main process; a multiprocessing child exits through os._exit (no atexit)
@@ -183,27 +187,27 @@ class StepLogger:
                 "steps": self._steps, "written": self.written, "dropped": self.dropped, "shards": self.shards}
 
     def _run(self) -> None:
-        buf, last = [], time.monotonic()
-        while True:
-            try:
-                item = self.queue.get(timeout=max(0.01, self.flush_s - (time.monotonic() - last)))
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                break
+        """Every ``drain_s`` (or at once on ``close``): take every queued step, build its records, write a shard when
+        one is due. Waking per engine step instead would put a thread on the CPU between every two steps."""
+        buf, last, stop = [], time.monotonic(), False
+        while not stop:
+            self._wake.wait(self.drain_s)
             cpu = time.thread_time()
-            if item is not None:
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
                 buf += _records(item)
-            if buf and (len(buf) >= self.shard_rows or time.monotonic() - last >= self.flush_s):
+            if buf and (stop or len(buf) >= self.shard_rows or time.monotonic() - last >= self.flush_s):
                 self._write(buf)
                 buf, last = [], time.monotonic()
             elif not buf:
                 last = time.monotonic()
             self.writer_cpu_s += time.thread_time() - cpu
-        cpu = time.thread_time()
-        if buf:
-            self._write(buf)
-        self.writer_cpu_s += time.thread_time() - cpu
 
     def _write(self, rows: list[dict]) -> None:
         import pyarrow as pa
@@ -232,6 +236,7 @@ class StepLogger:
         self._closed = True
         try:
             self.queue.put(_STOP, timeout=timeout)
+            self._wake.set()
         except queue.Full:
             logger.warning("the step log's writer did not drain its queue in %.0f s; %s is left incomplete", timeout,
                            self.out_dir)
