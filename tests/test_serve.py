@@ -85,6 +85,14 @@ def test_bench_serve_prices_the_step_log_against_learned_with_it_off():
     assert cost["engine_share"] == pytest.approx(0.005) and cost["writer_share"] == pytest.approx(0.01)
     assert cost["steps"] == 1800 and cost["written"] == 8000
     assert "engine thread 0.50% of the served time, writer thread CPU 1.00%" in cli.markdown(results, [1.0], 4.0)
+    # and the process's garbage collections, log on against log off, where the proposers timed them
+    results["learned"]["1.0"][0] |= {"duration": 50.0, "repeat": 0}
+    results["learned"]["proposer"] = [{"repeat": 0, "gc": {"collections": [9, 1, 0], "seconds": [0.1, 0.1, 0.0]}}]
+    for x in results["learned-logged"]["proposer"]:
+        x["gc"] = {"collections": [20, 2, 1], "seconds": [0.2, 0.1, 0.2]}
+    cost = cli.log_cost(results, [1.0])
+    assert cost["gc_share"] == pytest.approx(1.0 / 100) and cost["gc_share_off"] == pytest.approx(0.2 / 50)
+    assert "garbage collections 1.00% of it, 0.40% with the log off" in cli.markdown(results, [1.0], 4.0)
 
 
 def test_broken_or_mismatched_exports_are_refused_before_a_server_starts(tmp_path):
@@ -208,9 +216,14 @@ def test_a_proposer_failure_never_reaches_the_engine(tmp_path, monkeypatch, capl
         raise RuntimeError("drafter exploded")
 
     monkeypatch.setattr(proposer.ngram, "propose", boom)
+    before = proposer.gc.stats()["collections"][2]
+    import gc
+
+    gc.collect()  # the stats count the process's garbage collections too
     assert _step(proposer, rows) == [[]] and _step(proposer, rows * 2) == [[], []]
     assert proposer.failures == 2 and "drafter exploded" in caplog.text
-    assert json.loads(stats.read_text())["failures"] >= 1
+    written = json.loads(stats.read_text())
+    assert written["failures"] >= 1 and written["gc"]["collections"][2] >= before + 1
     monkeypatch.undo()
     assert _step(proposer, rows)[0]  # the next step drafts again
 

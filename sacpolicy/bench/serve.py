@@ -98,7 +98,9 @@ def markdown(results: dict, rates: list[float], capacity: float, v: list[dict] |
         out.append("The step log's own cost (learned-logged; the proposer's stats over each server's runs): engine "
                    f"thread {cost['engine_share']:.2%} of the served time, writer thread CPU "
                    f"{cost['writer_share']:.2%} of it ({cost['steps']} engine steps, {cost['written']} records "
-                   f"written, {cost['dropped']} dropped)")
+                   f"written, {cost['dropped']} dropped)" + (
+                       f"; the process's garbage collections {cost['gc_share']:.2%} of it, {cost['gc_share_off']:.2%} "
+                       "with the log off (learned)" if "gc_share" in cost and "gc_share_off" in cost else ""))
     return "\n\n".join(out)
 
 
@@ -116,8 +118,15 @@ def log_cost(results: dict, rates: list[float]) -> dict | None:
         return None
     total = {k: sum(x["steplog"][k] for x in stats) for k in ("engine_s", "writer_cpu_s", "steps", "written",
                                                                "dropped")}
-    return {"engine_share": total["engine_s"] / seconds, "writer_share": total["writer_cpu_s"] / seconds,
-            "served_s": seconds, **total}
+    out = {"engine_share": total["engine_s"] / seconds, "writer_share": total["writer_cpu_s"] / seconds,
+           "served_s": seconds, **total}
+    for name, key in (("learned-logged", "gc_share"), ("learned", "gc_share_off")):  # collections, log on and off
+        gcs = [x for x in results.get(name, {}).get("proposer", []) if x.get("gc")]
+        spent = sum(r.get("duration") or 0.0 for rate in rates for r in results.get(name, {}).get(str(rate), [])
+                    if r.get("repeat") in {x["repeat"] for x in gcs})
+        if gcs and spent:
+            out[key] = sum(sum(x["gc"]["seconds"]) for x in gcs) / spent
+    return out
 
 
 def _with_ci(x: dict, key: str) -> str:

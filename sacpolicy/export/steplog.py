@@ -187,12 +187,15 @@ class StepLogger:
                 "steps": self._steps, "written": self.written, "dropped": self.dropped, "shards": self.shards}
 
     def _run(self) -> None:
-        """Every ``drain_s`` (or at once on ``close``): take every queued step, build its records, write a shard when
-        one is due. Waking per engine step instead would put a thread on the CPU between every two steps."""
-        buf, last, stop = [], time.monotonic(), False
+        """Every ``drain_s`` (or at once on ``close``): take every queued step and turn its records into one Arrow
+        batch at once (Python objects kept for a shard's whole interval would grow the heap the garbage collector
+        walks), write a shard when one is due. Waking per engine step instead would put a thread on the CPU between
+        every two steps."""
+        batches, rows, last, stop = [], 0, time.monotonic(), False
         while not stop:
             self._wake.wait(self.drain_s)
             cpu = time.thread_time()
+            drained: list[dict] = []
             while True:
                 try:
                     item = self.queue.get_nowait()
@@ -201,15 +204,30 @@ class StepLogger:
                 if item is _STOP:
                     stop = True
                     break
-                buf += _records(item)
-            if buf and (stop or len(buf) >= self.shard_rows or time.monotonic() - last >= self.flush_s):
-                self._write(buf)
-                buf, last = [], time.monotonic()
-            elif not buf:
+                drained += _records(item)
+            batch = self._arrow(drained) if drained else None
+            del drained
+            if batch is not None:
+                batches.append(batch)
+                rows += batch.num_rows
+            if batches and (stop or rows >= self.shard_rows or time.monotonic() - last >= self.flush_s):
+                self._write(batches, rows)
+                batches, rows, last = [], 0, time.monotonic()
+            elif not batches:
                 last = time.monotonic()
             self.writer_cpu_s += time.thread_time() - cpu
 
-    def _write(self, rows: list[dict]) -> None:
+    def _arrow(self, records: list[dict]):
+        """The records as one Arrow batch of ``STEP_SCHEMA``; None (the rows lost, counted) when they do not fit it."""
+        import pyarrow as pa
+
+        try:
+            return pa.RecordBatch.from_pylist(records, schema=STEP_SCHEMA)
+        except Exception:  # a bad row must not stop the writer
+            self._failed(f"{len(records)} records")
+            return None
+
+    def _write(self, batches: list, rows: int) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -219,15 +237,19 @@ class StepLogger:
         path = self.out_dir / f"{SHARD_PREFIX}{stamp}-{self.run_id}-{self.shards:05d}.parquet"
         try:
             meta = {**self.meta, "dropped": self.dropped, "write_failures": self.write_failures}
-            table = pa.Table.from_pylist(rows, schema=STEP_SCHEMA.with_metadata({META_KEY: json.dumps(meta)}))
+            table = pa.Table.from_batches(batches, schema=STEP_SCHEMA).replace_schema_metadata(
+                {META_KEY: json.dumps(meta)})
             sink = pa.BufferOutputStream()
             pq.write_table(table, sink)
             write_bytes(path, sink.getvalue().to_pybytes())
-            self.shards, self.written = self.shards + 1, self.written + len(rows)
-        except Exception:  # a full disk or a bad row must not stop the writer; the rows are lost and counted
-            if not self.write_failures:
-                logger.exception("the proposer's step log could not write %s; its rows are dropped", path)
-            self.write_failures += 1
+            self.shards, self.written = self.shards + 1, self.written + rows
+        except Exception:  # a full disk must not stop the writer; the rows are lost and counted
+            self._failed(str(path))
+
+    def _failed(self, what: str) -> None:
+        if not self.write_failures:
+            logger.exception("the proposer's step log could not write %s; its rows are dropped", what)
+        self.write_failures += 1
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued and stop the writer (idempotent; also run at interpreter exit)."""

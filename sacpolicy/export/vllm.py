@@ -24,6 +24,7 @@ in vLLM, which has no per-step hook for it.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -177,6 +178,37 @@ def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -
     return _write_export(art, out, drafter, config, config)
 
 
+class _GcClock:
+    """The garbage collector's collections in this process since it was made and the seconds they took, per
+    generation (``gc.callbacks``; one per process: ``gc_clock``): the stats file's ``gc``, so that a server whose Python allocates more (the step log on) shows
+    what its collections cost beside one that does not."""
+
+    def __init__(self):
+        self.collections, self.seconds, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], None
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            g = min(int(info.get("generation", 2)), 2)
+            self.collections[g] += 1
+            self.seconds[g] += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def stats(self) -> dict:
+        return {"collections": list(self.collections), "seconds": [round(x, 6) for x in self.seconds]}
+
+
+_GC_CLOCK: list[_GcClock] = []  # the process's one clock (collections are per process), made when first asked for
+
+
+def gc_clock() -> _GcClock:
+    if not _GC_CLOCK:
+        _GC_CLOCK.append(_GcClock())
+    return _GC_CLOCK[0]
+
+
 class _History:
     """Each request's acceptance history (``next_accept_history``) across vLLM steps. The proposer hook gives no
     request ids, so a request is found again by its committed tokens: after a step that committed s tokens (accepted
@@ -253,6 +285,7 @@ class PolicyNgramProposer:
         self.slot = PolicySlot(self, art, root, drafter, load)
         # ---- end of the hot reload hook ----
         self.calls, self.seconds, self.failures, self.stats_path = 0, 0.0, 0, os.environ.get(STATS_ENV)
+        self.gc = gc_clock() if self.stats_path else None
         self.batch_sizes: dict[int, int] = {}  # steps per live batch size
         self.steplog, self._logged, self._unsampled = self._open_steplog(vllm_config, art), None, False
 
@@ -281,7 +314,8 @@ class PolicyNgramProposer:
                                          "load_aware": self.load_aware,
                                          "batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}}
                        | self.slot.stats()  # policy_id, reloads, reload_failures, canary (sacpolicy.export.reload)
-                       | ({"steplog": self.steplog.cost()} if self.steplog is not None else {}))
+                       | ({"steplog": self.steplog.cost()} if self.steplog is not None else {})
+                       | ({"gc": self.gc.stats()} if self.gc is not None else {}))
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sampled_token_ids]
