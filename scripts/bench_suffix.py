@@ -104,7 +104,8 @@ def markdown(results: dict) -> str:
     for source, by_setting in results.items():
         for name, rows in by_setting.items():
             for r in rows:
-                lines.append([source, name, r["k"], bench.cell(r["tokens_per_call"]), bench.cell(r["ngram_tokens_per_call"]),
+                lines.append([source, name, r["k"], bench.cell(r["tokens_per_call"]),
+                              bench.cell(r["ngram_tokens_per_call"]),
                               bench.ratio(r["tokens_per_call_vs_ngram"], r.get("tokens_per_call_interval")),
                               bench.ratio(r["tokens_per_s_vs_ngram"], r.get("tokens_per_s_interval"))])
     return bench.table(["source", "suffix setting", "k", "tokens / call", "n-gram tokens / call",

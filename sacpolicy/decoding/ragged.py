@@ -1,4 +1,5 @@
-"""The target's KV cache for a batch of rows of different lengths (``RaggedCache``), over transformers' ``DynamicCache``.
+"""The target's KV cache for a batch of rows of different lengths (``RaggedCache``), over transformers'
+``DynamicCache``.
 
 Rows join with their prompts' cache (prefilled together) and leave when they finish; every step feeds T tokens per row
 (the last committed token, the row's draft block, then padding up to the longest block) and keeps the first
@@ -65,7 +66,8 @@ class GrowingLayer(DynamicLayer):
         if not self._in_buffer():
             return False
         for buf, new in zip(self._kv_buffers, (key_states, value_states)):
-            if buf.shape[-2] < m or new.shape[:2] != buf.shape[:2] or new.dtype != buf.dtype or new.device != buf.device:
+            if (buf.shape[-2] < m or new.shape[:2] != buf.shape[:2] or new.dtype != buf.dtype
+                    or new.device != buf.device):
                 return False
         return True
 

@@ -180,8 +180,8 @@ def _export_head(art: PolicyArtifact, drafter: str, out: Path, draft_dir=None) -
 
 class _GcClock:
     """The garbage collector's collections in this process since it was made and the seconds they took, per
-    generation (``gc.callbacks``; one per process: ``gc_clock``): the stats file's ``gc``, so that a server whose Python allocates more (the step log on) shows
-    what its collections cost beside one that does not."""
+    generation (``gc.callbacks``; one per process: ``gc_clock``): the stats file's ``gc``, so that a server whose
+    Python allocates more (the step log on) shows what its collections cost beside one that does not."""
 
     def __init__(self):
         self.collections, self.seconds, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], None
