@@ -82,7 +82,9 @@ class FakeEngine:
         self.seqs, self.drafts, self.truth, self.batches = {}, {}, {i: [] for i in range(len(prompts))}, []
         self.prompt_len = {i: len(p) for i, p in enumerate(prompts)}
 
-    def run(self, proposer, on_step=None):
+    def run(self, proposer, on_step=None, unseen=()):
+        """``unseen``: engine steps at which the hook is not called and nothing is drafted (vLLM's skip while a
+        request of the batch is near the context limit): the drafts pending are verified, no new ones made."""
         t, done, slow = 0, set(), []
         while len(done) < len(self.prompts):
             rows = [i for i in range(len(self.prompts)) if self.arrivals[i] <= t and i not in done]
@@ -92,7 +94,12 @@ class FakeEngine:
                               enumerate((np.float32, np.float32, np.int32)))
                 self.input_batch = SimpleNamespace(temperature_cpu=t_, top_p_cpu=p_, top_k_cpu=k_)
             sampled = [self._verify(i) for i in rows]
-            if rows:
+            if rows and t in unseen:
+                for i in rows:
+                    self.drafts[i] = []
+                    if len(self.seqs[i]) - self.prompt_len[i] >= self.new[i]:
+                        done.add(i)
+            elif rows:
                 table = np.zeros((len(rows), MAX_LEN), dtype=np.int32)
                 for r, i in enumerate(rows):
                     table[r, : len(self.seqs[i])] = self.seqs[i]
@@ -192,6 +199,31 @@ def test_the_step_log_equals_the_engines_truth_while_rows_reorder_join_and_leave
     cost = prop.steplog.cost()
     assert cost["steps"] == len(engine.batches) and cost["written"] == sum(len(r["steps"]) for r in reqs.values())
     assert cost["engine_s"] > 0 and cost["writer_cpu_s"] > 0 and cost["dropped"] == 0
+
+
+def test_steps_vllm_runs_without_the_proposer_leave_each_request_one_log_with_vllms_accepts(tmp_path, monkeypatch):
+    """vLLM skips the hook for whole steps (a request of the batch near the context limit): the pending drafts are
+    verified, nothing is drafted, and the rows come back several tokens on. Each request stays one log, its tokens
+    the engine's, and its drafted blocks' (drafted, accepted) the engine's (what vLLM's arrays hold); the tokens of
+    the skipped steps are counted as ``unseen``. A request that ends inside a skipped run of steps is logged up to
+    its last step seen (its last block's verification is never seen)."""
+    prop = proposer(tmp_path, monkeypatch)
+    engine = workload(seed=5)
+    engine.run(prop, unseen={4, 5, 6, 11, 19, 20})
+    prop.steplog.close()
+    reqs, incomplete, _ = logged_requests(tmp_path)
+    assert incomplete == 0 and len(reqs) == len(engine.prompts)  # not one request split in two
+    left, whole_across = dict(engine.seqs), 0
+    for rid, req in sorted(reqs.items(), key=lambda kv: -len(kv[1]["tokens"])):
+        i = next(i for i, seq in left.items() if seq[: len(req["tokens"])] == req["tokens"]
+                 and len(req["tokens"]) > engine.prompt_len[i])
+        del left[i]
+        logged = [(s["drafted"], s["accepted"]) for s in req["steps"][:-1] if s["drafted"]]
+        assert logged == [(d, a) for d, a in engine.truth[i] if d][: len(logged)]
+        if req["tokens"] == engine.seqs[i]:
+            assert logged == [(d, a) for d, a in engine.truth[i] if d]
+            whole_across += any(s["unseen"] for s in req["steps"])
+    assert whole_across >= 3  # requests whose blocks were verified across skipped steps, whole and exact
 
 
 def test_rebuilt_traces_load_and_the_logged_policys_replay_reproduces_its_accepts(tmp_path, monkeypatch):

@@ -96,6 +96,7 @@ class StepLogger:
         # key of a request's context -> [entry]; entry = [log id (None: not sampled), step, drafted, prompt length,
         # the engine step it was last seen at]
         self.requests: OrderedDict = OrderedDict()
+        self._last: list = []  # (key, entry) of the rows of the step before
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.dropped = self.written = self.shards = self.write_failures = self._ids = self._steps = 0
         self.engine_s = self.writer_cpu_s = 0.0  # the log's own cost: engine-thread seconds, writer CPU seconds
@@ -131,14 +132,20 @@ class StepLogger:
 
     def step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
-        k chosen, tokens drafted, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's own;
-        optionally the request's sampling settings (temperature, top_p, top_k) or None). Finds each request (all
+        k chosen, the drafted block's tokens, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's
+        own; optionally the request's sampling settings (temperature, top_p, top_k) or None). Finds each request (all
         lookups before any new entry, so a request one step behind an identical one never takes its entry), queues
         the sampled ones' records; never blocks.
 
         A request is found again only from the step just before: vLLM proposes for every running request each step,
         so an entry older than that is a finished request's, and a later request reaching the same context (the
-        same prompt sent again) starts its own log instead of continuing that one."""
+        same prompt sent again) starts its own log instead of continuing that one. Except where vLLM skips the
+        proposer: while any request of the batch is within ``num_speculative_tokens`` of the context limit, vLLM
+        drafts for no request of it and does not call the hook (``_input_fits_in_drafter``), so the rows come back
+        several tokens on. A row found under no entry is then matched to one of the step before whose context is a
+        prefix of its own; the tokens since are its ``committed``, the last block's accepted tokens are those equal to
+        the block (a rejected draft token is never the one committed in its place), and the tokens committed in the
+        steps the proposer did not see are the record's ``unseen``."""
         t0 = time.perf_counter()
         try:
             self._step(rows, batch, seconds, drafter)
@@ -148,6 +155,7 @@ class StepLogger:
     def _step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         entries, out = [], []
         self._steps += 1
+        last, self._last = self._last, []
         for context, committed, *_ in rows:
             key = self.key(context[: len(context) - committed])
             found = self.requests.get(key)
@@ -156,21 +164,28 @@ class StepLogger:
                 if not found:
                     del self.requests[key]
             entries.append(found.pop(0) if found else None)
-        for entry, (context, committed, state, k, drafted, policy, *sampling) in zip(entries, rows):
+        for j, (context, *_) in enumerate(rows):
+            if entries[j] is None and last:
+                entries[j] = self._after_unseen_steps(context, last)
+        for entry, (context, committed, state, k, block, policy, *sampling) in zip(entries, rows):
             first = entry is None
             if first:
                 self._ids += 1
                 entry = [f"{self.run_id}-{self._ids:08d}" if self._sampled(context) else None, -1, 0,
-                         len(context) - committed, 0]
+                         len(context) - committed, 0, [], len(context) - committed]
+            seen = entry[6]  # the context length the request was last seen at
+            new = context[seen:]
+            accepted = _accepted(entry[5], new) if len(new) != committed else committed - 1
             entry[1] += 1
             if entry[0] is not None:
                 out.append((entry[0], entry[1], entry[3], context.copy() if first else None,
-                            None if first else context[len(context) - committed:].copy(),
-                            -1 if first else entry[2], -1 if first else committed - 1, k, drafted,
-                            row_context(state, drafter), len(context), policy,
-                            (sampling[0] if sampling else None) if first else None))
-            entry[2], entry[4] = drafted, self._steps
-            self.requests.setdefault(self.key(context), []).append(entry)
+                            None if first else new.copy(), -1 if first else entry[2], -1 if first else accepted,
+                            0 if first else len(new) - accepted - 1, k, len(block), row_context(state, drafter),
+                            len(context), policy, (sampling[0] if sampling else None) if first else None))
+            entry[2], entry[4], entry[5], entry[6] = len(block), self._steps, list(block), len(context)
+            key = self.key(context)
+            self.requests.setdefault(key, []).append(entry)
+            self._last.append((key, entry))
         while len(self.requests) > self.capacity:  # finished requests are never looked up again
             self.requests.popitem(last=False)
         if out:
@@ -178,6 +193,21 @@ class StepLogger:
                 self.queue.put_nowait((time.time(), seconds, batch, out))
             except queue.Full:
                 self.dropped += len(out)
+
+    def _after_unseen_steps(self, context: np.ndarray, last: list) -> list | None:
+        """The entry of the step before whose context is a proper prefix of ``context`` and that no row took yet
+        (taken out of ``requests``), None if there is none."""
+        for key, entry in last:
+            n = entry[6]
+            if n >= len(context) or entry[4] != self._steps - 1:
+                continue
+            waiting = self.requests.get(key)
+            if waiting and any(e is entry for e in waiting) and self.key(context[:n]) == key:
+                waiting.remove(entry)
+                if not waiting:
+                    del self.requests[key]
+                return entry
+        return None
 
     # ------------------------------------------------------------------ the writer thread
     def cost(self) -> dict:
@@ -269,16 +299,28 @@ class StepLogger:
                            self.dropped)
 
 
+def _accepted(block: list[int], new) -> int:
+    """The drafted block's tokens that were accepted, given the tokens committed since it was drafted: those equal to
+    the block up to the first that differs (the token verification commits in place of a rejected draft token never
+    equals it: greedy picks another token, rejection sampling draws from a residual without it)."""
+    n = 0
+    for d, t in zip(block, new[: len(block)].tolist() if hasattr(new, "tolist") else new):
+        if d != t:
+            break
+        n += 1
+    return min(n, max(len(new) - 1, 0))
+
+
 def _records(item) -> list[dict]:
     """One engine step's queued rows as ``STEP_SCHEMA`` records (the feature rows are built here, off the engine)."""
     unix_s, seconds, batch, rows = item
     return [{"request": rid, "step": step, "unix_s": unix_s, "policy": policy, "prompt_len": prompt_len,
              "context_len": n, "context": None if ctx is None else ctx.tolist(),
              "committed": None if new is None else new.tolist(), "prev_drafted": prev_drafted,
-             "prev_accepted": prev_accepted, "k": k, "drafted": drafted, "features": feature_row(rowctx, 0),
-             "batch_size": batch, "proposer_s": seconds, **_sampling(sampling)}
-            for rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, k, drafted, rowctx, n, policy, sampling
-            in rows]
+             "prev_accepted": prev_accepted, "unseen": unseen, "k": k, "drafted": drafted,
+             "features": feature_row(rowctx, 0), "batch_size": batch, "proposer_s": seconds, **_sampling(sampling)}
+            for rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, unseen, k, drafted, rowctx, n, policy,
+            sampling in rows]
 
 
 def _sampling(sampling) -> dict:

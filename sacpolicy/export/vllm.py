@@ -360,7 +360,7 @@ class PolicyNgramProposer:
                            "exposes no input_batch to the proposer hook); the log records none, and production traces "
                            "take them from build_production_traces(sampling=...)")
         rows, blocks, seen, batch = step
-        self.steplog.step([(c, s, state, k, len(b), pid, None if sampling is None else sampling(i))
+        self.steplog.step([(c, s, state, k, b, pid, None if sampling is None else sampling(i))
                            for (c, s, i), b, (state, k, pid) in zip(rows, blocks, seen)], batch, seconds, self.drafter)
 
     def block(self, context: np.ndarray, history: tuple[float, float] | None = None) -> list[int]:

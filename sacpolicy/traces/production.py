@@ -59,6 +59,9 @@ STEP_SCHEMA = pa.schema([
     ("context", pa.list_(pa.int32())),  # step 0 only: the whole context (prompt + the prefill's token)
     ("committed", pa.list_(pa.int32())),  # steps > 0: the tokens committed since the previous step
     ("prev_drafted", pa.int32()), ("prev_accepted", pa.int32()),  # the previous block's (-1 at step 0)
+    # tokens committed in engine steps the proposer did not see since the previous step (vLLM skips the hook while a
+    # request of the batch is near the context limit): committed = prev_accepted + 1 + unseen; null in older logs
+    ("unseen", pa.int32()),
     ("k", pa.int32()), ("drafted", pa.int32()),  # k chosen (0: no draft) and tokens proposed this step
     ("features", pa.list_(pa.float32())),  # runtime.features.feature_row at position 0 of the policy's plan
     ("batch_size", pa.int32()), ("proposer_s", pa.float64()),  # live rows; the proposer's seconds for the step
@@ -153,7 +156,7 @@ def _sequence(steps: list[dict]) -> list[int] | None:
     tokens = list(steps[0]["context"])
     for prev, s in zip(steps, steps[1:]):
         new = s["committed"] or []
-        if s["prev_drafted"] != prev["drafted"] or s["prev_accepted"] != len(new) - 1 or \
+        if s["prev_drafted"] != prev["drafted"] or s["prev_accepted"] + 1 + (s.get("unseen") or 0) != len(new) or \
                 s["context_len"] != len(tokens) + len(new):
             return None
         tokens += new
