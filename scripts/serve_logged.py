@@ -75,7 +75,8 @@ def main(argv=None) -> dict:
     failed = [i for i, r in enumerate(responses) if r["error"]]
     records, meta = read_step_log(logs, target=EMBEDDED_TARGET)
     requests, incomplete = requests_of(records)
-    check = compare_with_vllm(requests, [(p, r["token_ids"] or [], r["spec"]) for p, r in zip(prompts, responses)])
+    check = compare_with_vllm(requests, [(p, r["token_ids"] or [], r["spec"]) for p, r in zip(prompts, responses)],
+                              k_cap=meta.get("k_cap"))
     check.update(incomplete=incomplete, dropped=meta.get("dropped", 0), failed=failed, seconds=seconds,
                  logged_requests=len(requests))
     share = check["equal_steps"] / check["steps"] if check["steps"] else float("nan")

@@ -369,7 +369,7 @@ def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(
     # each request's sampling settings, read from the engine's input batch: greedy, top_k off (the vocabulary size)
     assert {(r["steps"][0]["temperature"], r["steps"][0]["top_k"]) for r in reqs.values()} == {
         (0.0, meta["target"]["vocab_size"])}
-    check = compare_with_vllm(reqs, list(zip(prompts, outputs, theirs)))
+    check = compare_with_vllm(reqs, list(zip(prompts, outputs, theirs)), k_cap=meta["k_cap"])
     assert check["logged"] == check["served"] == len(prompts) and check["mismatched"] == []
     assert check["equal_steps"] == check["steps"] > 0
     steps = [(s["drafted"], s["accepted"]) for r in reqs.values() for s in r["steps"]
@@ -398,6 +398,13 @@ def test_compare_with_vllm_pairs_requests_by_tokens_and_finds_a_differing_step()
     late = {"r4": {"prompt_len": 3, "tokens": [5, 6, 7, 8, 9], "steps": [step(2, 1), step(0, None)]}}
     out = compare_with_vllm(late, [([5, 6], [7, 8, 9], spec([2], [1]))])
     assert out == {"served": 1, "logged": 1, "steps": 1, "equal_steps": 1, "mismatched": []}
+    # steps vLLM ran without the proposer (a request of the batch near the context limit): its arrays count dummy
+    # drafts of k_cap zeros there; the log's unseen tokens [4, 0, 5] are two of them, (8, 0) then (8, 1)
+    gap = {"r5": {"prompt_len": 1, "tokens": [6, 7, 4, 0, 5, 2, 2], "steps": [
+        step(3, 0), {**step(2, 1), "committed": [7, 4, 0, 5], "unseen": 3}, {**step(0, None), "unseen": 0}]}}
+    vllm = [([6], [7, 4, 0, 5, 2, 2], spec([3, 8, 8, 2], [0, 0, 1, 1]))]
+    assert compare_with_vllm(gap, vllm, k_cap=8)["mismatched"] == []
+    assert compare_with_vllm(gap, vllm)["mismatched"] == [0]  # without the cap the dummy steps cannot be rebuilt
 
 
 # ---------------------------------------------------------------------- sampled serving
