@@ -223,6 +223,15 @@ def test_steps_vllm_runs_without_the_proposer_leave_each_request_one_log_with_vl
         if req["tokens"] == engine.seqs[i]:
             assert logged == [(d, a) for d, a in engine.truth[i] if d]
             whole_across += any(s["unseen"] for s in req["steps"])
+        # the policy read the request's acceptance history across the skipped steps too (the dummy drafts vLLM
+        # verified there do not count): the feature row of every step is the one of its blocks so far
+        history = None
+        for s in req["steps"]:
+            ctx = torch.as_tensor(np.asarray(engine.seqs[i][: s["context_len"]]))
+            row = feature_row(RowContext(s["context_len"], 0, accept_rate(history), peek=prop.ngram.peek(None, ctx)), 0)
+            np.testing.assert_allclose(s["features"], row, rtol=1e-6)
+            if s["drafted"] and s["accepted"] is not None:
+                history = next_accept_history(history, s["accepted"], s["drafted"])
     assert whole_across >= 3  # requests whose blocks were verified across skipped steps, whole and exact
 
 

@@ -214,28 +214,47 @@ class _History:
     request ids, so a request is found again by its committed tokens: after a step that committed s tokens (accepted
     drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Requests at equal
     contexts (the same prompt sent twice) each keep an entry under it, taken in turn: exact for greedy decoding (equal
-    contexts saw equal blocks) and a close estimate when sampling."""
+    contexts saw equal blocks) and a close estimate when sampling. Where vLLM ran steps without calling the hook (a
+    request of the batch near the context limit: it verifies dummy drafts, not ours), a row is found as the step
+    before's request whose context is its prefix, and its block's accepted tokens are those equal to the block (as
+    ``steplog`` finds them); the dummy drafts do not count."""
 
     def __init__(self, capacity: int):
         self.capacity, self.entries = capacity, OrderedDict()
+        self._last: list = []  # keys recorded at the step before
+        self._now: list = []  # keys recorded at this step
 
     @staticmethod
     def _key(context: np.ndarray) -> tuple[int, bytes]:
         return len(context), hashlib.blake2b(context.tobytes(), digest_size=16).digest()
 
+    def begin_step(self) -> None:
+        """A new engine step: what was recorded so far is the step before's."""
+        self._last, self._now = self._now, []
+
     def advance(self, context: np.ndarray, committed: int) -> tuple[float, float] | None:
         """The request's history now that its last step committed ``committed`` tokens (None: a new request)."""
         key = self._key(context[: len(context) - committed])
-        found = self.entries.get(key)
-        if not found:
-            return None
-        history, drafted = found.pop(0)
+        found, accepted = self.entries.get(key), committed - 1
+        if not found:  # steps vLLM ran without the hook: the step before's request whose context is a prefix
+            key = next((k for k in self._last if k[0] < len(context) and self.entries.get(k)
+                        and self._key(context[: k[0]]) == k), None)
+            found = self.entries.get(key) if key is not None else None
+            if not found:
+                return None
+            new, accepted = context[key[0]:], 0
+            while accepted < min(len(found[0][1]), len(new) - 1) and found[0][1][accepted] == new[accepted]:
+                accepted += 1
+        history, block = found.pop(0)
         if not found:
             del self.entries[key]
-        return next_accept_history(history, committed - 1, drafted) if drafted else history
+        return next_accept_history(history, accepted, len(block)) if block else history
 
-    def record(self, context: np.ndarray, history: tuple[float, float] | None, drafted: int) -> None:
-        self.entries.setdefault(self._key(context), []).append((history, drafted))
+    def record(self, context: np.ndarray, history: tuple[float, float] | None, block) -> None:
+        """The request's history before its new ``block`` (the tokens drafted on ``context``)."""
+        key = self._key(context)
+        self.entries.setdefault(key, []).append((history, [int(t) for t in block]))
+        self._now.append(key)
         while len(self.entries) > self.capacity:  # finished requests are never looked up again
             self.entries.popitem(last=False)
 
@@ -320,6 +339,7 @@ class PolicyNgramProposer:
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         live = []
+        self.history.begin_step()
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not len(sampled) or n >= self.max_model_len:  # a prefill chunk mid-way, or no room: no drafts
@@ -333,7 +353,7 @@ class PolicyNgramProposer:
         blocks = self.slot.blocks([(c, h) for _, c, h in live], [len(sampled_token_ids[i]) for i, *_ in live], batch,
                                   seen=seen)
         for (i, context, history), block in zip(live, blocks):
-            self.history.record(context, history, len(block))
+            self.history.record(context, history, block)
             out[i] = block
         if seen is not None:
             self._logged = ([(c, len(sampled_token_ids[i]), i) for i, c, _ in live], blocks, seen, batch)
