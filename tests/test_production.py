@@ -15,8 +15,8 @@ pass, and with one (a tiny target) their traces equal the collector's for the sa
 from __future__ import annotations
 
 import dataclasses
-import math
 import hashlib
+import math
 import threading
 import time
 from types import SimpleNamespace
@@ -28,7 +28,7 @@ from toys import load_script, ngram_rule
 
 from sacpolicy.export import steplog
 from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
-from sacpolicy.runtime import load_artifact, save_policy
+from sacpolicy.runtime import save_policy
 from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, next_accept_history
 from sacpolicy.traces.production import (
     StepLogError,
