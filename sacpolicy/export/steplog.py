@@ -203,7 +203,7 @@ class StepLogger:
                 continue
             waiting = self.requests.get(key)
             if waiting and any(e is entry for e in waiting) and self.key(context[:n]) == key:
-                waiting.remove(entry)
+                waiting[:] = [e for e in waiting if e is not entry]  # by identity: unsampled twins compare equal
                 if not waiting:
                     del self.requests[key]
                 return entry
