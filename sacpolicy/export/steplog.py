@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from sacpolicy.policy.features import row_context
-from sacpolicy.runtime.features import feature_row
+from sacpolicy.runtime.features import accepted_prefix, feature_row
 from sacpolicy.traces.production import LOG_FORMAT, META_KEY, SHARD_PREFIX, STEP_SCHEMA, check_rate
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class StepLogger:
         self.meta = {"format": LOG_FORMAT, "run_id": self.run_id, "rate": self.rate, **meta}
         self.capacity, self.shard_rows, self.flush_s = capacity, shard_rows, flush_s
         # key of a request's context -> [entry]; entry = [log id (None: not sampled), step, drafted, prompt length,
-        # the engine step it was last seen at]
+        # the engine step it was last seen at, its last block's tokens, the context length it was last seen at]
         self.requests: OrderedDict = OrderedDict()
         self._last: list = []  # (key, entry) of the rows of the step before
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -175,7 +175,7 @@ class StepLogger:
                          len(context) - committed, 0, [], len(context) - committed]
             seen = entry[6]  # the context length the request was last seen at
             new = context[seen:]
-            accepted = _accepted(entry[5], new) if len(new) != committed else committed - 1
+            accepted = accepted_prefix(entry[5], new) if len(new) != committed else committed - 1
             entry[1] += 1
             if entry[0] is not None:
                 out.append((entry[0], entry[1], entry[3], context.copy() if first else None,
@@ -297,18 +297,6 @@ class StepLogger:
         if self.dropped:
             logger.warning("the step log dropped %d records (its queue was full); their requests are incomplete",
                            self.dropped)
-
-
-def _accepted(block: list[int], new) -> int:
-    """The drafted block's tokens that were accepted, given the tokens committed since it was drafted: those equal to
-    the block up to the first that differs (the token verification commits in place of a rejected draft token never
-    equals it: greedy picks another token, rejection sampling draws from a residual without it)."""
-    n = 0
-    for d, t in zip(block, new[: len(block)].tolist() if hasattr(new, "tolist") else new):
-        if d != t:
-            break
-        n += 1
-    return min(n, max(len(new) - 1, 0))
 
 
 def _records(item) -> list[dict]:

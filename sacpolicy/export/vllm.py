@@ -42,7 +42,7 @@ from sacpolicy.export import k_by_batch, pick_drafter, static_k
 from sacpolicy.export.reload import PolicySlot, open_policy, policy_state
 from sacpolicy.io import write_json, write_text
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
-from sacpolicy.runtime.features import next_accept_history
+from sacpolicy.runtime.features import accepted_prefix, next_accept_history
 
 logger = logging.getLogger(__name__)
 
@@ -242,9 +242,7 @@ class _History:
             found = self.entries.get(key) if key is not None else None
             if not found:
                 return None
-            new, accepted = context[key[0]:], 0
-            while accepted < min(len(found[0][1]), len(new) - 1) and found[0][1][accepted] == new[accepted]:
-                accepted += 1
+            accepted = accepted_prefix(found[0][1], context[key[0]:])
         history, block = found.pop(0)
         if not found:
             del self.entries[key]

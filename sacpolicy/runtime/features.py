@@ -44,6 +44,19 @@ def next_accept_history(prev: tuple[float, float] | None, accepted: int, drafted
     return (ACCEPT_EMA * accepted + (1 - ACCEPT_EMA) * prev[0], ACCEPT_EMA * at_risk + (1 - ACCEPT_EMA) * prev[1])
 
 
+def accepted_prefix(block, committed) -> int:
+    """The drafted ``block``'s tokens that were accepted, given the tokens ``committed`` since it was drafted (int
+    sequences): those equal to the block up to the first that differs, at most len(committed) - 1 (the token
+    verification commits in place of a rejected draft token never equals it: greedy picks another token, rejection
+    sampling draws from a residual without it)."""
+    n = 0
+    for d, t in zip(block, committed):
+        if int(d) != int(t):
+            break
+        n += 1
+    return min(n, max(len(committed) - 1, 0))
+
+
 def accept_rate(history: tuple[float, float] | None) -> float | None:
     """The ``accept_ema`` feature of a drafter's acceptance history (None: no block yet)."""
     return None if history is None else history[0] / history[1]
