@@ -157,7 +157,7 @@ def test_capabilities_are_protocols_the_decoder_tests_by_structure(tiny_target, 
         name = "peeking"
 
         def peek(self, state, context):
-            return (0.5, 0.0, 0.5)
+            return ((0.5, 0.0, 0.5),) * 2
 
     class Record(Policy):
         uses_peeks, seen = True, []
@@ -170,7 +170,7 @@ def test_capabilities_are_protocols_the_decoder_tests_by_structure(tiny_target, 
     res = SpeculativeDecoder(tiny_target.model, [_RepeatLast(), PeekingRepeat()], Record(),
                              stop_token_ids=[]).generate(prompt, 6)
     assert res.tokens == hf_greedy(tiny_target.model, prompt, 6)
-    assert Record.seen and all(p == {"peeking": (0.5, 0.0, 0.5)} for p in Record.seen)
+    assert Record.seen and all(p == {"peeking": ((0.5, 0.0, 0.5),) * 2} for p in Record.seen)
 
 
 def test_low_acceptance_falls_back_to_autoregressive(tiny_target, tiny_draft, tiny_prompts):

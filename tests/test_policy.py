@@ -281,3 +281,40 @@ def test_learned_policy_per_request_keeps_its_first_choice():
             state = DecodeState(request, step=step, context_len=10 + step, remaining=20, drafters=names)
             chosen.append(decide_one(policy, state, memory).drafter)
         assert chosen == expected, select
+
+
+def test_a_peeked_proposal_gives_each_position_its_confidence_and_bounds_k():
+    """The planner reads a peek per position (the suffix drafter's confidences fall along its proposal) and plans no
+    position beyond the peeked proposal's end: a drafter that would propose 2 tokens gets k <= 2 however sure it is,
+    and a position's row equals the row of that token once drafted (what the stop rule then reads)."""
+    from sacpolicy.runtime.features import RowContext, feature_row, plan_rows
+
+    top1 = FEATURE_NAMES.index("top1")
+    peek = ((0.9, 0.1, 0.8), (0.6, 0.5, 0.3), (0.3, 0.9, 0.1))
+    ctx = RowContext(context_len=20, drafter_index=0, peek=peek)
+    rows = plan_rows(ctx, 8)
+    assert len(rows) == 3 and [r[top1] for r in rows] == [0.9, 0.6, 0.3]
+    assert rows[2] == feature_row(ctx, 2, peek[2], prev_top1=0.6)
+    assert np.isnan(feature_row(ctx, 5)[top1])  # beyond the proposal: unknown, as with no peek
+    assert len(plan_rows(RowContext(context_len=20, drafter_index=0), 8)) == 8
+
+    class Sure(Predictor):  # every position is accepted with probability 0.99
+        def __init__(self):
+            super().__init__("linear", {"mean": np.zeros(len(FEATURE_NAMES)), "scale": np.ones(len(FEATURE_NAMES)),
+                                        "coef": np.zeros(len(FEATURE_NAMES)), "intercept": np.zeros(1)},
+                             {"features": feature_spec()})
+
+        def predict(self, X):
+            return np.full(len(X), 0.99)
+
+    names = ("a", "b")
+    rule = DecisionRule(Sure(), cost_model(list(names)), names, 8, ("a", 2), mode="k")
+    short = RowContext(context_len=20, drafter_index=1, peek=peek[:2])
+    assert rule.plan({"b": np.array(plan_rows(short, 8))}, 20, 8) == ("b", 2)
+    full = RowContext(context_len=20, drafter_index=0)
+    name, k = rule.plan({"a": np.array(plan_rows(full, 8)), "b": np.array(plan_rows(short, 8))}, 20, 8)
+    assert name == "a" and k > 2  # the longer proposal wins once the short one cannot reach further
+    policy = LearnedPolicy(rule)
+    request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=names)
+    state = DecodeState(request, context_len=20, remaining=20, drafters=("b",), peeks={"b": peek[:2]})
+    assert decide_one(policy, state, policy.start(request)) == Decision("b", 2)

@@ -166,14 +166,20 @@ def test_global_index_helps_a_repeated_request():
     assert with_global.index.num_tokens == len(answer) - 1
 
 
-def test_peek_is_the_proposals_first_confidence_and_stop_cuts_the_block():
+def test_peek_is_each_proposed_tokens_confidence_and_stop_cuts_the_block():
     d = SuffixDrafter()
     ctx = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3])
     state = d.new_state()
     peeked = d.peek(state, ctx)
     block = d.propose([DraftRow(state, ctx, 6)])[0]
     assert block.tokens.tolist() == [4, 5, 6, 1, 2, 3] and block.logits is None
-    assert tuple(block.confidence[0].tolist()) == pytest.approx(peeked)
+    # the peek is the whole proposal: one confidence per token, equal to what propose reports for each
+    assert block.confidence.flatten().tolist() == pytest.approx([x for c in peeked for x in c])
+    # "1 2 3" went on with 4 three times, "1 2 3 4" with 5 twice and 7 once: each token has its own estimate
+    ctx2 = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4, 7, 6, 1, 2, 3])
+    d2 = SuffixDrafter(max_depth=4)
+    peeked2 = d2.peek(d2.new_state(), ctx2)
+    assert [c[0] for c in peeked2] == pytest.approx([3 / 4, 2 / 4]) and propose_one(d2, ctx2, 8).k == 2
     assert torch.equal(propose_one(SuffixDrafter(), ctx, 6).tokens, block.tokens)  # peeking changes nothing
     seen = []
     cut = propose_one(SuffixDrafter(), ctx, 6, stop=lambda i, stats: seen.append(i) or i == 1)
@@ -196,6 +202,8 @@ def test_teacher_force_equals_live_proposals():
         assert row[: block.k] == block.tokens.tolist() and all(t == -1 for t in row[block.k :]), g
         want = block.confidence[0].tolist() if block.k else [0.0, 0.0, 0.0]
         assert tf.confidence[g].tolist() == pytest.approx(want)
+        each = [x for c in tf.block_confidence[g] for x in c]  # each token's own, as live
+        assert each == pytest.approx(block.confidence.flatten().tolist() if block.k else [])
     assert any(b.k for b in blocks)
     assert [tf_drafter.index._seqs[s] for s in tf_drafter.index.sequences] == \
         [live.index._seqs[s] for s in live.index.sequences]
@@ -268,6 +276,53 @@ def test_a_learned_policy_chooses_between_ngram_and_suffix_by_their_peeks(tiny_t
     assert [r.tokens for r in results] == reference
     assert {s.drafter for r in results for s in r.steps} >= {"suffix"}
     assert None in peeks and any(p is not None for p in peeks)
+
+
+def test_what_a_peeking_policy_reads_live_equals_its_replay_from_traces(tiny_target, prompts):
+    """The suffix drafter's rows a learned rule reads before drafting (each proposed token's own confidence, as many
+    rows as the proposal reaches) and the drafted tokens' confidence the stop rule reads are the same live and in the
+    replay of teacher-forced traces collected in request order (the global index grown alike): the predictor is
+    trained on what it reads live."""
+    from test_traces import cost_model
+
+    from sacpolicy.policy.features import token_features
+    from sacpolicy.traces.collect import teacher_forced_rows
+    from sacpolicy.traces.simulate import group_traces, simulate
+
+    class Recording(Static):
+        uses_peeks = True
+
+        def __init__(self):
+            super().__init__(6, "suffix")
+            self.log = []
+
+        def decide(self, rows):
+            for row in rows:
+                peek = row.state.peeks.get("suffix")
+                self.log.append([token_features(row.state, None, None, drafter="suffix", position=j)
+                                 for j in range(min(8, len(peek)) if peek else 0)])
+            return super().decide(rows)
+
+    stats = DecoderConfig(step_stats=True)
+    live_pol, live = Recording(), []
+    dec = SpeculativeDecoder(tiny_target.model, [SuffixDrafter()], live_pol, config=stats, stop_token_ids=[])
+    traces, collector = [], SuffixDrafter()
+    for i, p in enumerate(prompts):
+        live.append(dec.generate(p, 24, request=RequestInfo(category="c")))
+        traces += teacher_forced_rows(tiny_target, [collector], {"prompt_id": f"p{i}", "category": "c",
+                                                                  "input_ids": p}, live[-1].tokens, 8)
+    sim_pol = Recording()
+    V = tiny_target.model.config.vocab_size
+    sim = simulate(sim_pol, group_traces(traces), cost_model(["suffix"]), vocab_size=V, config=stats)
+    assert [r.target_calls for _, r in sim.results] == [r.target_calls for r in live]
+    assert len(sim_pol.log) == len(live_pol.log)
+    for a, b in zip(live_pol.log, sim_pol.log):
+        assert np.array(a).shape == np.array(b).shape
+        assert np.allclose(np.array(a, dtype=float), np.array(b, dtype=float), rtol=1e-5, equal_nan=True)
+    flat = [[t for s in r.steps for t in s.top1] for r in live]
+    assert flat == [pytest.approx([t for s in r.steps for t in s.top1]) for _, r in sim.results]
+    assert sum(len(rows) for rows in live_pol.log) > 20
+    assert len({round(t, 4) for f in flat for t in f}) > 2  # the drafted tokens' estimates differ
 
 
 def markov(v=4, seed=5):

@@ -94,7 +94,7 @@ def test_teacher_forced_records(setup):
         assert 0 <= r["p_target"] <= 1 and 0 <= r["beta"] <= 1 + 1e-5 and 0 <= r["run_len"] <= 8
         assert r["match"] == (r["draft_token"] == r["target_token"])
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["schema_version"] == SCHEMA_VERSION == 4 and meta["drafters"] == ["skip2", "self", "ngram"]
+    assert meta["schema_version"] == SCHEMA_VERSION == 5 and meta["drafters"] == ["skip2", "self", "ngram"]
     assert meta["target"] == "tiny:llama-4l" and meta["dtype"] == "torch.float32" and meta["device"] == "cpu"
     assert meta["package_version"] and meta["sampling"]["temperature"] == 0.0
 

@@ -14,6 +14,7 @@ from torch import nn
 from sacpolicy.decoding.compat import with_cache
 from sacpolicy.decoding.sampling import draft_stats, select_token
 from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, Peekable, TeacherForced, TeacherForcing
+from sacpolicy.runtime.features import Peek, peek_of
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
 
 _MAX_BATCHED_FEED = 8  # committed tokens a row may feed its draft in a batched proposal (more: it proposes alone)
@@ -278,13 +279,14 @@ class NgramDrafter(Drafter, Peekable):
     def _match(self, context) -> tuple[int, int] | None:
         return ngram_match(context.cpu().numpy(), self.max_ngram, self.min_ngram)
 
-    def peek(self, state: NgramState | None, context) -> tuple[float, float, float] | None:
-        """The confidence of the proposal ``propose`` would make now, None when it would propose nothing: a lookup
-        as cheap as the proposal, so a policy may choose between drafting and not before it drafts."""
+    def peek(self, state: NgramState | None, context) -> Peek | None:
+        """The proposal ``propose`` would make now (``Peek``: one confidence for each token of the span it would
+        copy), None when it would propose nothing: a lookup as cheap as the proposal, so a policy may choose between
+        drafting and not before it drafts."""
         m = self._match(context)
         if state is not None:
             state.peeked = (context.shape[0], m)
-        return None if m is None else ngram_confidence(m[1], self.max_ngram)
+        return None if m is None else peek_of(ngram_confidence(m[1], self.max_ngram), context.shape[0] - m[0])
 
     @torch.inference_mode()
     def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, Peekable, Resettable, TeacherForced, TeacherForcing
+from sacpolicy.runtime.features import PEEK_MAX, Peek
 from sacpolicy.runtime.suffix import (
     MAX_DEPTH,
     MAX_NODES,
@@ -108,15 +109,16 @@ class SuffixDrafter(Drafter, Peekable, Resettable, TeacherForcing):
         return SuffixDraft() if context.shape[0] == 0 else self._speculate(state.local, context)
 
     # ------------------------------------------------------------------ the protocol
-    def peek(self, state: SuffixState | None, context) -> tuple[float, float, float] | None:
-        """The confidence (top-1, entropy, margin) of the first token ``propose`` would draft now, None when it would
-        propose nothing; the draft is kept for that proposal. Without a state (a one-off look) nothing is indexed."""
+    def peek(self, state: SuffixState | None, context) -> Peek | None:
+        """The proposal ``propose`` would draft now (``Peek``: the confidence of each of its tokens, so its length
+        too), None when it would propose nothing; the draft is kept for that proposal. Without a state (a one-off
+        look) nothing is indexed."""
         if state is None:
             draft = self._lookup(context)
         else:
             draft = self._draft(state, context)
             state.peeked = (int(context.shape[0]), draft)
-        return draft.confidence[0] if draft.tokens else None
+        return tuple(draft.confidence[:PEEK_MAX]) if draft.tokens else None
 
     def _lookup(self, context) -> SuffixDraft:
         """The draft a fresh row would get on ``context``, indexing nothing in the global index."""
@@ -161,7 +163,7 @@ class SuffixDrafter(Drafter, Peekable, Resettable, TeacherForcing):
         live row's is), whose output ``ids[start:]`` enters the global index as it goes, as a finished live request's
         does; the global index is read as it stands (earlier requests' outputs), so sequences teacher-forced in
         request order see what live decoding in that order sees."""
-        state, rows, conf = self.new_state(), [], []
+        state, rows, conf, each = self.new_state(), [], [], []
         for g in range(start, ids.shape[0]):
             context = ids[:g]
             if state.local is None:
@@ -172,5 +174,7 @@ class SuffixDrafter(Drafter, Peekable, Resettable, TeacherForcing):
             row[:n] = torch.tensor(draft.tokens[:n], dtype=torch.long)
             rows.append(row)
             conf.append(list(draft.confidence[0]) if n else [0.0, 0.0, 0.0])
+            each.append(list(draft.confidence[:n]))
         tokens = torch.stack(rows).to(ids.device) if rows else torch.empty(0, k_max, dtype=torch.long)
-        return TeacherForced(tokens, chained=True, confidence=torch.tensor(conf, dtype=torch.float32).view(-1, 3))
+        return TeacherForced(tokens, chained=True, confidence=torch.tensor(conf, dtype=torch.float32).view(-1, 3),
+                             block_confidence=each)

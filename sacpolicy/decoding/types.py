@@ -61,8 +61,8 @@ class DecodeState:
     accept_history: dict[str, tuple[float, float]] = field(default_factory=dict)
     drafter: str | None = None  # while drafting: the drafter in use
     # before deciding, for policies that ask (``uses_peeks``): drafters that can tell cheaply what they would propose
-    # (n-gram) -> its confidence (top-1, entropy, margin), or None when they would propose nothing
-    peeks: dict[str, tuple[float, float, float] | None] = field(default_factory=dict)
+    # (n-gram, suffix) -> each proposed token's confidence (top-1, entropy, margin), or None when they propose nothing
+    peeks: dict[str, tuple[tuple[float, float, float], ...] | None] = field(default_factory=dict)
     batch_size: int = 1  # rows the decoder verifies together this step (live, not configured)
     load: float | None = None  # live load in [0, 1] (rows / max_batch when decoding in batches); None: the request's
 
@@ -299,13 +299,20 @@ class TeacherForced:
     once accepted), so accepted runs are read down the rows. ``chained=True``: row g is the whole block the drafter
     would propose from there (n-gram copies, feature heads whose later tokens read the draft's own features).
     ``logits`` [G, V]: the raw draft logits of each row's first token (None for deterministic proposals);
-    ``confidence`` [G, 3]: (top-1, entropy, margin) of it, when ``logits`` is None.
+    ``confidence`` [G, 3]: (top-1, entropy, margin) of it, when ``logits`` is None. ``block_confidence``: for a
+    chained deterministic drafter whose proposed tokens each have a confidence of their own (the suffix drafter), row
+    g's per token (lists of (top-1, entropy, margin), one per proposed token); None: every token has its row's.
     """
 
     tokens: torch.Tensor
     chained: bool
     logits: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    block_confidence: list[list[tuple[float, float, float]]] | None = None
+
+    def proposal_confidence(self, g: int) -> list[list[float]] | None:
+        """Row g's ``block_confidence`` as the traces' ``proposal_confidence`` column holds it (None: none)."""
+        return None if self.block_confidence is None else [list(c) for c in self.block_confidence[g]]
 
 
 @dataclass
@@ -357,9 +364,9 @@ class Peekable(Protocol):
     """A drafter whose proposal is a cheap lookup (the n-gram, the suffix tree): ``peek`` tells what ``propose``
     would make now, as cheaply as proposing it, so a policy (``Policy.uses_peeks``) may decide before drafting."""
 
-    def peek(self, state, context: torch.Tensor) -> tuple[float, float, float] | None:
-        """The confidence (top-1, entropy, margin) of the proposal ``propose`` would make now, or None when it would
-        propose nothing."""
+    def peek(self, state, context: torch.Tensor) -> tuple[tuple[float, float, float], ...] | None:
+        """The proposal ``propose`` would make now: the confidence (top-1, entropy, margin) of each of its tokens
+        (``sacpolicy.runtime.features.Peek``), or None when it would propose nothing."""
         ...
 
 

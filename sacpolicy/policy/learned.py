@@ -19,7 +19,7 @@ from sacpolicy.policy.base import (
     RequestInfo,
     check_k,
 )
-from sacpolicy.policy.features import token_features
+from sacpolicy.policy.features import row_context, token_features
 from sacpolicy.runtime.rule import Block, DecisionRule
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class LearnedPolicy(Policy):
             raise ValueError(f"select must be 'step' or 'request', got {select!r}")
         self.rule, self.name, self.select, self.per_row = rule, name, select, per_row
         self.needs_token_feedback = rule.mode == "stop"
-        self.uses_peeks = True  # an n-gram drafter's match length is known before drafting
+        self.uses_peeks = True  # a peekable drafter's proposal (its length, each token's confidence) is known first
         self.warned = False  # about decoding at sampling settings the rule was not fitted for (once per policy)
 
     def validate(self, drafters: tuple[str, ...], k_max: int) -> None:
@@ -97,8 +97,10 @@ class LearnedPolicy(Policy):
             names = state.drafters if mem.request_drafter is None else (mem.request_drafter,)
             # a drafter that peeked and found nothing to propose is no option this step
             names = tuple(n for n in names if n in state.drafters and not (n in state.peeks and state.peeks[n] is None))
+            # a peeked proposal shorter than the cap: rows for the positions it reaches (the rule drafts no further)
             feats.append({n: np.array([token_features(state, None, None, drafter=n, position=j)
-                                        for j in range(k_cap)]) for n in names} if k_cap > 0 else {})
+                                        for j in range(row_context(state, n).plannable(k_cap))]) for n in names}
+                         if k_cap > 0 else {})
             caps.append(k_cap)
         with one_blas_thread():
             plans, rate = self.rule.plan_batch(feats, [s.context_len for s in states], caps, per_row=self.per_row,

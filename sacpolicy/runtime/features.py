@@ -4,8 +4,12 @@ the same numbers wherever it runs. numpy-free plain Python: production decoders 
 
 A token's draft confidence (top-1 probability, entropy, top-1/top-2 margin) is known once it is drafted. Before
 drafting (choosing k or the drafter) it is not, unless the drafter can peek at its proposal (the n-gram drafter's
-match length): pass ``top1=None`` and the three confidence features are NaN with ``conf_known = 0``; predictors are
-trained on both forms of every example, so one predictor serves the stop rule and the planner.
+match length, the suffix drafter's frequency estimate of each token it would propose): pass ``top1=None`` and the
+three confidence features are NaN with ``conf_known = 0``; predictors are trained on both forms of every example, so
+one predictor serves the stop rule and the planner.
+
+A peek (``Peek``) is the confidence of each token the drafter would propose now, in order: as many as it can propose
+(at most ``PEEK_MAX``), so a planner also knows how long the proposal is and drafts no position beyond it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-FEATURE_VERSION = 4  # 3: a peeked proposal's confidence is known before drafting; 4: accept_ema per token at risk
+FEATURE_VERSION = 5  # 3: a peeked proposal's confidence is known before drafting; 4: accept_ema per token at risk;
+# 5: a peek gives each proposed token its own confidence (the suffix drafter's differ along its proposal)
 FEATURE_NAMES = (
     "top1", "entropy", "margin", "conf_known", "prev_top1", "position", "log_context_len", "accept_ema",
     "has_accept_ema", "drafter_index", "load", "category_index",
@@ -24,6 +29,9 @@ CONFIDENCE = slice(0, 3)  # columns that are NaN before the token is drafted
 PREV_TOP1 = FEATURE_NAMES.index("prev_top1")  # NaN when the previous drafted token is not drafted yet either
 _NAN = float("nan")
 ACCEPT_EMA = 0.5  # weight of the newest block in a drafter's acceptance history (exponential moving sums)
+PEEK_MAX = 64  # tokens a peek describes at most (any k cap is below it)
+Confidence = tuple[float, float, float]  # (top-1, entropy, margin) of a drafted token
+Peek = tuple[Confidence, ...]  # a peeked proposal: its tokens' confidence, in order (never empty: no proposal is None)
 
 
 def next_accept_history(prev: tuple[float, float] | None, accepted: int, drafted: int) -> tuple[float, float]:
@@ -104,23 +112,28 @@ def feature_vector(*, position: int, context_len: int, drafter_index: int, top1:
 @dataclass(frozen=True)
 class RowContext:
     """What a decoder knows of a block before drafting it; ``feature_row`` turns it into feature rows. ``peek``: the
-    (top-1, entropy, margin) of the proposal a peekable drafter (n-gram) would make now, shared by all its tokens."""
+    confidence of each token a peekable drafter (n-gram, suffix) would propose now (``Peek``)."""
 
     context_len: int
     drafter_index: int
     accept_ema: float | None = None
     load: float = 0.0
     category: str | None = None
-    peek: tuple[float, float, float] | None = None
+    peek: Peek | None = None
+
+    def plannable(self, k: int) -> int:
+        """Positions of a block of at most ``k`` tokens this drafter can draft: ``k``, or its peeked proposal's
+        length when shorter."""
+        return k if self.peek is None else min(k, len(self.peek))
 
 
 def feature_row(ctx: RowContext, position: int, token: tuple[float, float, float] | None = None,
                 prev_top1: float | None = None) -> list[float]:
     """THE row builder. The row of the token at ``position`` of the block: drafted (``token``: its (top-1, entropy,
-    margin)), or still to be drafted (``token=None``): then its confidence is the peeked proposal's when the drafter
-    peeked (every token of that one proposal, and so the previous one too, has it), else unknown."""
-    if token is None and ctx.peek is not None:
-        token, prev_top1 = ctx.peek, (ctx.peek[0] if position > 0 else None)
+    margin)), or still to be drafted (``token=None``): then its confidence, and the previous token's, are the peeked
+    proposal's when the drafter peeked and proposes that far, else unknown."""
+    if token is None and ctx.peek is not None and position < len(ctx.peek):
+        token, prev_top1 = ctx.peek[position], (ctx.peek[position - 1][0] if position > 0 else None)
     top1, entropy, margin = token if token is not None else (None, None, None)
     return feature_vector(position=position, context_len=ctx.context_len, drafter_index=ctx.drafter_index, top1=top1,
                           entropy=entropy, margin=margin, prev_top1=prev_top1, accept_ema=ctx.accept_ema,
@@ -128,5 +141,12 @@ def feature_row(ctx: RowContext, position: int, token: tuple[float, float, float
 
 
 def plan_rows(ctx: RowContext, k: int) -> list[list[float]]:
-    """Rows of positions 0 .. k-1 of a block still to be drafted: what a planner choosing k and drafter reads."""
-    return [feature_row(ctx, j) for j in range(k)]
+    """Rows of the positions 0 .. k-1 of a block still to be drafted that the drafter can draft
+    (``RowContext.plannable``): what a planner choosing k and drafter reads."""
+    return [feature_row(ctx, j) for j in range(ctx.plannable(k))]
+
+
+def peek_of(confidence, length: int) -> Peek | None:
+    """A one-proposal drafter's peek (n-gram: one confidence for every token it copies): ``confidence`` for each of
+    ``length`` tokens (at most ``PEEK_MAX``), None when it proposes nothing."""
+    return (tuple(confidence),) * min(length, PEEK_MAX) if length > 0 else None

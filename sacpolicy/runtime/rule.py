@@ -126,8 +126,9 @@ class DecisionRule:
 
     # ------------------------------------------------------------------ plan
     def plan(self, rows: dict[str, np.ndarray], context_len: int, k_cap: int | None = None) -> tuple[str | None, int]:
-        """rows: {drafter: [k_cap, F] feature rows of positions 0..k_cap-1, confidence unknown} -> (drafter, k).
-        (None, 0) = decode one token autoregressively."""
+        """rows: {drafter: [n, F] feature rows of positions 0..n-1 before drafting (``runtime.features.plan_rows``;
+        n = k_cap, or fewer when the drafter's peeked proposal is shorter)} -> (drafter, k). (None, 0) = decode one
+        token autoregressively."""
         return self.plan_batch([rows], [context_len], [k_cap])[0][0]
 
     def plan_batch(self, rows: list[dict[str, np.ndarray]], context_lens: list[int], k_caps: list[int | None],
@@ -144,22 +145,28 @@ class DecisionRule:
         caps = [min(self.k_max, c or self.k_max) for c in k_caps]
         blocks, out = [], [(None, 0)] * len(rows)
         for i, (r, cap) in enumerate(zip(rows, caps)):
+            r = {n: x[:cap] for n, x in r.items() if len(x)}
             if cap < 1 or not r:
                 continue
-            X = np.concatenate([r[n][:cap] for n in r])
+            # a drafter with fewer rows than the cap proposes no further (a short peeked proposal): its last row
+            # repeated stands for the positions beyond, whose acceptance is then set to 0
+            lens = [len(x) for x in r.values()]
+            X = np.concatenate([np.concatenate([x, np.repeat(x[-1:], cap - len(x), 0)]) for x in r.values()])
             if not _finite(X):
                 self.fallbacks += 1
                 name, k = self.fallback
-                out[i] = (name, min(k, cap)) if name in r else (None, 0)
+                out[i] = (name, min(k, cap, len(r[name]))) if name in r else (None, 0)
                 continue
-            blocks.append((i, list(r), cap, X))
+            blocks.append((i, list(r), cap, lens, X))
         if not blocks:
             return out, 0.0
         probs = self.predictor.predict(np.concatenate([X for *_, X in blocks]))
         tables, at = [], 0
-        for i, names, cap, X in blocks:
-            p = probs[at : at + X.shape[0]].reshape(len(names), cap)
+        for i, names, cap, lens, X in blocks:
+            p = probs[at : at + X.shape[0]].reshape(len(names), cap).copy()
             at += X.shape[0]
+            for row, n in zip(p, lens):
+                row[n:] = 0.0
             tables.append((i, names, p, self.cost.verify_table(cap, context_lens[i], B)))  # same pass for any drafter
 
         def score(i: int, name: str, a, verify, rows: int) -> float:  # the row's tokens/s at its best k >= 1

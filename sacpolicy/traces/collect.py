@@ -118,6 +118,7 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
                 "top1": stats[g][0], "entropy": stats[g][1], "margin": stats[g][2], "p_target": float(p_target[g]),
                 "q_target": float(q_target[g]), "beta": float(beta[g]), "run_len": int(run[g]),
                 "proposal_len": int(plen[g]), "proposal": tf.logits is None,
+                "proposal_confidence": tf.proposal_confidence(g),
             })
     return out
 

@@ -264,7 +264,8 @@ def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[
              "target_token": int(gen[g]), "draft_token": int(first[g]), "match": run[g] > 0, "top1": stats[g][0],
              "entropy": stats[g][1], "margin": stats[g][2], "p_target": math.nan,
              "q_target": 1.0 if run[g] > 0 else 0.0, "beta": 1.0 if run[g] > 0 else 0.0, "run_len": int(run[g]),
-             "proposal_len": int(plen[g]), "proposal": True} for g in range(len(gen))]
+             "proposal_len": int(plen[g]), "proposal": True,
+             "proposal_confidence": tf.proposal_confidence(g)} for g in range(len(gen))]
 
 
 def served_sampling(req: dict, vocab_size: int | None) -> tuple[float, int, float] | None:

@@ -21,7 +21,10 @@ from sacpolicy.io import write_json
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4  # 4: live rows carry the step's batch_size; 3: live rows say "cooldown" (was "fallback"); 2: teacher-forced rows say whether the drafter's block is one proposal (``proposal``)
+# 5: teacher-forced rows carry each proposed token's confidence (``proposal_confidence``); 4: live rows carry the
+# step's batch_size; 3: live rows say "cooldown" (was "fallback"); 2: teacher-forced rows say whether the drafter's
+# block is one proposal (``proposal``)
+SCHEMA_VERSION = 5
 META_FILE = "meta.json"
 KINDS = ("live", "teacher_forced")
 
@@ -46,6 +49,9 @@ SCHEMAS = {
         # True: a block from here is one proposal (n-gram), whose tokens all carry this row's confidence; False: each
         # drafted token has its own (model drafters: this row's confidence is the token predicted here)
         ("proposal", pa.bool_()),
+        # a one proposal whose tokens have confidences of their own (the suffix drafter's frequency estimates): each
+        # proposed token's (top-1, entropy, margin), up to proposal_len; null: every token carries this row's
+        ("proposal_confidence", pa.list_(pa.list_(pa.float32()))),
     ]),
 }
 

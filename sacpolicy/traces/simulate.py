@@ -175,20 +175,28 @@ class ReplayDrafter(Drafter):
 
 
 class PeekableReplayDrafter(ReplayDrafter, Peekable):
-    """The replay of a one-proposal drafter (n-gram): it peeks at its recorded proposal, as the live drafter does."""
+    """The replay of a one-proposal drafter (n-gram, suffix): it peeks at its recorded proposal, as the live drafter
+    does (``Peek``: each recorded token's confidence, as many as the recorded proposal holds)."""
 
     def peek(self, state, context):
         rows, g = self._rows(context)
         if g >= len(rows["proposal_len"]) or rows["proposal_len"][g] == 0:
             return None
-        return tuple(confidence(rows, g, 0))
+        return tuple(tuple(confidence(rows, g, j)) for j in range(rows["proposal_len"][g]))
 
 
 def confidence(rows: dict, g: int, j: int) -> list[float]:
     """(top-1, entropy, margin) of the j-th token of a block drafted from position g: its own row's for a model
-    drafter, the block's first row's for a one-proposal drafter (the n-gram drafter copies one span)."""
-    i = g if rows["proposal"][g] else g + j
-    return [rows["top1"][i], rows["entropy"][i], rows["margin"][i]]
+    drafter; for a one-proposal drafter the token's own in the recorded proposal when its tokens have their own (the
+    suffix drafter), else the block's first row's (the n-gram drafter copies one span at one confidence)."""
+    if not rows["proposal"][g]:
+        g += j
+    else:
+        own = rows.get("proposal_confidence")  # absent from hand-built rows
+        own = own[g] if own else None
+        if own and j < len(own):
+            return list(own[j])
+    return [rows["top1"][g], rows["entropy"][g], rows["margin"][g]]
 
 
 def group_traces(traces, meta: dict | None = None, *, draws: int | None = None) -> dict:
@@ -212,6 +220,7 @@ def group_traces(traces, meta: dict | None = None, *, draws: int | None = None) 
         for c in ("target_token", "draft_token", "top1", "entropy", "margin", "run_len", "proposal_len", "beta",
                   "p_target", "proposal"):
             cols[c].append(r[c])
+        cols["proposal_confidence"].append(r.get("proposal_confidence"))
     return out
 
 
