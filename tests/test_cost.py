@@ -534,3 +534,23 @@ def test_profile_interleaves_cells_so_a_drifting_machine_tilts_no_curve(monkeypa
     assert all(len(t) == 8 for t in times.values())
     means = [t.mean() for t in times.values()]
     assert max(means) - min(means) <= 0.1 * 3  # at most the drift across one round; timed cell after cell, 2.7 s
+
+
+def test_a_lookup_drafter_is_timed_as_a_live_row_between_steps(tiny_target):
+    """A suffix drafter's row indexes its context once, then the few tokens each step commits: the profile times a
+    proposal on a row that has seen all but the last step's tokens (not one that indexes the whole context, which
+    priced a lookup at ~13x what live steps pay), on a copy of the drafter whose global index it leaves alone."""
+    from sacpolicy.decoding import SuffixDrafter
+
+    syncs = []
+
+    class Spy(SuffixDrafter):
+        def _sync(self, state, context, output_start=None):
+            syncs.append((state.seen, int(context.shape[0])))
+            return super()._sync(state, context, output_start)
+
+    spy = Spy()
+    profile(tiny_target.model, [spy], ks=(0, 2), context_lens=(16, 32), repeats=2, warmup=1)
+    timed = [(seen, n) for seen, n in syncs if n in (16, 32)]
+    assert len(timed) >= 2 * 3 and all(seen == n - 2 for seen, n in timed), timed
+    assert spy.index.num_nodes == 0  # the profile's random contexts never reach the drafter's global index

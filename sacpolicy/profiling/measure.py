@@ -28,7 +28,7 @@ import torch
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.sampling import SamplingConfig
-from sacpolicy.decoding.types import DraftRow, feature_layers
+from sacpolicy.decoding.types import DraftRow, feature_layers, fresh_drafters
 from sacpolicy.profiling.fit import MIN_REPEATS, fit_cost_model, fit_step_overhead
 from sacpolicy.profiling.loop import decoder_steps
 from sacpolicy.runtime.cost import CostModel
@@ -44,6 +44,9 @@ def _sync(device: torch.device) -> None:
     backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu: wait for queued kernels
     if device.type != "cpu" and hasattr(backend, "synchronize"):
         backend.synchronize()
+
+
+_COMMITTED = 2  # tokens a step commits between a row's proposals when the profile times one (a last token + one draft)
 
 
 def _times(run: Callable[[], object], undo: Callable[[], object], device, repeats: int, warmup: int) -> np.ndarray:
@@ -221,12 +224,22 @@ def _measure(target, drafters: dict, per_token: dict, ks, context_lens, device, 
                     t = _forward_times(drafter.model, c, [1], device, gen, repeats, warmup)[1]
                     draft_rows[name].append((c, t))
                 continue
+            # a lookup drafter as the decoder runs it between steps: its row has seen all but the tokens the last
+            # step committed (a suffix drafter's index grows by those; building it over the whole context, as a
+            # new row's first proposal does, is once per request, not per step). A copy of the drafter, so its
+            # global index (a suffix drafter's) gets none of these random contexts.
             context = torch.randint(target.config.vocab_size, (c,), generator=gen).to(device)
+            drafter, state = fresh_drafters([drafter])[0], [None]
 
-            def propose(drafter=drafter, context=context):
-                return drafter.propose([DraftRow(drafter.new_state(), context, k_max, SamplingConfig())])
+            def seen(drafter=drafter, context=context, state=state):
+                state[0] = drafter.new_state()
+                drafter.propose([DraftRow(state[0], context[:-_COMMITTED], k_max, SamplingConfig())])
 
-            draft_rows[name].append((c, _times(propose, lambda: None, device, repeats, warmup)))
+            def propose(drafter=drafter, context=context, state=state):
+                return drafter.propose([DraftRow(state[0], context, k_max, SamplingConfig())])
+
+            seen()
+            draft_rows[name].append((c, _times(propose, seen, device, repeats, warmup)))
     return prefill_rows, draft_rows, fixed_rows
 
 
