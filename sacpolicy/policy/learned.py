@@ -20,6 +20,7 @@ from sacpolicy.policy.base import (
     check_k,
 )
 from sacpolicy.policy.features import row_context, token_features
+from sacpolicy.runtime.features import plan_rows
 from sacpolicy.runtime.rule import Block, DecisionRule
 
 logger = logging.getLogger(__name__)
@@ -98,9 +99,7 @@ class LearnedPolicy(Policy):
             # a drafter that peeked and found nothing to propose is no option this step
             names = tuple(n for n in names if n in state.drafters and not (n in state.peeks and state.peeks[n] is None))
             # a peeked proposal shorter than the cap: rows for the positions it reaches (the rule drafts no further)
-            feats.append({n: np.array([token_features(state, None, None, drafter=n, position=j)
-                                        for j in range(row_context(state, n).plannable(k_cap))]) for n in names}
-                         if k_cap > 0 else {})
+            feats.append({n: np.array(plan_rows(row_context(state, n), k_cap)) for n in names} if k_cap > 0 else {})
             caps.append(k_cap)
         with one_blas_thread():
             plans, rate = self.rule.plan_batch(feats, [s.context_len for s in states], caps, per_row=self.per_row,

@@ -148,10 +148,9 @@ class DecisionRule:
             r = {n: x[:cap] for n, x in r.items() if len(x)}
             if cap < 1 or not r:
                 continue
-            # a drafter with fewer rows than the cap proposes no further (a short peeked proposal): its last row
-            # repeated stands for the positions beyond, whose acceptance is then set to 0
+            # a drafter with fewer rows than the cap proposes no further (a short peeked proposal): acceptance 0 beyond
             lens = [len(x) for x in r.values()]
-            X = np.concatenate([np.concatenate([x, np.repeat(x[-1:], cap - len(x), 0)]) for x in r.values()])
+            X = np.concatenate(list(r.values()))
             if not _finite(X):
                 self.fallbacks += 1
                 name, k = self.fallback
@@ -163,10 +162,10 @@ class DecisionRule:
         probs = self.predictor.predict(np.concatenate([X for *_, X in blocks]))
         tables, at = [], 0
         for i, names, cap, lens, X in blocks:
-            p = probs[at : at + X.shape[0]].reshape(len(names), cap).copy()
-            at += X.shape[0]
+            p = np.zeros((len(names), cap))
             for row, n in zip(p, lens):
-                row[n:] = 0.0
+                row[:n] = probs[at : at + n]
+                at += n
             tables.append((i, names, p, self.cost.verify_table(cap, context_lens[i], B)))  # same pass for any drafter
 
         def score(i: int, name: str, a, verify, rows: int) -> float:  # the row's tokens/s at its best k >= 1
