@@ -8,7 +8,15 @@ from test_traces import cost_model
 from toys import PREDICTORS, decide_one, synthetic_traces
 
 from sacpolicy.data import assign_split
-from sacpolicy.decoding import Decision, DecodeState, ModelDrafter, NgramDrafter, RequestInfo, SpeculativeDecoder
+from sacpolicy.decoding import (
+    Decision,
+    DecodeState,
+    DraftToken,
+    ModelDrafter,
+    NgramDrafter,
+    RequestInfo,
+    SpeculativeDecoder,
+)
 from sacpolicy.evaluation.evaluate import Timed
 from sacpolicy.policy import Autoregressive, Bandit, SeedRule, Static
 from sacpolicy.policy.learned import LearnedPolicy
@@ -318,3 +326,30 @@ def test_a_peeked_proposal_gives_each_position_its_confidence_and_bounds_k():
     request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=names)
     state = DecodeState(request, context_len=20, remaining=20, drafters=("b",), peeks={"b": peek[:2]})
     assert decide_one(policy, state, policy.start(request)) == Decision("b", 2)
+
+
+def test_agree_counts_the_other_peeked_proposals_that_start_with_the_same_token():
+    """``agree``: for a drafter that peeked, +1 per other drafter whose peeked proposal starts with its first token
+    and -1 per other whose proposal starts with another; 0 for a drafter that did not peek (a head: its first token is
+    unknown before drafting), whose peek names no token, or that no other drafter's proposal speaks for or against
+    (one peekable drafter, as vLLM serves). The decoder's state reads into it at every position of the block."""
+    from sacpolicy.policy.features import token_features
+    from sacpolicy.runtime.features import Peek, agreement
+
+    agree = FEATURE_NAMES.index("agree")
+    c = (0.5, 0.1, 0.4)
+    peeks = {"ngram": Peek((c, c), first=7), "suffix": Peek((c,), first=7), "other": Peek((c,), first=3),
+             "blind": Peek((c,)), "empty": None}
+    assert [agreement(peeks, n) for n in ("ngram", "suffix", "other", "blind", "empty", "head", None)] == \
+        [0, 0, -2, 0, 0, 0, 0]  # ngram: suffix agrees, other disagrees; blind and empty count neither way
+    assert agreement({"ngram": Peek((c,), 5), "suffix": Peek((c,), 5), "x": Peek((c,), 5)}, "x") == 2
+    assert agreement({"ngram": Peek((c,), 5), "suffix": None}, "ngram") == 0  # nobody else proposed
+    assert agreement({"ngram": Peek((c,), 5)}, "ngram") == 0
+    peeks = {n: p for n, p in peeks.items() if n != "other"}
+    names = ("head", "ngram", "suffix")
+    request = RequestInfo(prompt_len=10, max_new_tokens=32, drafters=names)
+    state = DecodeState(request, context_len=20, remaining=20, drafters=names, peeks=peeks, drafter="ngram")
+    assert [token_features(state, None, None, drafter=d, position=0)[agree] for d in names] == [0.0, 1.0, 1.0]
+    assert token_features(state, DraftToken(1, 0.5, 0.1, 0.4), 0.5)[agree] == 1.0  # the stop rule's rows too
+    state.peeks = {**peeks, "suffix": Peek((c,), first=8)}
+    assert token_features(state, None, None, drafter="ngram", position=3)[agree] == -1.0

@@ -18,6 +18,7 @@ from sacpolicy.build import build_drafter
 from sacpolicy.decoding import (
     DecoderConfig,
     DraftRow,
+    NgramDrafter,
     Peekable,
     RequestInfo,
     SamplingConfig,
@@ -175,6 +176,10 @@ def test_peek_is_each_proposed_tokens_confidence_and_stop_cuts_the_block():
     assert block.tokens.tolist() == [4, 5, 6, 1, 2, 3] and block.logits is None
     # the peek is the whole proposal: one confidence per token, equal to what propose reports for each
     assert block.confidence.flatten().tolist() == pytest.approx([x for c in peeked for x in c])
+    assert peeked.first == 4  # and its first token (what ``agree`` compares across drafters)
+    # the n-gram drafter's peek names the first token of the span it copies, as it proposes it
+    ngram = NgramDrafter()
+    assert ngram.peek(None, ctx).first == int(propose_one(ngram, ctx, 6).tokens[0]) == 4
     # "1 2 3" went on with 4 three times, "1 2 3 4" with 5 twice and 7 once: each token has its own estimate
     ctx2 = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4, 7, 6, 1, 2, 3])
     d2 = SuffixDrafter(max_depth=4)
@@ -256,7 +261,6 @@ def test_a_learned_policy_chooses_between_ngram_and_suffix_by_their_peeks(tiny_t
 
     from toys import ngram_rule
 
-    from sacpolicy.decoding import NgramDrafter
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.cost import PiecewiseLinear
 
@@ -279,13 +283,14 @@ def test_a_learned_policy_chooses_between_ngram_and_suffix_by_their_peeks(tiny_t
 
 
 def test_what_a_peeking_policy_reads_live_equals_its_replay_from_traces(tiny_target, prompts):
-    """The suffix drafter's rows a learned rule reads before drafting (each proposed token's own confidence, as many
-    rows as the proposal reaches) and the drafted tokens' confidence the stop rule reads are the same live and in the
-    replay of teacher-forced traces collected in request order (the global index grown alike): the predictor is
-    trained on what it reads live."""
+    """The rows a learned rule reads before drafting, for the suffix drafter (each proposed token's own confidence, as
+    many rows as the proposal reaches) and the n-gram drafter beside it (whether the other drafter's peeked proposal
+    starts with the same token: ``agree``), and the drafted tokens' confidence the stop rule reads are the same live
+    and in the replay of teacher-forced traces collected in request order (the global index grown alike): the
+    predictor is trained on what it reads live."""
     from test_traces import cost_model
 
-    from sacpolicy.policy.features import token_features
+    from sacpolicy.policy.features import FEATURE_NAMES, token_features
     from sacpolicy.traces.collect import teacher_forced_rows
     from sacpolicy.traces.simulate import group_traces, simulate
 
@@ -298,22 +303,24 @@ def test_what_a_peeking_policy_reads_live_equals_its_replay_from_traces(tiny_tar
 
         def decide(self, rows):
             for row in rows:
-                peek = row.state.peeks.get("suffix")
-                self.log.append([token_features(row.state, None, None, drafter="suffix", position=j)
-                                 for j in range(min(8, len(peek)) if peek else 0)])
+                for name in ("suffix", "ngram"):
+                    peek = row.state.peeks.get(name)
+                    self.log.append([token_features(row.state, None, None, drafter=name, position=j)
+                                     for j in range(min(8, len(peek)) if peek else 0)])
             return super().decide(rows)
 
     stats = DecoderConfig(step_stats=True)
     live_pol, live = Recording(), []
-    dec = SpeculativeDecoder(tiny_target.model, [SuffixDrafter()], live_pol, config=stats, stop_token_ids=[])
-    traces, collector = [], SuffixDrafter()
+    dec = SpeculativeDecoder(tiny_target.model, [NgramDrafter(), SuffixDrafter()], live_pol, config=stats,
+                             stop_token_ids=[])
+    traces, collectors = [], [NgramDrafter(), SuffixDrafter()]
     for i, p in enumerate(prompts):
         live.append(dec.generate(p, 24, request=RequestInfo(category="c")))
-        traces += teacher_forced_rows(tiny_target, [collector], {"prompt_id": f"p{i}", "category": "c",
-                                                                  "input_ids": p}, live[-1].tokens, 8)
+        traces += teacher_forced_rows(tiny_target, collectors, {"prompt_id": f"p{i}", "category": "c",
+                                                                "input_ids": p}, live[-1].tokens, 8)
     sim_pol = Recording()
     V = tiny_target.model.config.vocab_size
-    sim = simulate(sim_pol, group_traces(traces), cost_model(["suffix"]), vocab_size=V, config=stats)
+    sim = simulate(sim_pol, group_traces(traces), cost_model(["ngram", "suffix"]), vocab_size=V, config=stats)
     assert [r.target_calls for _, r in sim.results] == [r.target_calls for r in live]
     assert len(sim_pol.log) == len(live_pol.log)
     for a, b in zip(live_pol.log, sim_pol.log):
@@ -323,6 +330,8 @@ def test_what_a_peeking_policy_reads_live_equals_its_replay_from_traces(tiny_tar
     assert flat == [pytest.approx([t for s in r.steps for t in s.top1]) for _, r in sim.results]
     assert sum(len(rows) for rows in live_pol.log) > 20
     assert len({round(t, 4) for f in flat for t in f}) > 2  # the drafted tokens' estimates differ
+    agree = {rows[0][FEATURE_NAMES.index("agree")] for rows in live_pol.log if rows}
+    assert {-1.0, 1.0} <= agree  # the two drafters' proposals start alike at some steps, not at others
 
 
 def markov(v=4, seed=5):

@@ -281,12 +281,13 @@ class NgramDrafter(Drafter, Peekable):
 
     def peek(self, state: NgramState | None, context) -> Peek | None:
         """The proposal ``propose`` would make now (``Peek``: one confidence for each token of the span it would
-        copy), None when it would propose nothing: a lookup as cheap as the proposal, so a policy may choose between
-        drafting and not before it drafts."""
+        copy, and its first token), None when it would propose nothing: a lookup as cheap as the proposal, so a
+        policy may choose between drafting and not before it drafts."""
         m = self._match(context)
         if state is not None:
             state.peeked = (context.shape[0], m)
-        return None if m is None else peek_of(ngram_confidence(m[1], self.max_ngram), context.shape[0] - m[0])
+        return None if m is None else peek_of(ngram_confidence(m[1], self.max_ngram), context.shape[0] - m[0],
+                                              int(context[m[0]]))
 
     @torch.inference_mode()
     def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:

@@ -111,14 +111,14 @@ class SuffixDrafter(Drafter, Peekable, Resettable, TeacherForcing):
     # ------------------------------------------------------------------ the protocol
     def peek(self, state: SuffixState | None, context) -> Peek | None:
         """The proposal ``propose`` would draft now (``Peek``: the confidence of each of its tokens, so its length
-        too), None when it would propose nothing; the draft is kept for that proposal. Without a state (a one-off
-        look) nothing is indexed."""
+        too, and its first token), None when it would propose nothing; the draft is kept for that proposal. Without a
+        state (a one-off look) nothing is indexed."""
         if state is None:
             draft = self._lookup(context)
         else:
             draft = self._draft(state, context)
             state.peeked = (int(context.shape[0]), draft)
-        return tuple(draft.confidence[:PEEK_MAX]) if draft.tokens else None
+        return Peek(draft.confidence[:PEEK_MAX], draft.tokens[0]) if draft.tokens else None
 
     def _lookup(self, context) -> SuffixDraft:
         """The draft a fresh row would get on ``context``, indexing nothing in the global index."""

@@ -3,7 +3,8 @@ runtime shares): live decoding and trace replay call ``token_features``.
 
 Features of a drafted token, known the moment it is drafted: the draft's confidence in it and in the previous
 drafted token of the block, its position in the block, the context length, the recent acceptance of this drafter,
-which drafter, the serving load, and the prompt category when known. Before drafting, ``token=None`` gives the same
+which drafter, the serving load, the prompt category when known, and how many other drafters peeked a proposal that
+starts as this drafter's does. Before drafting, ``token=None`` gives the same
 vector with the confidence unknown (what a k or drafter choice can see).
 """
 
@@ -16,6 +17,7 @@ from sacpolicy.runtime.features import (
     FEATURE_VERSION,
     RowContext,
     accept_rate,
+    agreement,
     category_index,
     feature_row,
     feature_spec,
@@ -34,7 +36,8 @@ def row_context(state: DecodeState, drafter: str | None) -> RowContext:
     history = state.accept_history.get(drafter) if drafter is not None else None
     return RowContext(context_len=state.context_len, drafter_index=drafters.index(drafter) if drafter in drafters else -1,
                       accept_ema=accept_rate(history),
-                      load=state.request.load, category=state.request.category, peek=state.peeks.get(drafter))
+                      load=state.request.load, category=state.request.category, peek=state.peeks.get(drafter),
+                      agree=agreement(state.peeks, drafter))
 
 
 def token_features(state: DecodeState, token: DraftToken | None, prev_top1: float | None, *,

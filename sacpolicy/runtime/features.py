@@ -9,7 +9,12 @@ three confidence features are NaN with ``conf_known = 0``; predictors are traine
 one predictor serves the stop rule and the planner.
 
 A peek (``Peek``) is the confidence of each token the drafter would propose now, in order: as many as it can propose
-(at most ``PEEK_MAX``), so a planner also knows how long the proposal is and drafts no position beyond it.
+(at most ``PEEK_MAX``), so a planner also knows how long the proposal is and drafts no position beyond it, and the
+token it would propose first. Where two drafters peek, ``agree`` counts the others whose proposal starts with the
+same token, less those whose proposal starts with another: two drafters that read the context differently and still
+agree are right far more often (on the suffix pool's traces the n-gram drafter's first token was accepted 74% of the
+time when the suffix drafter proposed the same one, 14% when it proposed another; docs/benchmarks.md, "Drafters that
+agree").
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-FEATURE_VERSION = 5  # 3: a peeked proposal's confidence is known before drafting; 4: accept_ema per token at risk;
-# 5: a peek gives each proposed token its own confidence (the suffix drafter's differ along its proposal)
+FEATURE_VERSION = 6  # 3: a peeked proposal's confidence is known before drafting; 4: accept_ema per token at risk;
+# 5: a peek gives each proposed token its own confidence (the suffix drafter's differ along its proposal); 6: agree
 FEATURE_NAMES = (
     "top1", "entropy", "margin", "conf_known", "prev_top1", "position", "log_context_len", "accept_ema",
-    "has_accept_ema", "drafter_index", "load", "category_index",
+    "has_accept_ema", "drafter_index", "load", "category_index", "agree",
 )
 # Prompt categories of the embedded prompt sets; anything else (or unknown) maps to "other".
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "code", "other")
@@ -31,7 +36,33 @@ _NAN = float("nan")
 ACCEPT_EMA = 0.5  # weight of the newest block in a drafter's acceptance history (exponential moving sums)
 PEEK_MAX = 64  # tokens a peek describes at most (any k cap is below it)
 Confidence = tuple[float, float, float]  # (top-1, entropy, margin) of a drafted token
-Peek = tuple[Confidence, ...]  # a peeked proposal: its tokens' confidence, in order (never empty: no proposal is None)
+
+
+class Peek(tuple):
+    """A peeked proposal: its tokens' confidence (``Confidence``), in order, as a tuple (never empty: no proposal is
+    None), and ``first``, the token it would propose first (None: not told; such a peek agrees with none)."""
+
+    def __new__(cls, confidence, first: int | None = None):
+        self = super().__new__(cls, (tuple(c) for c in confidence))
+        self.first = None if first is None else int(first)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Peek({tuple(self)!r}, first={self.first})"
+
+
+def agreement(peeks, drafter: str | None) -> int:
+    """The ``agree`` feature of ``drafter``'s rows (``peeks``: {drafter: Peek or None}): +1 for each other drafter
+    whose peeked proposal starts with the token this drafter's does, -1 for each whose proposal starts with another.
+    0 is "no evidence" (no other drafter proposed, or this one did not peek: a model or feature drafter's first token
+    is unknown before drafting), so a rule served with one peekable drafter (vLLM's n-gram proposer) reads neither
+    agreement nor disagreement. A peek that names no first token counts neither way."""
+    mine = peeks.get(drafter) if drafter is not None else None
+    first = getattr(mine, "first", None)
+    if first is None:
+        return 0
+    others = [getattr(p, "first", None) for name, p in peeks.items() if name != drafter]
+    return sum((t == first) - (t != first) for t in others if t is not None)
 
 
 def next_accept_history(prev: tuple[float, float] | None, accepted: int, drafted: int) -> tuple[float, float]:
@@ -82,13 +113,15 @@ def feature_spec() -> dict:
 
 def feature_vector(*, position: int, context_len: int, drafter_index: int, top1: float | None = None,
                    entropy: float | None = None, margin: float | None = None, prev_top1: float | None = None,
-                   accept_ema: float | None = None, load: float = 0.0, category: str | None = None) -> list[float]:
+                   accept_ema: float | None = None, load: float = 0.0, category: str | None = None,
+                   agree: int = 0) -> list[float]:
     """Features of the token drafted at ``position`` (0-based in the block) on top of ``context_len`` committed tokens.
 
     ``prev_top1``: the previous drafted token's top-1 probability in this block; None at position 0 (then 1.0,
     "nothing doubtful drafted yet") or when unknown further in (NaN). ``accept_ema``: this drafter's recent per-token
     acceptance in the request (``accept_rate``), None before its first block. ``drafter_index``: its index among the
-    decoder's drafters.
+    decoder's drafters. ``agree``: other drafters whose peeked proposal starts with this one's first token, less those
+    whose proposal starts with another (``agreement``).
     """
     known = top1 is not None
     if prev_top1 is None:
@@ -106,13 +139,15 @@ def feature_vector(*, position: int, context_len: int, drafter_index: int, top1:
         float(drafter_index),
         float(load),
         float(category_index(category)),
+        float(agree),
     ]
 
 
 @dataclass(frozen=True)
 class RowContext:
     """What a decoder knows of a block before drafting it; ``feature_row`` turns it into feature rows. ``peek``: the
-    confidence of each token a peekable drafter (n-gram, suffix) would propose now (``Peek``)."""
+    confidence of each token a peekable drafter (n-gram, suffix) would propose now (``Peek``); ``agree``: the other
+    drafters whose peeked proposal starts with the same token, less those starting with another (``agreement``)."""
 
     context_len: int
     drafter_index: int
@@ -120,6 +155,7 @@ class RowContext:
     load: float = 0.0
     category: str | None = None
     peek: Peek | None = None
+    agree: int = 0
 
     def plannable(self, k: int) -> int:
         """Positions of a block of at most ``k`` tokens this drafter can draft: ``k``, or its peeked proposal's
@@ -137,7 +173,7 @@ def feature_row(ctx: RowContext, position: int, token: tuple[float, float, float
     top1, entropy, margin = token if token is not None else (None, None, None)
     return feature_vector(position=position, context_len=ctx.context_len, drafter_index=ctx.drafter_index, top1=top1,
                           entropy=entropy, margin=margin, prev_top1=prev_top1, accept_ema=ctx.accept_ema,
-                          load=ctx.load, category=ctx.category)
+                          load=ctx.load, category=ctx.category, agree=ctx.agree)
 
 
 def plan_rows(ctx: RowContext, k: int) -> list[list[float]]:
@@ -146,7 +182,7 @@ def plan_rows(ctx: RowContext, k: int) -> list[list[float]]:
     return [feature_row(ctx, j) for j in range(ctx.plannable(k))]
 
 
-def peek_of(confidence, length: int) -> Peek | None:
+def peek_of(confidence, length: int, first: int | None = None) -> Peek | None:
     """A one-proposal drafter's peek (n-gram: one confidence for every token it copies): ``confidence`` for each of
-    ``length`` tokens (at most ``PEEK_MAX``), None when it proposes nothing."""
-    return (tuple(confidence),) * min(length, PEEK_MAX) if length > 0 else None
+    ``length`` tokens (at most ``PEEK_MAX``), the first of them ``first``; None when it proposes nothing."""
+    return Peek((tuple(confidence),) * min(length, PEEK_MAX), first) if length > 0 else None

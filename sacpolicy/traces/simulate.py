@@ -34,6 +34,7 @@ from sacpolicy.decoding import (
 )
 from sacpolicy.policy import Decision, Policy, Static
 from sacpolicy.runtime.cost import CostModel
+from sacpolicy.runtime.features import Peek
 from sacpolicy.traces.draws import DRAWS, AtTracesSampling, draws_of, is_sampled, merge_draws
 from sacpolicy.traces.schema import trace_sampling
 
@@ -176,13 +177,14 @@ class ReplayDrafter(Drafter):
 
 class PeekableReplayDrafter(ReplayDrafter, Peekable):
     """The replay of a one-proposal drafter (n-gram, suffix): it peeks at its recorded proposal, as the live drafter
-    does (``Peek``: each recorded token's confidence, as many as the recorded proposal holds)."""
+    does (``Peek``: each recorded token's confidence, as many as the recorded proposal holds, and its recorded first
+    token, which the replayed block's tokens stand in for when it was not accepted)."""
 
     def peek(self, state, context):
         rows, g = self._rows(context)
         if g >= len(rows["proposal_len"]) or rows["proposal_len"][g] == 0:
             return None
-        return tuple(tuple(confidence(rows, g, j)) for j in range(rows["proposal_len"][g]))
+        return Peek((confidence(rows, g, j) for j in range(rows["proposal_len"][g])), rows["draft_token"][g])
 
 
 def confidence(rows: dict, g: int, j: int) -> list[float]:
