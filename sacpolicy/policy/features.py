@@ -3,9 +3,10 @@ runtime shares): live decoding and trace replay call ``token_features``.
 
 Features of a drafted token, known the moment it is drafted: the draft's confidence in it and in the previous
 drafted token of the block, its position in the block, the context length, the recent acceptance of this drafter,
-which drafter, the serving load, the prompt category when known, and how many other drafters peeked a proposal that
-starts as this drafter's does. Before drafting, ``token=None`` gives the same
-vector with the confidence unknown (what a k or drafter choice can see).
+which drafter, the serving load, the prompt category when known, and whether the other drafters' peeked proposals
+start with this drafter's first token (``agree``: +1 for each that does, -1 for each that starts with another).
+Before drafting, ``token=None`` gives the same vector with the confidence unknown (what a k or drafter choice can
+see).
 """
 
 from __future__ import annotations

@@ -185,4 +185,4 @@ def plan_rows(ctx: RowContext, k: int) -> list[list[float]]:
 def peek_of(confidence, length: int, first: int | None = None) -> Peek | None:
     """A one-proposal drafter's peek (n-gram: one confidence for every token it copies): ``confidence`` for each of
     ``length`` tokens (at most ``PEEK_MAX``), the first of them ``first``; None when it proposes nothing."""
-    return Peek((tuple(confidence),) * min(length, PEEK_MAX), first) if length > 0 else None
+    return Peek((confidence,) * min(length, PEEK_MAX), first) if length > 0 else None
