@@ -12,13 +12,8 @@ from pathlib import Path
 
 import torch
 
-from sacpolicy.decoding.drafters import (
-    LayerSkipDrafter,
-    ModelDrafter,
-    NgramDrafter,
-    trim_lm_head,
-)
-from sacpolicy.decoding.suffix import SuffixDrafter
+from sacpolicy.decoding.drafters import LayerSkipDrafter, ModelDrafter, trim_lm_head
+from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
 from sacpolicy.runtime.spec import DrafterSpec
 
@@ -29,11 +24,8 @@ HEAD_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytor
 
 def build_drafter(spec: DrafterSpec, target):
     """The drafter ``spec`` describes, on ``target``'s device and dtype (``target``: a ``LoadedModel``)."""
-    if spec.kind == "ngram":
-        return NgramDrafter(spec.max_ngram, spec.min_ngram, name=spec.name)
-    if spec.kind == "suffix":
-        return SuffixDrafter(spec.max_depth, spec.spec_factor, spec.min_token_prob, spec.max_nodes, spec.max_requests,
-                             name=spec.name)
+    if spec.kind in LOOKUP_KINDS:
+        return lookup_drafter(spec)
     if spec.kind == "layer_skip":
         return LayerSkipDrafter(target.model, int(spec.layers), name=spec.name)
     if spec.kind == "feature":

@@ -19,7 +19,8 @@ second are the capacity C, and its outputs the reference; (2) every configuratio
 (no speculation with async scheduling off, as vLLM runs n-gram and custom_class speculation), spec-idle
 (speculation on, a proposer that never drafts), vLLM's
 n-gram at its documented example, the export's static setting, its learned rule (learned-logged: with the
-proposer's step log on, the feedback loop's overhead as its TPOT to learned's), the EAGLE-3 head at a fixed k,
+proposer's step log on, the feedback loop's overhead as its TPOT to learned's; learned-ngram: the same rule with its
+n-gram drafter alone, when the export also serves a suffix drafter), the EAGLE-3 head at a fixed k,
 the learned rule's head under its k-by-batch-size map: ``--head-export``) gets its own
 server, started once per repeat in alternating order (ABC CBA ...), and runs every rate (``--rates``, multiples of
 C) in turn. Greedy. Every completion is compared with the reference's for the same request (lossless over HTTP,

@@ -4,12 +4,13 @@
         verify every checksum and the feature spec; with out=, write a verified copy there
     python scripts/export.py policy_dir=out/run/policies/hgb format=transformers draft_dir=out/run/distill/draft
         write the rule's static k and confidence threshold into draft_dir/generation_config.json
-    python scripts/export.py policy_dir=out/run/policies/hgb format=vllm [drafter=ngram] [out=deploy/vllm] [--check]
+    python scripts/export.py policy_dir=out/run/policies/hgb format=vllm [drafter=ngram,suffix] [out=deploy/vllm]
         a directory that serves the policy in vLLM (default out: <policy_dir>.vllm): speculative_config.json (the
-        learned rule as vLLM's custom proposer for an n-gram drafter; a model drafter's static k as draft_model),
+        learned rule as vLLM's custom proposer over its lookup drafters, n-gram and suffix: all of them, or those
+        ``drafter=`` names, comma-separated; a model drafter's static k as draft_model),
         static_speculative_config.json, policy/ and vllm.env; then
             env $(cat deploy/vllm/vllm.env) vllm serve <target> --speculative-config "$(cat deploy/vllm/speculative_config.json)"
-        --check: first check that vLLM imports in this environment (a clear error if it does not)
+        [--check]: first check that vLLM imports in this environment (a clear error if it does not)
 
     python scripts/export.py head_dir=out/run/head/head format=speculators out=deploy/eagle3 [policy_dir=...] \
         [target=Qwen/Qwen2.5-7B-Instruct]

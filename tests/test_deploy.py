@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from toys import load_script, ngram_rule
+from toys import LOOKUP_DRAFTERS, load_script, lookup_rule, ngram_rule
 
 from sacpolicy.export.deploy import HISTORY_FILE, deploy, flip, promote, rollback, versions
 from sacpolicy.export.reload import CANDIDATE, CURRENT, RELOAD_ENV, VERSIONS, read_link
@@ -156,6 +156,32 @@ def test_reload_picks_up_a_new_version_mid_run(tmp_path, monkeypatch):
     assert proposer.rule.mode == "k"
     got = json.loads(stats.read_text())
     assert got["policy_id"] == vb and got["reloads"] == 1 and got["reload_failures"] == 0
+
+
+def test_a_reload_keeps_what_the_suffix_drafter_learned_and_the_smoke_test_teaches_it_nothing(tmp_path, monkeypatch):
+    """A version of the same suffix spec takes over the running suffix drafter (its global index over earlier
+    requests, the rows of requests in flight); validating it plans on the version's own drafters, so its synthetic
+    smoke-test context never enters the served index."""
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+
+    def lookup_policy(name, rule):
+        return save_policy(tmp_path / name, rule, drafters=LOOKUP_DRAFTERS, provenance={"target": EMBEDDED_TARGET},
+                           metrics={})
+
+    deploy(lookup_policy("a", lookup_rule("stop")), root)
+    proposer = _proposer(root)
+    suffix = proposer.lookups["suffix"]
+    for n in range(6):  # two requests in flight, one token a step: their outputs enter the global index
+        _step(proposer, [r[: 20 + n] for r in ROWS])
+    learned = (suffix.index.num_nodes, suffix.index.sequences)
+    assert len(learned[1]) == 2
+    vb = deploy(lookup_policy("b", lookup_rule("k")), root).name
+    _step(proposer, [r[:26] for r in ROWS])
+    assert proposer.policy_id == vb and proposer.rule.mode == "k" and proposer.lookups["suffix"] is suffix
+    # the smoke test's context (1..8 repeated) is not in the served index; the rows kept their sequences
+    assert suffix.index.sequences == learned[1] and suffix.index.num_nodes >= learned[0]
+    assert suffix.index.count([6, 7, 8, 1]) == 0
 
 
 def _bad_version(tmp_path, root, kind, good):

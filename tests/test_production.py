@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from toys import load_script, ngram_rule
+from toys import LOOKUP_DRAFTERS, load_script, lookup_rule, ngram_rule
 
 from sacpolicy.export import steplog
 from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
@@ -345,10 +345,11 @@ def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path, mon
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(embedded, tmp_path, monkeypatch):
-    """The learned proposer logging inside a real vLLM engine (4 prompts at once, greedy): per request, the logged
-    (drafted, accepted) of every step that drafted equals vLLM's ``per_request_spec_decode_metrics="detailed"``
-    arrays, the totals equal its spec-decode counters, the rebuilt sequences continue the prompts with vLLM's outputs,
-    and the logged policy's replay over the rebuilt traces reproduces the logged accepted counts."""
+    """The learned proposer serving both lookup drafters (n-gram, suffix) and logging inside a real vLLM engine (4
+    prompts at once, greedy): per request, the logged (drafted, accepted) of every step that drafted equals vLLM's
+    ``per_request_spec_decode_metrics="detailed"`` arrays, the totals equal its spec-decode counters, the rebuilt
+    sequences continue the prompts with vLLM's outputs, and the logged policy's replay over the rebuilt traces (the
+    suffix drafter teacher-forced in the order the engine ran the requests) reproduces the logged accepted counts."""
     import os
 
     from sacpolicy.data import assign_split, load_prompt_mix
@@ -365,8 +366,8 @@ def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(
     test = [r for r in ds if assign_split(r["prompt_id"]) == "test"]
     prompts = ([r["input_ids"] for r in test if r["category"] != "code_edit"][:2]
                + [r["input_ids"] for r in test if r["category"] == "code_edit"][:2])
-    policy = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram",
-                         "max_ngram": 3}}, provenance={"target": EMBEDDED_TARGET}, metrics={})
+    policy = save_policy(tmp_path / "policy", lookup_rule("stop"), drafters=LOOKUP_DRAFTERS,
+                         provenance={"target": EMBEDDED_TARGET}, metrics={})
     monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
     monkeypatch.setenv(steplog.FLUSH_ENV, "1")
     res = run_engine(model_dir(), prompts, max_tokens=40, speculative_config=learned_config(policy),
@@ -386,6 +387,13 @@ def test_the_step_log_of_a_real_vllm_engine_equals_vllms_own_per_request_arrays(
     drafted, accepted = sum(d for d, _ in steps), sum(a for _, a in steps)
     assert (drafted, accepted) == (res["spec"]["concurrent"]["num_draft_tokens"],
                                    res["spec"]["concurrent"]["num_accepted_tokens"]) and accepted > 0
+    assert {s["drafter"] for r in reqs.values() for s in r["steps"] if s["drafted"]} == {"ngram", "suffix"}
+    # lossless: vLLM's outputs are the target's own greedy continuations (our decoder's, autoregressive)
+    from sacpolicy.decoding import SpeculativeDecoder
+    from sacpolicy.policy import Autoregressive
+
+    ar = SpeculativeDecoder(embedded.model, [], Autoregressive(), stop_token_ids=embedded.eos_token_ids)
+    assert [ar.generate(p, 40).tokens for p in prompts] == [list(o) for o in outputs]
     build_production_traces(tmp_path / "log", tmp_path / "traces", target=EMBEDDED_TARGET)
     replay = replay_logged(tmp_path / "traces", policy)
     assert replay["mismatched"] == [] and len(replay["replayed"]) == len(reqs)
@@ -640,3 +648,99 @@ def test_a_multiprocessing_child_writes_its_step_log_when_it_ends(tmp_path, how)
     records, meta = read_step_log(tmp_path / "log", target=TARGET)
     reqs, incomplete = requests_of(records)
     assert len(reqs) == 4 and not incomplete and meta["shards"] == 1
+
+
+def lookup_proposer(tmp_path, monkeypatch, log="log"):
+    """A proposer serving the rule's two lookup drafters (n-gram and suffix), its step log on."""
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / log))
+    policy = save_policy(tmp_path / "policy-lookup", lookup_rule("stop"), drafters=LOOKUP_DRAFTERS,
+                         provenance={"target": TARGET}, metrics={})
+    return PolicyNgramProposer(vllm_config(), str(policy)), policy
+
+
+def test_both_lookup_drafters_are_served_and_their_log_replays_in_the_order_the_server_saw_it(tmp_path, monkeypatch):
+    """The proposer serves the rule's n-gram and suffix drafters, the rule choosing per request and step; the suffix
+    drafter's global index learns from every request in flight. The log holds which drafter drafted each block and
+    equals the engine's truth; production traces teacher-force the suffix drafter in the order the server indexed
+    the requests (``served_teacher_forcing``): its proposal at every step the proposer saw equals the one the
+    proposer peeked then, where teacher forcing each request whole in turn (as collection does) differs, and the
+    logged policy's replay reproduces every accepted count."""
+    from sacpolicy.decoding import SuffixDrafter
+    from sacpolicy.decoding.types import teacher_force
+    from sacpolicy.traces.production import served_teacher_forcing
+
+    prop, policy = lookup_proposer(tmp_path, monkeypatch)
+    assert list(prop.lookups) == ["ngram", "suffix"] and prop.drafter == "ngram"
+    suffix = prop.lookups["suffix"]
+    peeked = []  # (context, the whole draft) of every suffix peek, in the order the proposer made them
+    real_peek = suffix.peek
+
+    def peek(state, context):
+        got = real_peek(state, context)
+        peeked.append((context.tolist(), state.peeked[1].tokens if state is not None else None))
+        return got
+
+    suffix.peek = peek
+    engine = workload(n=12, seed=3)
+    engine.run(prop)
+    prop.steplog.close()
+    records, meta = read_step_log(tmp_path / "log", target=TARGET)
+    assert list(meta["drafters"]) == ["ngram", "suffix"]
+    reqs, incomplete = requests_of(records)
+    assert incomplete == 0 and len(reqs) == len(engine.prompts)
+    which = match_truth(engine, reqs)
+    for rid, req in reqs.items():  # what each block drafted and accepted is the engine's, whoever drafted it
+        assert [(s["drafted"], s["accepted"]) for s in req["steps"][:-1]] == engine.truth[which[rid]]
+        assert all((s["drafter"] is None) == (s["drafted"] == 0) for s in req["steps"])
+    used = {s["drafter"] for r in reqs.values() for s in r["steps"] if s["drafted"]}
+    assert used == {"ngram", "suffix"}  # the rule chose each drafter at some steps
+    # the suffix drafter's teacher forcing in served order: every visited position as the proposer peeked it
+    served = served_teacher_forcing(lambda: SuffixDrafter(24, 2.0, 0.1, name="suffix"), records, reqs, K)
+    ordered = [(r["request"], r["context_len"]) for r in records]
+    assert len(ordered) == len(peeked)
+    request_order, alone = SuffixDrafter(24, 2.0, 0.1, name="suffix"), 0
+    whole = {rid: teacher_force(request_order, torch.tensor(reqs[rid]["tokens"]), reqs[rid]["prompt_len"], K)
+             for rid in sorted(reqs)}
+    for (rid, n), (context, tokens) in zip(ordered, peeked):
+        req = reqs[rid]
+        assert context == req["tokens"][:n]
+        g = n - req["prompt_len"]
+        if g >= len(req["tokens"]) - req["prompt_len"]:
+            continue  # the last context seen: its block is never verified, no trace row
+        want = tokens[:K]
+        assert [t for t in served[rid].tokens[g].tolist() if t >= 0] == want
+        alone += [t for t in whole[rid].tokens[g].tolist() if t >= 0] != want
+    assert alone > 0  # the order matters here: requests in flight teach each other
+    build_production_traces(tmp_path / "log", tmp_path / "traces", target=TARGET)
+    tf = load_traces(tmp_path / "traces" / "tf", target=TARGET)
+    assert set(tf["drafter"]) == {"ngram", "suffix"}
+    assert set(load_traces(tmp_path / "traces" / "live")["drafter"]) - {None} == {"ngram", "suffix"}
+    out = replay_logged(tmp_path / "traces", policy)
+    assert out["mismatched"] == [] and len(out["replayed"]) == len(engine.prompts)
+
+
+def test_a_rule_of_lookup_drafters_is_exported_for_vllm_with_all_of_them(tmp_path):
+    """``export_vllm`` serves a rule over n-gram and suffix drafters with both (``SACPOLICY_POLICY_DRAFTER``), its
+    static config the n-gram drafter's (vLLM's suffix method needs arctic-inference and CUDA); naming one serves it
+    alone; a drafter that is not the rule's is refused by name."""
+    import json
+
+    from sacpolicy.export.vllm import DRAFTER_ENV, export_vllm, learned_config
+
+    policy = save_policy(tmp_path / "policy", lookup_rule("stop"), drafters=LOOKUP_DRAFTERS,
+                         provenance={"target": TARGET}, metrics={})
+    out = export_vllm(policy, tmp_path / "both")
+    assert f"{DRAFTER_ENV}=ngram,suffix\n" in (out / "vllm.env").read_text()
+    assert json.loads((out / "speculative_config.json").read_text())["method"] == "custom_class"
+    assert json.loads((out / "static_speculative_config.json").read_text())["method"] == "ngram"
+    one = export_vllm(policy, tmp_path / "one", drafter="suffix")
+    assert f"{DRAFTER_ENV}=suffix\n" in (one / "vllm.env").read_text()
+    # bench_serve's learned-ngram: the same export served with its n-gram drafter alone
+    from sacpolicy.export.vllm_serve import ServeError, serve_config
+
+    assert serve_config("learned", export=out, target=TARGET).env[DRAFTER_ENV] == "ngram,suffix"
+    assert serve_config("learned-ngram", export=out, target=TARGET).env[DRAFTER_ENV] == "ngram"
+    with pytest.raises(ServeError, match="learned-ngram.*serves none"):
+        serve_config("learned-ngram", export=one, target=TARGET)
+    with pytest.raises(ValueError, match="'head'"):  # the rule's RuleError
+        learned_config(policy, drafter="ngram,head")

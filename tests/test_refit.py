@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 from test_config import cfg_for
-from test_production import proposer, workload
-from toys import ngram_rule
+from test_production import proposer, vllm_config, workload
+from toys import LOOKUP_DRAFTERS, lookup_rule, ngram_rule
 
 from sacpolicy import pipeline
 from sacpolicy.data.splits import assign_split
@@ -40,14 +40,14 @@ def serve(tmp_path, monkeypatch, n, seed=0, target=EMBEDDED_TARGET, log="log"):
     return tmp_path / log
 
 
-def weak_rule():
+def weak_rule(rule=None):
     """A rule whose predictor expects every draft to be rejected: it decodes autoregressively."""
-    rule = ngram_rule("k")
+    rule = rule or ngram_rule("k")
     arrays = {**rule.predictor.arrays, "intercept": np.array([-30.0])}
     return dataclasses.replace(rule, predictor=dataclasses.replace(rule.predictor, arrays=arrays))
 
 
-def make_run(tmp_path, rule, *overrides) -> tuple:
+def make_run(tmp_path, rule, *overrides, drafters=NGRAM) -> tuple:
     """A minimal ``from_run``: its config (the embedded target unless ``overrides`` say), cost model and headline
     policy ``rule``."""
     run = tmp_path / "run"
@@ -56,8 +56,8 @@ def make_run(tmp_path, rule, *overrides) -> tuple:
     OmegaConf.save(cfg, run / "config.yaml")
     rule.cost.to_json(run / "cost.json")
     (run / "fit.json").write_text(json.dumps({"headline": "logreg"}))
-    policy = save_policy(run / "policies" / "logreg", rule, drafters=NGRAM, provenance={"target": EMBEDDED_TARGET},
-                         metrics={})
+    policy = save_policy(run / "policies" / "logreg", rule, drafters=drafters,
+                         provenance={"target": EMBEDDED_TARGET}, metrics={})
     return run, policy
 
 
@@ -228,6 +228,28 @@ def test_live_arms_decode_the_held_out_requests_in_our_decoder(tmp_path, monkeyp
     ratio = live["ratios"]["candidate_vs_current"]
     assert ratio["ci"][0] <= ratio["ratio"] <= ratio["ci"][1]
     assert "ratio (live)" in (out / "refit.md").read_text()
+
+
+def test_a_log_of_both_lookup_drafters_refits_a_rule_over_both_and_decodes_them_live(tmp_path, monkeypatch):
+    """A server that ran the rule's n-gram and suffix drafters: its production traces hold both (the suffix drafter's
+    in served order), the candidate is fitted over both, and the live arms decode with both (each repeat of a request
+    from the suffix index as it stood before the request: the arms agree, and no repeat reads its own answer)."""
+    from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
+
+    tiny = "tiny:llama-4l"
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
+    served = save_policy(tmp_path / "served", lookup_rule("stop"), drafters=LOOKUP_DRAFTERS,
+                         provenance={"target": tiny}, metrics={})
+    prop = PolicyNgramProposer(vllm_config(), str(served))
+    workload(n=30, seed=7).run(prop)
+    prop.steplog.close()
+    run, _ = make_run(tmp_path, weak_rule(lookup_rule("k")), "target=tiny", drafters=LOOKUP_DRAFTERS)
+    out = tmp_path / "refit"
+    refit(out, run, tmp_path / "log", "target=tiny", "refit.live_requests=2", "refit.live_repeats=2")
+    r = json.loads((out / "refit.json").read_text())
+    assert set(load_traces(out / "traces/production/tf")["drafter"]) == {"ngram", "suffix"}
+    assert load_artifact(out / "policies" / "logreg").rule.drafters == ("ngram", "suffix")
+    assert r["accepted"] and r["live"]["identical_across_arms"] == 2
 
 
 def test_refit_settings_compose_under_hydra():

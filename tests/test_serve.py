@@ -321,9 +321,9 @@ def test_a_served_learned_policy_is_lossless_over_http_under_concurrent_load(ser
 
 
 def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync():
-    """The verdict: TPOT against none, vLLM n-gram and (where it ran) none-sync; throughput against the highest of
-    {none, vLLM n-gram, static} and P99 against the lowest; none-sync and spec-idle are diagnostics, never the best
-    other."""
+    """The verdict: TPOT against none, vLLM n-gram and (where it ran) none-sync and learned-ngram; throughput against
+    the highest of {none, vLLM n-gram, static} and P99 against the lowest; none-sync, spec-idle and learned-ngram are
+    diagnostics, never the best other."""
     cli = load_script("bench_serve")
 
     def run(tpot, tp, p99):
@@ -332,15 +332,19 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
 
     results = {"none": {"1.0": run(80, 100, 900)}, "none-sync": {"1.0": run(120, 200, 100)},
                "vllm-ngram": {"1.0": run(100, 90, 1000)}, "static": {"1.0": run(90, 95, 800)},
-               "spec-idle": {"1.0": run(30, 10, 5000)}, "learned": {"1.0": run(60, 98, 840)}}
-    (x,) = cli.verdict(results, [1.0])
+               "spec-idle": {"1.0": run(30, 10, 5000)}, "learned": {"1.0": run(60, 98, 840)},
+               "learned-ngram": {"1.0": run(75, 97, 850)}}
+    x, y = cli.verdict(results, [1.0])  # learned-ngram: a row of its own too
+    assert (x["policy"], y["policy"]) == ("learned", "learned-ngram") and y["tpot_vs_learned"] == pytest.approx(1.25)
     assert x["tpot_vs_none"] == pytest.approx(0.75) and x["tpot_vs_ngram"] == pytest.approx(0.6)
     assert x["tpot_vs_none_sync"] == pytest.approx(0.5) and x["tpot_vs_spec_idle"] == pytest.approx(2.0)
     assert x["best_other"] == "none" and x["throughput_vs_best"] == pytest.approx(0.98)
     assert x["p99_e2el_vs_best"] == pytest.approx(840 / 800)
     assert x["p99_e2el_vs_none_sync"] == pytest.approx(8.4)
     assert x["p99_e2el_vs_best_ci"] is None  # runs without per-request latencies: no interval, the ratio alone
-    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | 0.50 | 8.40 | 2.00 | - | none |" in cli.markdown(results, [1.0], 2.0)
+    assert x["tpot_vs_learned_ngram"] == pytest.approx(0.8)  # the same rule without its suffix drafter: not an other
+    table = cli.markdown(results, [1.0], 2.0)
+    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | 0.50 | 8.40 | 2.00 | - | 0.80 | none |" in table
 
 
 def _raw_run(latencies, errors=None):

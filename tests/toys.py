@@ -154,6 +154,28 @@ def ngram_rule(mode: str) -> DecisionRule:
     return DecisionRule(pred, cost, ("ngram",), 8, ("ngram", 4), mode, 1.0)
 
 
+def lookup_rule(mode: str = "stop") -> DecisionRule:
+    """``ngram_rule`` over both lookup drafters (n-gram, suffix), as a pool of ``draft=[ngram,suffix]`` serves in vLLM:
+    the drafter index, the peeks' agreement and each drafter's own acceptance history weigh in, so the rule picks
+    either drafter, or none, from step to step."""
+    coef = np.zeros(len(FEATURE_NAMES))
+    for name, c in {"top1": 3.0, "accept_ema": 4.0, "has_accept_ema": -1.5, "position": -0.35,
+                    "drafter_index": 0.3, "agree": 0.8}.items():
+        coef[FEATURE_NAMES.index(name)] = c
+    pred = Predictor("linear", {"mean": np.zeros(len(coef)), "scale": np.ones(len(coef)), "coef": coef,
+                                "intercept": np.array([-1.0])}, {"features": feature_spec()})
+    cost = CostModel(device="cpu", verify={"tokens": PiecewiseLinear([1, 2, 4, 9], [0.06, 0.07, 0.08, 0.11]),
+                                           "per_context": 1e-5},
+                     draft={"ngram": PiecewiseLinear([0], [2e-4]), "suffix": PiecewiseLinear([0], [3e-4])},
+                     per_token_draft={"ngram": False, "suffix": False})
+    return DecisionRule(pred, cost, ("ngram", "suffix"), 8, ("ngram", 4), mode, 1.0)
+
+
+LOOKUP_DRAFTERS = {"ngram": {"kind": "ngram", "max_ngram": 3}, "suffix": {"kind": "suffix", "max_depth": 24,
+                                                                          "spec_factor": 2.0, "min_token_prob": 0.1,
+                                                                          "max_nodes": 200_000, "max_requests": 1000}}
+
+
 def ngram_batch_rule() -> DecisionRule:
     """The same predictor with a cost model profiled over batch sizes in which drafting is free alone and dear in any
     batch: its k-by-batch-size map for vLLM is [(1, 1, 4), (2, 4, 0)]."""

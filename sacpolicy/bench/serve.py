@@ -85,12 +85,12 @@ def markdown(results: dict, rates: list[float], capacity: float, v: list[dict] |
     v = verdict(results, rates) if v is None else v
     if v:
         keys = ("tpot_vs_none", "tpot_vs_ngram", "throughput_vs_best", "p99_e2el_vs_best", "tpot_vs_none_sync",
-                "p99_e2el_vs_none_sync", "tpot_vs_spec_idle", "tpot_vs_learned")
+                "p99_e2el_vs_none_sync", "tpot_vs_spec_idle", "tpot_vs_learned", "tpot_vs_learned_ngram")
         out.append("Learned rule vs the others (95% intervals: paired bootstrap over repeats and requests):\n\n"
                    + table(["config", "rate", "mean TPOT vs none", "mean TPOT vs vLLM n-gram",
                             "throughput vs best other", "P99 e2e vs best other", "mean TPOT vs none-sync",
-                            "P99 e2e vs none-sync", "mean TPOT vs spec-idle", "mean TPOT vs learned (log off)",
-                            "best other (throughput)"],
+                            "P99 e2e vs none-sync", "mean TPOT vs spec-idle", "mean TPOT vs learned",
+                            "mean TPOT vs learned-ngram", "best other (throughput)"],
                            [[x["policy"], f"{x['rate_x']}x", *(_with_ci(x, k) for k in keys),
                              x.get("best_other", "-")] for x in v]))
     cost = log_cost(results, rates)
@@ -149,7 +149,7 @@ def _interval(mine: list[dict], others: dict, key: str) -> list[float] | None:
 
 
 # the learned rule served with n-gram drafts, with its step log on, with the EAGLE-3 head
-LEARNED = ("learned", "learned-logged", "learned-head")
+LEARNED = ("learned", "learned-logged", "learned-ngram", "learned-head")
 
 
 def verdict(results: dict, rates: list[float]) -> list[dict]:
@@ -158,8 +158,9 @@ def verdict(results: dict, rates: list[float]) -> list[dict]:
     highest; P99: the lowest); mean TPOT to the diagnostic baselines' where they ran: none-sync (no speculation,
     synchronous scheduling, as vLLM runs n-gram and ``custom_class`` speculation) and spec-idle (speculation on,
     nothing ever drafted); ``learned-logged``'s mean TPOT to ``learned``'s (``tpot_vs_learned``: the step log's
-    overhead). Each TPOT and P99 ratio ``key`` comes with ``key_ci``, its 95% interval (paired over
-    repeats and requests: ``nested_ratio_interval``), None for runs that kept no per-request latencies."""
+    overhead); ``learned``'s to ``learned-ngram``'s (``tpot_vs_learned_ngram``: what its suffix drafter adds). Each
+    TPOT and P99 ratio ``key`` comes with ``key_ci``, its 95% interval (paired over repeats and requests:
+    ``nested_ratio_interval``), None for runs that kept no per-request latencies."""
     return [x for name in LEARNED if name in results for x in _verdict(results, rates, name)]
 
 
@@ -172,7 +173,8 @@ def _verdict(results: dict, rates: list[float], name: str) -> list[dict]:
             continue
         x = {"policy": name, "rate_x": r}
         for n, key in (("none", "tpot_vs_none"), ("vllm-ngram", "tpot_vs_ngram"), ("none-sync", "tpot_vs_none_sync"),
-                       ("spec-idle", "tpot_vs_spec_idle"), ("learned", "tpot_vs_learned")):
+                       ("spec-idle", "tpot_vs_spec_idle"), ("learned", "tpot_vs_learned"),
+                       ("learned-ngram", "tpot_vs_learned_ngram")):
             if n == name:
                 continue
             rows = results.get(n, {}).get(str(r))

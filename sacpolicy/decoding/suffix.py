@@ -120,6 +120,11 @@ class SuffixDrafter(Drafter, Peekable, Resettable, TeacherForcing):
             state.peeked = (int(context.shape[0]), draft)
         return Peek(draft.confidence[:PEEK_MAX], draft.tokens[0]) if draft.tokens else None
 
+    def draft(self, state: SuffixState | None, context) -> SuffixDraft:
+        """The matcher's whole draft on ``context`` (what ``propose`` cuts to k), the row's new tokens indexed first
+        (as ``peek`` indexes them); without a state a one-off look that indexes nothing."""
+        return self._lookup(context) if state is None else self._draft(state, context)
+
     def _lookup(self, context) -> SuffixDraft:
         """The draft a fresh row would get on ``context``, indexing nothing in the global index."""
         if context.shape[0] == 0:

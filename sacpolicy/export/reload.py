@@ -35,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from sacpolicy.decoding import NgramDrafter, RequestInfo
+from sacpolicy.decoding import RequestInfo
+from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
+from sacpolicy.decoding.types import Resettable
 from sacpolicy.export import pick_drafter
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
@@ -47,7 +49,8 @@ CANARY_ENV = "SACPOLICY_CANARY_FRACTION"  # overrides canary.json's fraction
 CURRENT, CANDIDATE, VERSIONS, CANARY_FILE = "current", "candidate", "versions", "canary.json"
 DEFAULT_RELOAD_S, DEFAULT_FRACTION, DEFAULT_MIN_STEPS = 30.0, 0.1, 200
 _SMOKE = np.tile(np.arange(1, 9, dtype=np.int64), 6)  # repetitive: the n-gram drafter finds matches
-_STATE = ("rule", "drafter", "ngram", "policy", "_request", "load_aware", "policy_id")  # what a swap replaces
+_STATE = ("rule", "drafter", "ngram", "lookups", "lookup_specs", "policy", "_request", "load_aware",
+          "policy_id")  # what a swap replaces
 
 
 def read_link(root, name: str) -> str | None:
@@ -87,14 +90,44 @@ def open_policy(policy) -> tuple[PolicyArtifact, Path | None, str]:
     return art, None, artifact_digest(art)[:12]
 
 
+def lookup_drafters(art: PolicyArtifact, drafter: str | None = None) -> tuple[str, ...]:
+    """The rule's drafters the proposer serves, its primary first (the one whose feature row the step log keeps for
+    steps that draft nothing): ``drafter`` names them (one name, or several comma-separated), else every n-gram and
+    suffix drafter of the rule, the primary ``pick_drafter``'s n-gram one (the suffix one when it has none). The rule's
+    other drafters are not on offer in vLLM's hook, as when a decoder drops them."""
+    rule, specs = art.rule, art.drafters
+    if drafter:
+        names = tuple(dict.fromkeys(n.strip() for n in drafter.split(",") if n.strip()))
+        for name in names:
+            pick_drafter(rule, specs, name, LOOKUP_KINDS)  # the rule's, and of a kind the proposer runs
+        return names
+    kinds = ("ngram",) if any(specs[d].kind == "ngram" for d in rule.drafters) else LOOKUP_KINDS
+    primary = pick_drafter(rule, specs, None, kinds)
+    return (primary, *(d for d in rule.drafters if d != primary and specs[d].kind in LOOKUP_KINDS))
+
+
 def policy_state(art: PolicyArtifact, drafter: str | None, policy_id: str, load: bool = True) -> dict:
-    """The proposer's per-policy attributes (``_STATE``): the rule, its n-gram drafter and the ``LearnedPolicy``
-    that plans with them; ``load``: price steps at vLLM's live batch size where the cost model has batch curves."""
-    name = pick_drafter(art.rule, art.drafters, drafter, ("ngram",))
-    spec = art.drafters[name]
-    return {"rule": art.rule, "drafter": name, "ngram": NgramDrafter(spec.max_ngram, spec.min_ngram, name=name),
-            "policy": LearnedPolicy(art.rule), "_request": RequestInfo(drafters=art.rule.drafters),
+    """The proposer's per-policy attributes (``_STATE``): the rule, its lookup drafters (``lookup_drafters``; the
+    primary one also as ``drafter`` / ``ngram``) and the ``LearnedPolicy`` that plans with them; ``load``: price steps
+    at vLLM's live batch size where the cost model has batch curves."""
+    names = lookup_drafters(art, drafter)
+    specs = {n: art.drafters[n] for n in names}
+    lookups = {n: lookup_drafter(spec) for n, spec in specs.items()}
+    return {"rule": art.rule, "drafter": names[0], "ngram": lookups[names[0]], "lookups": lookups,
+            "lookup_specs": specs, "policy": LearnedPolicy(art.rule),
+            "_request": RequestInfo(drafters=art.rule.drafters),
             "load_aware": bool(art.rule.cost.batch) and load, "policy_id": policy_id}
+
+
+def keep_running_drafters(state: dict, running) -> dict:
+    """``state`` with the running proposer's drafters that keep what earlier requests taught them (a suffix drafter's
+    global index; ``Resettable``) wherever the spec is the same: that index and its requests' rows outlive a policy
+    swap, and a canary's two arms share it."""
+    same = {n: running.lookups[n] for n, spec in state["lookup_specs"].items()
+            if isinstance(running.lookups.get(n) if hasattr(running, "lookups") else None, Resettable)
+            and running.lookup_specs.get(n) == spec}
+    lookups = {**state["lookups"], **same}
+    return {**state, "lookups": lookups, "ngram": lookups[state["drafter"]]}
 
 
 def ratio_interval(a: tuple[int, float, float], b: tuple[int, float, float], z: float = 1.96):
@@ -282,14 +315,14 @@ class PolicySlot:
                                 f"{self.p.k_cap} draft tokens a step (num_speculative_tokens); refit it with k_max <= "
                                 f"{self.p.k_cap}, or restart the server with {version / 'speculative_config.json'}")
         state = policy_state(art, self.drafter, version.name, self.load)
-        with self._using(state):
+        with self._using(state):  # on the version's own drafters: the smoke test teaches the running ones nothing
             got = self.p.blocks([(_SMOKE, None), (_SMOKE[:20], (0.5, 1.0))], batch=2 if self.p.load_aware else 1)
         ok = (isinstance(got, list) and len(got) == 2 and all(isinstance(b, list) and len(b) <= self.p.k_cap
                                                               and all(isinstance(t, int) for t in b) for b in got))
         if not ok:
             raise ArtifactError(f"{version} failed the smoke test (planned {got!r} on a synthetic context, not lists "
                                 f"of at most {self.p.k_cap} token ids); re-export it")
-        return state
+        return keep_running_drafters(state, self.p)
 
     def _refuse(self, name: str, link: str, e: Exception) -> None:
         self.refused.add((name, link))

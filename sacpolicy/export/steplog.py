@@ -6,8 +6,9 @@ seen with, so a request is logged whole or not at all. With logging off the prop
 
 Per logged request step (``traces.production.STEP_SCHEMA``): the request's log id (vLLM's hook gives no request ids;
 requests are found again by their committed tokens, as ``_History`` finds them), its step, the feature row the policy
-read (``runtime.features.feature_row`` of the state the policy decided on, position 0 of the block; the plan's other
-positions differ only in ``position``/``log_context_len``), the k chosen, the tokens drafted, the live batch size,
+read (``runtime.features.feature_row`` of the state the policy decided on for the drafter it chose, the primary
+drafter's when it chose none, position 0 of the block; the plan's other positions differ only in
+``position``/``log_context_len``), the drafter, the k chosen, the tokens drafted, the live batch size,
 the id of the policy that planned it (``PolicyNgramProposer.policy_id``: a deploy's version, a canary's own), the
 proposer's seconds for the whole engine step, and the tokens: the whole context on first sight (the prompt plus the
 prefill's token), then the tokens committed since the previous step, whose count minus one is the previous block's
@@ -117,6 +118,8 @@ class StepLogger:
         meta = {"target": target_provenance(vllm_config, art), "policy_dir": str(art.path),
                 "drafter": {"name": proposer.drafter, "kind": spec.kind, "max_ngram": spec.max_ngram,
                             "min_ngram": spec.min_ngram},
+                # every lookup drafter served, the primary first: what production traces teacher-force
+                "drafters": {n: s.to_dict() for n, s in proposer.lookup_specs.items()},
                 "k_cap": int(proposer.k_cap), "max_model_len": int(proposer.max_model_len),
                 "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters)}
         return cls(out_dir, meta, proposer.history._key, rate=float(os.environ.get(RATE_ENV, "1")),
@@ -133,7 +136,9 @@ class StepLogger:
     def step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
         k chosen, the drafted block's tokens, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's
-        own; optionally the request's sampling settings (temperature, top_p, top_k) or None). Finds each request (all
+        own; optionally the request's sampling settings (temperature, top_p, top_k) or None, and the drafter that
+        drafted the block, None for none; ``drafter``: the primary one, whose feature row a step without a block
+        keeps). Finds each request (all
         lookups before any new entry, so a request one step behind an identical one never takes its entry), queues
         the sampled ones' records; never blocks.
 
@@ -167,7 +172,8 @@ class StepLogger:
         for j, (context, *_) in enumerate(rows):
             if entries[j] is None and last:
                 entries[j] = self._after_unseen_steps(context, last)
-        for entry, (context, committed, state, k, block, policy, *sampling) in zip(entries, rows):
+        for entry, (context, committed, state, k, block, policy, *rest) in zip(entries, rows):
+            sampling, name = (rest + [None, None])[:2]
             first = entry is None
             if first:
                 self._ids += 1
@@ -180,8 +186,9 @@ class StepLogger:
             if entry[0] is not None:
                 out.append((entry[0], entry[1], entry[3], context.copy() if first else None,
                             None if first else new.copy(), -1 if first else entry[2], -1 if first else accepted,
-                            0 if first else len(new) - accepted - 1, k, len(block), row_context(state, drafter),
-                            len(context), policy, (sampling[0] if sampling else None) if first else None))
+                            0 if first else len(new) - accepted - 1, k, len(block),
+                            row_context(state, name or drafter), len(context), policy,
+                            sampling if first else None, name if block else None))
             entry[2], entry[4], entry[5], entry[6] = len(block), self._steps, list(block), len(context)
             key = self.key(context)
             self.requests.setdefault(key, []).append(entry)
@@ -306,9 +313,10 @@ def _records(item) -> list[dict]:
              "context_len": n, "context": None if ctx is None else ctx.tolist(),
              "committed": None if new is None else new.tolist(), "prev_drafted": prev_drafted,
              "prev_accepted": prev_accepted, "unseen": unseen, "k": k, "drafted": drafted,
-             "features": feature_row(rowctx, 0), "batch_size": batch, "proposer_s": seconds, **_sampling(sampling)}
+             "features": feature_row(rowctx, 0), "batch_size": batch, "proposer_s": seconds, **_sampling(sampling),
+             "drafter": drafter}
             for rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, unseen, k, drafted, rowctx, n, policy,
-            sampling in rows]
+            sampling, drafter in rows]
 
 
 def _sampling(sampling) -> dict:

@@ -3,11 +3,11 @@
 Learned, per step and request: ``PolicyNgramProposer`` is a vLLM custom proposer class (vLLM's experimental hook
 ``{"method": "custom_class", "model": "sacpolicy.export.vllm.PolicyNgramProposer", "num_speculative_tokens": k_max}``,
 the policy directory in the ``SACPOLICY_POLICY_DIR`` environment variable). For every request in the batch it runs
-what sacpolicy's decoder runs: the n-gram drafter peeks, ``LearnedPolicy`` plans the block from the same feature row
-(context length, the peeked match length, the request's acceptance history), the drafter proposes under the stop
-rule; none when the rule prefers autoregressive decoding. vLLM's hook gives no request ids: ``_History`` finds a
-request again by its committed tokens. Greedy outputs and vLLM's own acceptance counters equal our decoder's.
-``SACPOLICY_PROPOSER_LOG=<dir>`` turns on its step log (``sacpolicy.export.steplog``), which
+what sacpolicy's decoder runs: the rule's lookup drafters (n-gram, suffix) peek, ``LearnedPolicy`` plans (drafter,
+block) from the same feature rows (context length, the peeked proposals, the request's acceptance history), the chosen
+drafter proposes under the stop rule; none when the rule prefers autoregressive decoding. vLLM's hook gives no request
+ids: ``_History`` finds a request again by its committed tokens. Greedy outputs and vLLM's own acceptance counters
+equal our decoder's. ``SACPOLICY_PROPOSER_LOG=<dir>`` turns on its step log (``sacpolicy.export.steplog``), which
 ``sacpolicy.traces.production`` turns into traces.
 
 Static: ``speculative_config(artifact)`` is the rule's static choice (``sacpolicy.export.static_k``), as
@@ -37,9 +37,10 @@ import numpy as np
 import torch
 
 from sacpolicy.decoding import DecodeState, DraftRow, PolicyRow, SamplingConfig
+from sacpolicy.decoding.lookup import LOOKUP_KINDS
 from sacpolicy.decoding.rows import stop_callback
 from sacpolicy.export import k_by_batch, pick_drafter, static_k
-from sacpolicy.export.reload import PolicySlot, open_policy, policy_state
+from sacpolicy.export.reload import PolicySlot, lookup_drafters, open_policy, policy_state
 from sacpolicy.io import write_json, write_text
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
 from sacpolicy.runtime.features import accepted_prefix, next_accept_history
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_KINDS = ("model", "ngram")  # the kinds picked when no drafter is named; a "feature" head when named
 POLICY_ENV = "SACPOLICY_POLICY_DIR"
-DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's n-gram drafters the proposer runs
+DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's lookup drafters it runs ("a,b": several)
 STATS_ENV = "SACPOLICY_PROPOSER_STATS"  # optional: a JSON file where the proposer reports its calls and seconds
 LOAD_ENV = "SACPOLICY_PROPOSER_LOAD"  # "0": price every step as one request even where the cost model has batches
 LOG_ENV = "SACPOLICY_PROPOSER_LOG"  # optional: a directory for the proposer's step log (sacpolicy.export.steplog)
@@ -90,7 +91,8 @@ def write_vllm_config(artifact, out_path, draft_dir=None) -> Path:
     return write_json(out_path, speculative_config(artifact, draft_dir))
 
 
-VLLM_SUPPORT = ("vLLM runs an n-gram drafter per step under the learned rule (custom proposer), a model drafter as "
+VLLM_SUPPORT = ("vLLM runs lookup drafters (n-gram, suffix) per step under the learned rule (custom proposer), a "
+                "model drafter as "
                 "method draft_model with the rule's static k, and an EAGLE-3 feature head as method eagle3 "
                 "(scripts/export.py head_dir=... format=speculators); it has nothing for layer-skip drafters")
 
@@ -98,17 +100,17 @@ VLLM_SUPPORT = ("vLLM runs an n-gram drafter per step under the learned rule (cu
 def learned_config(artifact, *, drafter: str | None = None) -> dict:
     """vLLM's ``speculative_config`` that runs the learned rule (``PolicyNgramProposer``, with the policy directory in
     ``SACPOLICY_POLICY_DIR``): k up to the rule's ``k_max``. Refuses a rule that chooses among drafters vLLM cannot
-    run beside n-gram lookup (a custom proposer proposes from token ids alone), unless ``drafter=`` names the n-gram
-    drafter to serve it with alone."""
+    run beside the lookup drafters (a custom proposer proposes from token ids alone: n-gram and suffix lookups),
+    unless ``drafter=`` names the lookup drafters to serve it with ("ngram" or "ngram,suffix")."""
     art = artifact if isinstance(artifact, PolicyArtifact) else load_artifact(artifact)
-    others = {n: s.kind for n, s in art.drafters.items() if s.kind != "ngram"}
+    others = {n: s.kind for n, s in art.drafters.items() if s.kind not in LOOKUP_KINDS}
     if drafter is None and others:
-        ngram = [n for n, s in art.drafters.items() if s.kind == "ngram"]
-        hint = (f"pass drafter={ngram[0]} to serve the rule with its n-gram drafter alone" if ngram else
-                "train a policy with an n-gram drafter (draft=[ngram])")
+        lookups = [n for n, s in art.drafters.items() if s.kind in LOOKUP_KINDS]
+        hint = (f"pass drafter={','.join(lookups)} to serve the rule with its lookup drafters alone" if lookups else
+                "train a policy with an n-gram or suffix drafter (draft=[ngram] or draft=[ngram,suffix])")
         raise ArtifactError(f"the policy at {art.path} also chooses drafters {others}, which vLLM cannot run per "
                             f"step: {VLLM_SUPPORT}; {hint}")
-    pick_drafter(art.rule, art.drafters, drafter, ("ngram",))
+    lookup_drafters(art, drafter)  # the named ones are the rule's lookup drafters
     return {"method": "custom_class", "model": f"{__name__}.{PolicyNgramProposer.__name__}",
             "num_speculative_tokens": art.rule.k_max}
 
@@ -132,10 +134,21 @@ def export_vllm(artifact, out_dir, *, draft_dir=None, drafter: str | None = None
     if drafter is not None and kinds.get(drafter) == "feature":
         return _export_head(art, drafter, Path(out_dir), draft_dir)
     if drafter is None:
-        if set(kinds.values()) - set(VLLM_KINDS) or len(kinds) > 1:
+        if set(kinds.values()) <= set(LOOKUP_KINDS):  # every drafter runs in the custom proposer
+            drafter = ",".join(lookup_drafters(art))
+        elif set(kinds.values()) - set(VLLM_KINDS) or len(kinds) > 1:
             raise ArtifactError(f"the policy at {art.path} chooses among drafters {kinds}; {VLLM_SUPPORT}. Pass "
-                                "drafter=<name> to export one of them for vLLM")
-        drafter = next(iter(kinds))
+                                "drafter=<name> to export one of them for vLLM (or its lookup drafters, "
+                                "drafter=ngram,suffix)")
+        else:
+            drafter = next(iter(kinds))
+    names = [n.strip() for n in drafter.split(",") if n.strip()]
+    if len(names) > 1 or kinds.get(names[0]) == "suffix":  # lookup drafters served together by the custom proposer
+        learned = learned_config(art, drafter=drafter)
+        served = lookup_drafters(art, drafter)
+        primary = next((n for n in served if kinds[n] == "ngram"), None)
+        static = speculative_config(art, draft_dir, drafter=primary) if primary else learned  # vLLM: no suffix here
+        return _write_export(art, Path(out_dir), ",".join(served), learned, static)
     if kinds.get(drafter) not in VLLM_KINDS:
         art.rule.check_drafter(drafter)
         raise ArtifactError(f"drafter {drafter!r} is a {kinds[drafter]} drafter; {VLLM_SUPPORT}")
@@ -209,13 +222,43 @@ def gc_clock() -> _GcClock:
     return _GC_CLOCK[0]
 
 
+class Served:
+    """A served request's memory across vLLM steps: its acceptance history per drafter (``next_accept_history``),
+    each lookup drafter's row state (a suffix drafter's index of the request), keyed by the drafter object, and its
+    last block, (drafter name, tokens), until the next step tells how much of it was accepted."""
+
+    __slots__ = ("history", "states", "last")
+
+    def __init__(self, history: dict | None = None):
+        self.history: dict[str, tuple[float, float]] = dict(history or {})
+        self.states: dict = {}
+        self.last: tuple[str, list[int]] | None = None
+
+    def state(self, drafter):
+        """The request's row state of ``drafter`` (made on first use)."""
+        st = self.states.get(drafter)
+        if st is None:
+            st = self.states[drafter] = drafter.new_state()
+        return st
+
+
+def as_served(memo, primary: str) -> Served:
+    """A row's memory: a ``Served``, or (older callers) None for a new request, the ``primary`` drafter's acceptance
+    history as a (float, float) tuple, or a {drafter: history} dict."""
+    if isinstance(memo, Served):
+        return memo
+    if memo is None:
+        return Served()
+    return Served(memo if isinstance(memo, dict) else {primary: memo})
+
+
 class _History:
-    """Each request's acceptance history (``next_accept_history``) across vLLM steps. The proposer hook gives no
-    request ids, so a request is found again by its committed tokens: after a step that committed s tokens (accepted
-    drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Requests at equal
-    contexts (the same prompt sent twice) each keep an entry under it, taken in turn: exact for greedy decoding (equal
-    contexts saw equal blocks) and a close estimate when sampling. Where vLLM ran steps without calling the hook (a
-    request of the batch near the context limit: it verifies dummy drafts, not ours), a row is found as the step
+    """Each request's memory (``Served``: acceptance histories, drafter states) across vLLM steps. The proposer hook
+    gives no request ids, so a request is found again by its committed tokens: after a step that committed s tokens
+    (accepted drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Requests at
+    equal contexts (the same prompt sent twice) each keep an entry under it, taken in turn: exact for greedy decoding
+    (equal contexts saw equal blocks) and a close estimate when sampling. Where vLLM ran steps without calling the hook
+    (a request of the batch near the context limit: it verifies dummy drafts, not ours), a row is found as the step
     before's request whose context is its prefix, and its block's accepted tokens are those equal to the block (as
     ``steplog`` finds them); the dummy drafts do not count."""
 
@@ -232,8 +275,8 @@ class _History:
         """A new engine step: what was recorded so far is the step before's."""
         self._last, self._now = self._now, []
 
-    def advance(self, context: np.ndarray, committed: int) -> tuple[float, float] | None:
-        """The request's history now that its last step committed ``committed`` tokens (None: a new request)."""
+    def advance(self, context: np.ndarray, committed: int) -> Served | None:
+        """The request's memory now that its last step committed ``committed`` tokens (None: a new request)."""
         key = self._key(context[: len(context) - committed])
         found, accepted = self.entries.get(key), committed - 1
         if not found:  # steps vLLM ran without the hook: the step before's request whose context is a prefix
@@ -242,16 +285,21 @@ class _History:
             found = self.entries.get(key) if key is not None else None
             if not found:
                 return None
-            accepted = accepted_prefix(found[0][1], context[key[0]:])
-        history, block = found.pop(0)
+            last = found[0].last
+            accepted = accepted_prefix(last[1] if last else [], context[key[0]:])
+        memo = found.pop(0)
         if not found:
             del self.entries[key]
-        return next_accept_history(history, accepted, len(block)) if block else history
+        if memo.last is not None and memo.last[1]:
+            name, block = memo.last
+            memo.history[name] = next_accept_history(memo.history.get(name), accepted, len(block))
+        memo.last = None
+        return memo
 
-    def record(self, context: np.ndarray, history: tuple[float, float] | None, block) -> None:
-        """The request's history before its new ``block`` (the tokens drafted on ``context``)."""
+    def record(self, context: np.ndarray, memo: Served) -> None:
+        """The request's memory, its new block (``memo.last``) drafted on ``context``."""
         key = self._key(context)
-        self.entries.setdefault(key, []).append((history, [int(t) for t in block]))
+        self.entries.setdefault(key, []).append(memo)
         self._now.append(key)
         while len(self.entries) > self.capacity:  # finished requests are never looked up again
             self.entries.popitem(last=False)
@@ -271,12 +319,17 @@ def engine_sampling(caller):
 
 
 class PolicyNgramProposer:
-    """vLLM ``custom_class`` proposer: n-gram proposals, the block decided per request by the learned rule.
+    """vLLM ``custom_class`` proposer: lookup proposals (n-gram, suffix), the drafter and block decided per request by
+    the learned rule.
 
-    It runs sacpolicy's own ``LearnedPolicy`` and ``NgramDrafter`` (peek, plan, stop rule) on each row, as the
-    decoder does, so vLLM decodes with the decisions sacpolicy's decoder makes on the same context: the rule's
-    drafter index, the request's acceptance history (``_History``) and an unknown category. The rule's other drafters
-    are not on offer in vLLM, as when a decoder drops a drafter.
+    It runs sacpolicy's own ``LearnedPolicy`` and lookup drafters (``NgramDrafter``, ``SuffixDrafter``: peek, plan,
+    stop rule) on each row, as the decoder does, so vLLM decodes with the decisions sacpolicy's decoder makes on the
+    same context: the chosen drafter, the request's acceptance history per drafter (``_History``) and an unknown
+    category. It serves every n-gram and suffix drafter of the rule (``SACPOLICY_POLICY_DRAFTER``: the named ones);
+    the rule's other drafters (a head, a draft model) are not on offer in this hook, as when a decoder drops a
+    drafter. A suffix drafter keeps each request's index across steps (``Served``) and one global index over every
+    request the proposer has seen, fed as their tokens commit: the server's traffic teaches it, as SuffixDecoding's
+    global tree does (bounded: ``max_nodes``, ``max_requests`` of its spec; kept across policy swaps of the same spec).
 
     Load: the rows of one engine step are planned together (``LearnedPolicy.decide``, as the batched decoder does),
     priced at the step's live batch size (the requests vLLM scheduled) when the rule's cost model was profiled over
@@ -343,15 +396,15 @@ class PolicyNgramProposer:
             if not len(sampled) or n >= self.max_model_len:  # a prefill chunk mid-way, or no room: no drafts
                 continue
             context = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
-            live.append((i, context, self.history.advance(context, len(sampled))))
+            live.append((i, context, self.history.advance(context, len(sampled)) or Served()))
         batch = len(sampled_token_ids)  # the requests this engine step verifies together
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
         seen = [] if self.steplog is not None else None  # the step log's: each row's state, k and policy id
         # hot reload and canary (sacpolicy.export.reload): each request planned by its arm's policy
         blocks = self.slot.blocks([(c, h) for _, c, h in live], [len(sampled_token_ids[i]) for i, *_ in live], batch,
                                   seen=seen)
-        for (i, context, history), block in zip(live, blocks):
-            self.history.record(context, history, block)
+        for (i, context, memo), block in zip(live, blocks):
+            self.history.record(context, memo)
             out[i] = block
         if seen is not None:
             self._logged = ([(c, len(sampled_token_ids[i]), i) for i, c, _ in live], blocks, seen, batch)
@@ -378,46 +431,54 @@ class PolicyNgramProposer:
                            "exposes no input_batch to the proposer hook); the log records none, and production traces "
                            "take them from build_production_traces(sampling=...)")
         rows, blocks, seen, batch = step
-        self.steplog.step([(c, s, state, k, b, pid, None if sampling is None else sampling(i))
-                           for (c, s, i), b, (state, k, pid) in zip(rows, blocks, seen)], batch, seconds, self.drafter)
+        self.steplog.step([(c, s, state, k, b, pid, None if sampling is None else sampling(i), name)
+                           for (c, s, i), b, (state, k, pid, name) in zip(rows, blocks, seen)], batch, seconds,
+                          self.drafter)
 
-    def block(self, context: np.ndarray, history: tuple[float, float] | None = None) -> list[int]:
-        """The tokens the decoder would draft on ``context`` alone (``history``: the request's acceptance history,
-        None before its first block)."""
+    def block(self, context: np.ndarray, history=None) -> list[int]:
+        """The tokens the decoder would draft on ``context`` alone (``history``: the request's memory, see
+        ``as_served``; None before its first block)."""
         return self.blocks([(context, history)])[0]
 
-    def blocks(self, rows: list[tuple[np.ndarray, tuple[float, float] | None]], batch: int = 1,
+    def blocks(self, rows: list[tuple[np.ndarray, Served | tuple | dict | None]], batch: int = 1,
                seen: list | None = None) -> list[list[int]]:
-        """The tokens the decoder would draft on each (context, history) row: peek, plan, draft with the stop rule.
-        ``batch`` > 1: the rows are planned together as one step of that many rows (the cost model must have batch
-        curves); 1: each row is planned alone. ``seen``: a list that gets each row's (state decided on, k chosen,
-        the planning policy's id)."""
-        prows, drafts, where = [], [], []
-        for context, history in rows:
-            n = len(context)
+        """The tokens the decoder would draft on each (context, memory) row: every lookup drafter peeks (in row
+        order: a suffix drafter indexes the row's new tokens as it peeks, so later rows read them in its global
+        index), the policy plans (drafter, k), the chosen drafter drafts with the stop rule. ``batch`` > 1: the rows
+        are planned together as one step of that many rows (the cost model must have batch curves); 1: each row is
+        planned alone. A ``Served`` memory gets the row's drafter states and its new block (``last``). ``seen``: a
+        list that gets each row's (state decided on, k chosen, the planning policy's id, the drafter or None)."""
+        prows = []
+        for context, memo in rows:
+            memo, n = as_served(memo, self.drafter), len(context)
             room = min(self.k_cap, self.max_model_len - n - 1)  # the decoder's remaining - 1
-            ngram = self.ngram.new_state()
             ctx = torch.from_numpy(context)
-            state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=(self.drafter,),
-                                accept_history={} if history is None else {self.drafter: history},
-                                peeks={self.drafter: self.ngram.peek(ngram, ctx)}, batch_size=max(batch, 1))
-            prows.append((PolicyRow(state, self.policy.start(self._request)), ngram, ctx, room))
+            peeks = {name: d.peek(memo.state(d), ctx) for name, d in self.lookups.items()}
+            state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=tuple(self.lookups),
+                                accept_history=dict(memo.history), peeks=peeks, batch_size=max(batch, 1))
+            prows.append((PolicyRow(state, self.policy.start(self._request)), memo, ctx, room))
         if batch > 1:  # one plan for the step's rows, at its live size
             decisions = self.policy.decide([r for r, *_ in prows]) if prows else []
         else:  # each row priced as a step of its own
             decisions = [self.policy.decide([r])[0] for r, *_ in prows]
-        for j, ((row, ngram, ctx, room), decision) in enumerate(zip(prows, decisions)):
-            k = min(decision.k, room)
+        by: dict[str, list] = {}
+        for j, ((row, memo, ctx, room), decision) in enumerate(zip(prows, decisions)):
+            k, name = min(decision.k, room), decision.drafter
+            name = name if name is not None and k >= 1 else None
+            memo.last = None
             if seen is not None:
-                seen.append((row.state, max(k, 0) if decision.drafter is not None else 0, self.policy_id))
-            if decision.drafter is None or k < 1:
+                seen.append((row.state, k if name else 0, self.policy_id, name))
+            if name is None:
                 continue
-            row.state.drafter = decision.drafter
-            drafts.append(DraftRow(ngram, ctx, k, _GREEDY, stop=stop_callback(self.policy, row)))
-            where.append(j)
+            row.state.drafter = name
+            d = self.lookups[name]
+            by.setdefault(name, []).append((j, DraftRow(memo.state(d), ctx, k, _GREEDY,
+                                                        stop=stop_callback(self.policy, row))))
         out: list[list[int]] = [[] for _ in rows]
-        for j, proposal in zip(where, self.ngram.propose(drafts) if drafts else []):
-            out[j] = proposal.tokens.tolist()
+        for name, items in by.items():
+            for (j, _), proposal in zip(items, self.lookups[name].propose([r for _, r in items])):
+                out[j] = proposal.tokens.tolist()
+                prows[j][1].last = (name, out[j])
         return out
 
     def load_model(self, *args, **kwargs) -> None:

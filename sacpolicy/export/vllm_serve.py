@@ -56,8 +56,8 @@ from sacpolicy.export.vllm_run import cuda_available, engine_defaults, engine_en
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "learned-logged", "static", "head",
-           "learned-head")
+CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "learned-logged", "learned-ngram", "static",
+           "head", "learned-head")
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
@@ -204,7 +204,20 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
     elif name == "learned-head":
         raise ServeError(f"{Path(export) / file} runs {spec.get('method')!r}, not the rule's EAGLE-3 head; export "
                          "it with drafter=<the policy's feature drafter>")
-    if name in ("learned", "learned-logged") and spec.get("method") not in ("custom_class", "eagle3"):
+    if name == "learned-ngram":  # the same rule with its n-gram drafter alone (the export may serve a suffix one too)
+        from sacpolicy.export.reload import live_policy_dir
+        from sacpolicy.export.vllm import DRAFTER_ENV
+        from sacpolicy.runtime.artifact import load_artifact
+
+        art = load_artifact(live_policy_dir(policy))
+        ngram = [n for n in env.get(DRAFTER_ENV, "").split(",") if art.drafters.get(n.strip()) is not None
+                 and art.drafters[n.strip()].kind == "ngram"]
+        if not ngram:
+            raise ServeError(f"configuration 'learned-ngram' serves the export's rule with its n-gram drafter alone, "
+                             f"but {Path(export) / 'vllm.env'} serves none ({env.get(DRAFTER_ENV)!r}); export a "
+                             "policy with an n-gram drafter")
+        env = {**env, DRAFTER_ENV: ngram[0].strip()}
+    if name in ("learned", "learned-logged", "learned-ngram") and spec.get("method") not in ("custom_class", "eagle3"):
         logger.warning("%s holds a static setting (%s), not the learned rule: vLLM runs a model drafter with a "
                        "static k", Path(export) / file, spec.get("method"))
     if name == "learned-logged":
@@ -213,7 +226,7 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
 
         log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sacpolicy-steplog-"))
         env = {**env, LOG_ENV: str(log_dir), RATE_ENV: "1"}
-    return ServeConfig(name, spec, env if name in ("learned", "learned-logged") else {}, policy)
+    return ServeConfig(name, spec, env if name in ("learned", "learned-logged", "learned-ngram") else {}, policy)
 
 
 def free_port() -> int:

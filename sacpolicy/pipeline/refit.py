@@ -11,7 +11,7 @@ the policy that serves it on held-out requests of the same log, and deployed onl
    ``refit.fractions``), so no request is in two splits.
 2. Every configured predictor is fitted as stage ``fit`` fits it (``fit.fit_policy``: the same examples, rule tuning
    on the val requests, the best static on them as fallback), with from_run's cost model (``cost.json``);
-   ``refit.include_run_traces=true`` adds from_run's train-split traces of the served drafter to the fit examples.
+   ``refit.include_run_traces=true`` adds from_run's train-split traces of the served drafters to the fit examples.
    The candidate is the predictor with the lowest validation log-loss (``policies/<predictor>``).
 3. The candidate, the current policy (``refit.policy``, else the deploy root's ``current``, else from_run's headline)
    and the best static (drafter, k) of the val requests are replayed over the held-out test requests as the server
@@ -53,7 +53,6 @@ class RefitContext(RunContext):
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
     from sacpolicy.pipeline.fit import examples, fit_policy
-    from sacpolicy.runtime.spec import DrafterSpec
 
     cfg, rs = ctx.cfg, ctx.cfg.refit
     current_path = current_policy(ctx)  # resolved before this run writes policies of its own
@@ -62,29 +61,27 @@ def run(ctx: RunContext) -> dict:
     if rs.live_requests > 0:  # refused before minutes of fitting
         check_live(rs, meta)
     grouped, by_split, split_of = split_requests(ctx, tf_dir, meta)
-    spec = meta["drafter"]
-    mixed = run_traces(ctx, spec["name"], set(grouped), meta["sampling"]) if rs.include_run_traces else {}
+    specs = served_specs(meta)
+    mixed = run_traces(ctx, list(specs), set(grouped), meta["sampling"]) if rs.include_run_traces else {}
     fit_grouped = {**grouped, **mixed}
     rctx = RefitContext(ctx, RunTraces(fit_grouped, {**by_split, "train": {**by_split["train"], **mixed}}, tf_dir,
                                        meta))
     ex = examples(rctx)
     ex = dataclasses.replace(ex, split=np.array([split_of.get(p, "train") for p in ex.prompt_id]))
     static = rctx.best_static()
-    specs = {spec["name"]: DrafterSpec(kind=spec["kind"], name=spec["name"], max_ngram=spec["max_ngram"],
-                                       min_ngram=spec["min_ngram"])}
     provenance = {"target": cfg.target.spec, "traces": str(tf_dir), "logs": str(Path(rs.logs).resolve()),
                   "from_run": str(Path(cfg.from_run).resolve()), "command": command()}
     fitted = {name: fit_policy(rctx, name, ex, static, specs, provenance) for name in cfg.predictor}
     name = headline_predictor({n: p["metrics"] for n, p in fitted.items()})
     candidate_path = ctx.out_dir / "policies" / name
     test = by_split["test"]
-    per = {arm: replay(rctx, policy, test, log, spec["name"])
+    per = {arm: replay(rctx, policy, test, log, list(specs))
            for arm, policy in (("candidate", candidate_path), ("current", current_path), ("best-static", static))}
     ratios = compare(per, seed=cfg.seed, resamples=rs.resamples, level=rs.level)
     live_part = None
     if rs.live_requests > 0:
         arms = {"candidate": candidate_path, "current": current_path, "best-static": static}
-        live_per, agree = decode_live(ctx, arms, list(test)[: rs.live_requests], specs[spec["name"]],
+        live_per, agree = decode_live(ctx, arms, list(test)[: rs.live_requests], list(specs.values()),
                                      int(log["k_cap"]), int(log["max_model_len"]), rs.live_repeats)
         live_part = {"requests": len(live_per["candidate"]["tokens"]), **agree,
                      "mode": f"live: our decoder, prompt by prompt with the arms in turn, to the served lengths, the "
@@ -188,7 +185,19 @@ def production_traces(ctx: RunContext) -> tuple[dict, Path]:
         raise PipelineError(f"fit.k_max={cfg.fit.k_max} exceeds the k cap {k_cap} of the server that logged "
                             f"{logs} (its traces record no longer accepted run, and a deploy root refuses a policy "
                             f"above its cap); set fit.k_max={k_cap}")
-    return {**read_meta(out / "tf"), "drafter": log_meta(logs)["drafter"]}, out / "tf"
+    served = log_meta(logs)
+    return {**read_meta(out / "tf"), "drafter": served["drafter"], "drafters": served.get("drafters")}, out / "tf"
+
+
+def served_specs(meta: dict) -> dict:
+    """{name: ``DrafterSpec``} of the drafters the server ran (its lookup drafters, the primary first; a log written
+    before servers named them all: its one n-gram drafter)."""
+    from sacpolicy.runtime.spec import DrafterSpec
+
+    spec = meta["drafter"]
+    specs = meta.get("drafters") or {spec["name"]: {"kind": spec["kind"], "max_ngram": spec["max_ngram"],
+                                                    "min_ngram": spec["min_ngram"]}}
+    return {name: DrafterSpec.from_dict(name, d) for name, d in specs.items()}
 
 
 def split_requests(ctx: RunContext, tf_dir: Path, meta: dict) -> tuple[dict, dict, dict]:
@@ -217,8 +226,8 @@ def split_requests(ctx: RunContext, tf_dir: Path, meta: dict) -> tuple[dict, dic
     return grouped, by_split, split_of
 
 
-def run_traces(ctx: RunContext, drafter: str, taken: set, sampling: dict) -> dict:
-    """from_run's train-split traces of the served ``drafter`` (grouped, that drafter only), for the fit examples;
+def run_traces(ctx: RunContext, drafters: list[str], taken: set, sampling: dict) -> dict:
+    """from_run's train-split traces of the served ``drafters`` (grouped, those drafters only), for the fit examples;
     refused unless they were decoded at the production traces' ``sampling`` (their labels differ otherwise)."""
     from sacpolicy.data.splits import assign_split
     from sacpolicy.traces.schema import load_traces, read_meta, trace_sampling
@@ -232,18 +241,18 @@ def run_traces(ctx: RunContext, drafter: str, taken: set, sampling: dict) -> dic
                             "differ; refit without them (refit.include_run_traces=false), or on logs served at "
                             f"{theirs} (refit.select)")
     grouped = group_traces(load_traces(tf_dir, kind="teacher_forced", target=ctx.cfg.target.spec), meta)
-    out = {pid: {**p, "drafters": {drafter: p["drafters"][drafter]}} for pid, p in grouped.items()
-           if assign_split(pid) == "train" and drafter in p["drafters"]}
+    out = {pid: {**p, "drafters": {d: p["drafters"][d] for d in drafters}} for pid, p in grouped.items()
+           if assign_split(pid) == "train" and all(d in p["drafters"] for d in drafters)}
     if not out:
-        raise PipelineError(f"{tf_dir} holds no train traces of the served drafter {drafter!r}; collect them with "
-                            f"draft=[{drafter}] or refit without them (refit.include_run_traces=false)")
+        raise PipelineError(f"{tf_dir} holds no train traces of the served drafters {drafters}; collect them with "
+                            f"draft=[{','.join(drafters)}] or refit without them (refit.include_run_traces=false)")
     if taken & set(out):
         raise PipelineError(f"request ids {sorted(taken & set(out))[:3]} of the log are also prompt ids of {tf_dir}")
     return out
 
 
 # ---------------------------------------------------------------------- the comparison
-def replay(ctx: RunContext, policy, test: dict, log: dict, drafter: str) -> dict:
+def replay(ctx: RunContext, policy, test: dict, log: dict, drafters: list[str]) -> dict:
     """{"tokens", "seconds"} per held-out request (``test``'s order) of ``policy`` (a policy directory, replayed as
     the server runs it: ``AsServed``; or a best-static {"drafter", "k"}), seconds from the run's cost model."""
     from sacpolicy.decoding import DecoderConfig
@@ -260,7 +269,7 @@ def replay(ctx: RunContext, policy, test: dict, log: dict, drafter: str) -> dict
         rule = load_artifact(policy).rule
         pol = AsServed(LearnedPolicy(rule), tuple(rule.drafters), k_cap, int(log["max_model_len"]))
         config = DecoderConfig(k_max=max(rule.k_max, k_cap))
-    sim = simulate(pol, test, ctx.cost, vocab_size=ctx.vocab_size, config=config, drafters=[drafter])
+    sim = simulate(pol, test, ctx.cost, vocab_size=ctx.vocab_size, config=config, drafters=drafters)
     return {"tokens": [len(out.tokens) for _, out in sim.results],
             "seconds": [float(out.total_s) for _, out in sim.results]}
 
@@ -276,11 +285,13 @@ def check_live(rs, meta: dict) -> None:
                             "comparison covers sampled logs)")
 
 
-def decode_live(ctx: RunContext, arms: dict, ids: list, spec, k_cap: int, max_model_len: int,
+def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int, max_model_len: int,
                 repeats: int = 1) -> tuple[dict, dict]:
     """({arm: {"tokens", "seconds"}}, agreement) of each arm (a policy directory or a best static {"drafter", "k"})
-    decoding the held-out requests ``ids`` live in our decoder with the served drafter (``spec``, a ``DrafterSpec``,
-    built by ``build.build_drafters``, fresh per arm): each request's logged prompt,
+    decoding the held-out requests ``ids`` live in our decoder with the served drafters (``specs``, ``DrafterSpec``s,
+    built by ``build.build_drafters``, fresh per arm; a suffix drafter's global index grows with the arm's own
+    outputs, request by request, and every repeat of a request starts from the index as it stood before the request,
+    so no repeat reads its own answer): each request's logged prompt,
     to the length the server generated, prompt by prompt with the arms in turn (machine noise hits all alike), after
     one warm-up generation each; wall seconds per request, the fastest of ``repeats`` (a shared machine's stalls hit
     one repeat, not all). Greedy: every arm must emit the same tokens (lossless;
@@ -305,7 +316,7 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, spec, k_cap: int, max_mo
             rule = load_artifact(policy).rule
             pol = AsServed(LearnedPolicy(rule), tuple(rule.drafters), k_cap, int(max_model_len))
             k_max = max(rule.k_max, k_cap)
-        return SpeculativeDecoder(target.model, build_drafters([spec], target), pol,
+        return SpeculativeDecoder(target.model, build_drafters(specs, target), pol,
                                   config=DecoderConfig(k_max=k_max),
                                   stop_token_ids=target.eos_token_ids)
 
@@ -319,8 +330,11 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, spec, k_cap: int, max_mo
         req = reqs[rid]
         prompt, served = req["tokens"][: req["prompt_len"]], req["tokens"][req["prompt_len"]:]
         outs, best = {}, dict.fromkeys(decoders, float("inf"))
+        before = {arm: _learned(dec) for arm, dec in decoders.items()}
         for r in range(repeats):  # arms in turn, the order reversed every repeat (ABC CBA ...)
             for arm in (list(decoders) if r % 2 == 0 else list(decoders)[::-1]):
+                if r:
+                    _restore(decoders[arm], before[arm])
                 t0 = time.perf_counter()
                 res = decoders[arm].generate(prompt, len(served))
                 best[arm] = min(best[arm], time.perf_counter() - t0)
@@ -333,6 +347,22 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, spec, k_cap: int, max_mo
                                 "must not change the output: this is a decoder bug")
         same_as_logged += outs["candidate"] == served[: len(outs["candidate"])]
     return per, {"identical_across_arms": len(ids), "same_as_logged": int(same_as_logged)}
+
+
+def _learned(decoder) -> dict:
+    """What ``decoder``'s drafters learned from earlier requests (a suffix drafter's global index), copied."""
+    import copy
+
+    from sacpolicy.decoding.types import Resettable
+
+    return {name: copy.deepcopy(d.index) for name, d in decoder.drafters.items() if isinstance(d, Resettable)}
+
+
+def _restore(decoder, learned: dict) -> None:
+    import copy
+
+    for name, index in learned.items():
+        decoder.drafters[name].index = copy.deepcopy(index)
 
 
 def compare(per: dict, *, seed: int, resamples: int, level: float) -> dict:

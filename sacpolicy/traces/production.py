@@ -9,7 +9,8 @@ Writes two trace directories (``meta.source = "vllm"``):
 - ``live``: one row per logged step whose outcome is known (the block's accepted tokens are read from the next
   step's committed tokens; the block drafted after a request's last step is never verified and has no row);
 - ``tf``: ``teacher_forced`` rows rebuilt from each request's token sequence (the context on first sight, then the
-  tokens committed each step) with the n-gram drafter's token-only teacher forcing (``types.teacher_force``). For
+  tokens committed each step) with the served drafters' token-only teacher forcing (``types.teacher_force``; a
+  suffix drafter's in the order the server indexed every request, ``served_teacher_forcing``). For
   greedy serving they are exact: a drafted token is accepted when it equals the target's, so ``run_len`` and
   ``beta`` (1 where the first drafted token matches, else 0) need no target pass; ``p_target`` is unknown (NaN).
   With a target (``target=`` a loaded model, ``refit.target_pass=true``) the rows are the collector's own
@@ -68,6 +69,8 @@ STEP_SCHEMA = pa.schema([
     # step 0 only, null when the proposer could not read them (logs written before these columns existed have none):
     # the request's sampling settings as vLLM's input batch held them (top_k: vLLM's, the vocabulary size when off)
     ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()),
+    # the lookup drafter that drafted the block (null: none; logs written before this column: the primary drafter)
+    ("drafter", pa.string()),
 ])
 
 
@@ -241,7 +244,8 @@ def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
             continue
         f, d = s["features"], s["drafted"]
         out.append({"prompt_id": rid, "category": CATEGORY, "prompt_len": req["prompt_len"], "policy": s["policy"],
-                    "step": s["step"], "drafter": drafter if d else None, "k": s["k"], "drafted": d,
+                    "step": s["step"], "drafter": (s.get("drafter") or drafter) if d else None, "k": s["k"],
+                    "drafted": d,
                     "accepted": s["accepted"], "emitted": s["accepted"] + 1, "context_len": s["context_len"],
                     "draft_s": s["proposer_s"], "verify_s": math.nan, "cooldown": False, "top1": [f[top1]] * d,
                     "entropy": [f[ent]] * d, "margin": [f[mar]] * d, "q": [], "p": [], "beta": [],
@@ -249,15 +253,16 @@ def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
     return out
 
 
-def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[dict]:
+def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int, tf=None) -> list[dict]:
     """``teacher_forced`` rows of a request from its tokens alone (``decoding.types.teacher_force``, runs as
-    ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN)."""
+    ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN). ``tf``: the
+    drafter's proposals already teacher-forced (``served_teacher_forcing``)."""
     from sacpolicy.decoding.types import teacher_force
     from sacpolicy.traces.collect import proposal_runs
 
     ids, L = torch.tensor(req["tokens"]), req["prompt_len"]
     gen = ids[L:]
-    tf = teacher_force(drafter, ids, L, k_max)
+    tf = teacher_force(drafter, ids, L, k_max) if tf is None else tf
     run, plen = proposal_runs(tf, gen, k_max)
     first, stats = tf.tokens[:, 0].tolist(), tf.confidence.tolist()
     return [{"prompt_id": rid, "category": CATEGORY, "prompt_len": L, "drafter": drafter.name, "position": g,
@@ -266,6 +271,60 @@ def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[
              "q_target": 1.0 if run[g] > 0 else 0.0, "beta": 1.0 if run[g] > 0 else 0.0, "run_len": int(run[g]),
              "proposal_len": int(plen[g]), "proposal": True,
              "proposal_confidence": tf.proposal_confidence(g)} for g in range(len(gen))]
+
+
+def served_teacher_forcing(make_drafter, records: list[dict], reqs: dict, k_max: int) -> dict:
+    """A suffix drafter's teacher-forced proposals over the logged requests ({log id: ``TeacherForced``}), its global
+    index grown in the order the served proposer grew it: the proposer indexes a row's new tokens when it peeks at the
+    row, every engine step, in the step's row order, so a request's proposals depend on how far every other request
+    in flight had got. The records are walked in engine order (each server run, ``run_id``, with a drafter of its
+    own from ``make_drafter()``, as each server had); at a request's record the positions up to the context it was
+    seen at are teacher-forced (each syncing the row to it, so the visited one reads the index exactly as the
+    proposer did), positions before its first sighting read the index without joining it (the proposer never saw
+    them). Exact at every visited position when every request of the run is in the log (sampling rate 1, nothing
+    dropped, no canary trial: a candidate's rows peek after the current policy's) and the drafter's spec did not
+    change by a policy swap mid-run."""
+    from sacpolicy.decoding.types import TeacherForced
+
+    drafters, states, made, out = {}, {}, {}, {}
+    for r in records:
+        rid = r["request"]
+        req = reqs.get(rid)
+        if req is None:
+            continue
+        run = rid.rsplit("-", 1)[0]
+        drafter = drafters.get(run) or drafters.setdefault(run, make_drafter())
+        tokens, L, n = req["tokens"], req["prompt_len"], r["context_len"]
+        ids = torch.tensor(tokens[:n], dtype=torch.long)
+        rows = made.setdefault(rid, [])
+        if rid not in states:
+            for c in range(L + len(rows), n):  # before the first sighting: never seen, indexed nothing
+                rows.append(drafter.draft(None, ids[:c]))
+            states[rid] = drafter.new_state()
+        for c in range(L + len(rows), min(n, len(tokens) - 1) + 1):
+            rows.append(drafter.draft(states[rid], ids[:c]))
+        drafter.draft(states[rid], ids)  # the row as seen at this step (indexed: the proposer peeked it)
+    for rid, drafts in made.items():
+        tokens = torch.full((len(drafts), k_max), -1, dtype=torch.long)
+        conf, each = [], []
+        for g, d in enumerate(drafts):
+            m = min(k_max, len(d.tokens))
+            tokens[g, :m] = torch.tensor(d.tokens[:m], dtype=torch.long)
+            conf.append(list(d.confidence[0]) if m else [0.0, 0.0, 0.0])
+            each.append(list(d.confidence[:m]))
+        out[rid] = TeacherForced(tokens, chained=True, confidence=torch.tensor(conf, dtype=torch.float32).view(-1, 3),
+                                 block_confidence=each)
+    return out
+
+
+class _Forced:
+    """A drafter whose teacher forcing is already done (``served_teacher_forcing``'s), for the collector's rows."""
+
+    def __init__(self, name: str, forced):
+        self.name, self.forced = name, forced
+
+    def teacher_force(self, ids, start, k_max, aux=None):
+        return self.forced
 
 
 def served_sampling(req: dict, vocab_size: int | None) -> tuple[float, int, float] | None:
@@ -330,8 +389,11 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
     rows, which sampled requests need). ``sampling`` ({"temperature", "top_k", "top_p"} or a ``SamplingConfig``):
     the settings of requests whose log records none (default greedy); ``select``: keep only the requests served at
     these settings."""
-    from sacpolicy.decoding import NgramDrafter, SamplingConfig
+    from sacpolicy.decoding import SamplingConfig
+    from sacpolicy.decoding.lookup import lookup_drafter
+    from sacpolicy.decoding.types import Resettable, fresh_drafters
     from sacpolicy.progress import progress_iter
+    from sacpolicy.runtime.spec import DrafterSpec
 
     model = None if target is None or isinstance(target, str) else target
     records, log = read_step_log(log_dir, target=target if model is None else model.spec, tokenizer=tokenizer)
@@ -350,7 +412,12 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
                            "the logged sequences: pass target=<the loaded target> (sacpolicy.models.load_model), or "
                            "refit.target_pass=true in a refit")
     spec, k_max = log["drafter"], int(log["k_cap"])
-    drafter = NgramDrafter(spec["max_ngram"], spec["min_ngram"], name=spec["name"])
+    specs = log.get("drafters") or {spec["name"]: {"kind": "ngram", "max_ngram": spec["max_ngram"],
+                                                   "min_ngram": spec["min_ngram"]}}  # older logs: the n-gram one
+    drafters = [lookup_drafter(DrafterSpec.from_dict(name, d)) for name, d in specs.items()]
+    # a suffix drafter's proposals depend on the order the server saw every request in: replayed in that order
+    served = {d.name: served_teacher_forcing(lambda d=d: fresh_drafters([d])[0], records, reqs, k_max)
+              for d in drafters if isinstance(d, Resettable)}
     config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=None)
     meta = {"source": "vllm", "target": log["target"]["target"], "vocab_size": log["target"]["vocab_size"],
             "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p},
@@ -366,14 +433,16 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
 
     def teacher_forced(rid):
         if model is None:
-            return token_teacher_forced_rows(drafter, rid, reqs[rid], k_max)
-        return target_teacher_forced_rows(model, drafter, rid, reqs[rid], k_max, config)
+            return [row for d in drafters for row in token_teacher_forced_rows(
+                d, rid, reqs[rid], k_max, served[d.name][rid] if d.name in served else None)]
+        each = [_Forced(d.name, served[d.name][rid]) if d.name in served else d for d in drafters]
+        return target_teacher_forced_rows(model, each, rid, reqs[rid], k_max, config)
 
     out = Path(out_dir)
     ids = sorted(reqs)
     for kind, sub, make in (("live", "live", lambda rid: live_rows(rid, reqs[rid], spec["name"])),
                             ("teacher_forced", "tf", teacher_forced)):
-        write_meta(out / sub, {**meta, "kind": kind, **({"drafters": [spec["name"]], "k_max": k_max}
+        write_meta(out / sub, {**meta, "kind": kind, **({"drafters": [d.name for d in drafters], "k_max": k_max}
                                                          if kind == "teacher_forced" else {})})
         for c in range(0, len(ids), chunk):
             part = ids[c: c + chunk]
@@ -384,14 +453,17 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
     return meta
 
 
-def target_teacher_forced_rows(target, drafter, rid: str, req: dict, k_max: int, sampling) -> list[dict]:
+def target_teacher_forced_rows(target, drafters, rid: str, req: dict, k_max: int, sampling) -> list[dict]:
     """``teacher_forced`` rows of a request from one teacher-forced pass of ``target`` over its logged sequence: the
-    collector's own (``collect.teacher_forced_rows``), ``sampling`` the settings it was served at."""
+    collector's own (``collect.teacher_forced_rows``), ``sampling`` the settings it was served at; ``drafters``: one
+    or a list."""
     from sacpolicy.traces.collect import teacher_forced_rows
 
     L, tokens = req["prompt_len"], [int(t) for t in req["tokens"]]
     row = {"prompt_id": rid, "category": CATEGORY, "input_ids": tokens[:L]}
-    return teacher_forced_rows(target, [drafter], row, tokens[L:], k_max, sampling=sampling)
+    drafters = drafters if isinstance(drafters, (list, tuple)) else [drafters]
+    return teacher_forced_rows(target, drafters, row, tokens[L:], k_max, sampling=sampling)
+
 
 
 # ---------------------------------------------------------------------- replaying the logged policy
