@@ -20,7 +20,8 @@ second are the capacity C, and its outputs the reference; (2) every configuratio
 (speculation on, a proposer that never drafts), vLLM's
 n-gram at its documented example, the export's static setting, its learned rule (learned-logged: with the
 proposer's step log on, the feedback loop's overhead as its TPOT to learned's; learned-ngram: the same rule with its
-n-gram drafter alone, when the export also serves a suffix drafter), the EAGLE-3 head at a fixed k,
+n-gram drafter alone, when the export also serves a suffix drafter; candidate: another export's rule, ``--candidate``,
+a refit's before it replaces learned), the EAGLE-3 head at a fixed k,
 the learned rule's head under its k-by-batch-size map: ``--head-export``) gets its own
 server, started once per repeat in alternating order (ABC CBA ...), and runs every rate (``--rates``, multiples of
 C) in turn. Greedy. Every completion is compared with the reference's for the same request (lossless over HTTP,
@@ -92,7 +93,7 @@ def configs_of(args, tmp: Path, target_dir: Path) -> dict:
     for n in names:
         try:
             out[n] = serve_config(n, export=args.export, head=head, head_export=args.head_export,
-                                  served_model=str(target_dir), log_dir=tmp / "steplog")
+                                  candidate=args.candidate, served_model=str(target_dir), log_dir=tmp / "steplog")
         except ServeError as e:
             raise SystemExit(f"bench_serve: {e}") from None
     return out
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-k", type=int, default=3)
     ap.add_argument("--head-export", help="the learned rule's EAGLE-3 head for vLLM (scripts/export.py format=vllm "
                     "drafter=feature): the learned-head config")
+    ap.add_argument("--candidate", help="another vLLM export of a learned rule (a refit's): the candidate config, "
+                    "served as learned serves --export; its verdict row sets it against learned")
     ap.add_argument("--configs", default="none,vllm-ngram,static,learned,head")
     bench.add_prompt_set(ap, split="test", prompts=32, max_tokens=128, prompts_help="held-out test prompts")
     ap.set_defaults(source="sharegpt")  # ShareGPT's held-out first turns: real chat traffic

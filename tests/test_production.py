@@ -742,5 +742,10 @@ def test_a_rule_of_lookup_drafters_is_exported_for_vllm_with_all_of_them(tmp_pat
     assert serve_config("learned-ngram", export=out, target=TARGET).env[DRAFTER_ENV] == "ngram"
     with pytest.raises(ServeError, match="learned-ngram.*serves none"):
         serve_config("learned-ngram", export=one, target=TARGET)
+    # bench_serve's candidate: another export (a refit's) served as learned serves --export
+    candidate = serve_config("candidate", export=out, candidate=one, target=TARGET)
+    assert candidate.env[DRAFTER_ENV] == "suffix" and candidate.speculative_config["method"] == "custom_class"
+    with pytest.raises(ServeError, match="needs --candidate"):
+        serve_config("candidate", export=out, target=TARGET)
     with pytest.raises(ValueError, match="'head'"):  # the rule's RuleError
         learned_config(policy, drafter="ngram,head")

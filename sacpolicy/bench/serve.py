@@ -148,8 +148,9 @@ def _interval(mine: list[dict], others: dict, key: str) -> list[float] | None:
     return list(nested_ratio_interval(arr.pop(""), arr, STATS[key]))
 
 
-# the learned rule served with n-gram drafts, with its step log on, with the EAGLE-3 head
-LEARNED = ("learned", "learned-logged", "learned-ngram", "learned-head")
+# the learned rule; with its step log on; with its n-gram drafter alone; with the EAGLE-3 head; another export's rule
+# (a refit's candidate, set against learned)
+LEARNED = ("learned", "learned-logged", "learned-ngram", "learned-head", "candidate")
 
 
 def verdict(results: dict, rates: list[float]) -> list[dict]:
@@ -158,7 +159,8 @@ def verdict(results: dict, rates: list[float]) -> list[dict]:
     highest; P99: the lowest); mean TPOT to the diagnostic baselines' where they ran: none-sync (no speculation,
     synchronous scheduling, as vLLM runs n-gram and ``custom_class`` speculation) and spec-idle (speculation on,
     nothing ever drafted); ``learned-logged``'s mean TPOT to ``learned``'s (``tpot_vs_learned``: the step log's
-    overhead); ``learned``'s to ``learned-ngram``'s (``tpot_vs_learned_ngram``: what its suffix drafter adds). Each
+    overhead; ``candidate``'s: another export's rule against the one it would replace); ``learned``'s to
+    ``learned-ngram``'s (``tpot_vs_learned_ngram``: what its suffix drafter adds). Each
     TPOT and P99 ratio ``key`` comes with ``key_ci``, its 95% interval (paired over repeats and requests:
     ``nested_ratio_interval``), None for runs that kept no per-request latencies."""
     return [x for name in LEARNED if name in results for x in _verdict(results, rates, name)]

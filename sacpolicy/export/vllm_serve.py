@@ -57,7 +57,8 @@ from sacpolicy.export.vllm_run import cuda_available, engine_defaults, engine_en
 logger = logging.getLogger(__name__)
 
 CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "learned-logged", "learned-ngram", "static",
-           "head", "learned-head")
+           "head", "learned-head", "candidate")
+LEARNED_RULE = ("learned", "learned-logged", "learned-ngram", "candidate")  # configs that serve an export's rule
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
@@ -158,13 +159,14 @@ def check_head_export(head, served_model: str) -> dict:
     return {"method": "eagle3", "model": str(head.resolve()), "num_speculative_tokens": k}
 
 
-def serve_config(name: str, *, export=None, head=None, head_export=None, target: str | None = None,
+def serve_config(name: str, *, export=None, head=None, head_export=None, candidate=None, target: str | None = None,
                  served_model: str | None = None, log_dir=None) -> ServeConfig:
     """The checked ``ServeConfig`` of configuration ``name`` (one of ``CONFIGS``). ``export``: a ``scripts/export.py
     format=vllm`` directory (learned, static); ``head``: a speculators-format head (head); ``head_export``: a
-    ``format=vllm drafter=feature`` directory (learned-head); ``target``: the sacpolicy model spec served (default:
-    the embedded target); ``served_model``: the directory vLLM loads (default: the target's); ``log_dir``: where
-    ``learned-logged`` writes its step log (default: a new temporary directory)."""
+    ``format=vllm drafter=feature`` directory (learned-head); ``candidate``: another ``format=vllm`` export, served
+    as learned serves ``export`` (a refit's, set against the policy it would replace); ``target``: the sacpolicy
+    model spec served (default: the embedded target); ``served_model``: the directory vLLM loads (default: the
+    target's); ``log_dir``: where ``learned-logged`` writes its step log (default: a new temporary directory)."""
     from sacpolicy.models import EMBEDDED_TARGET
     from sacpolicy.models import served_model as served_dir
 
@@ -190,6 +192,11 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
                              "for vLLM (python scripts/export.py policy_dir=<run>/policies/<predictor> format=vllm "
                              "drafter=feature out=<dir>)")
         export = head_export
+    if name == "candidate":
+        if candidate is None:
+            raise ServeError("configuration 'candidate' needs --candidate <dir>: another vLLM export of a learned rule "
+                             "(a refit's: <refit run>/export/vllm), served as learned serves --export")
+        export = candidate
     if export is None:
         raise ServeError(f"configuration {name!r} needs --export <dir>: a vLLM export (python scripts/export.py "
                          "policy_dir=<run>/policies/<predictor> format=vllm out=<dir>)")
@@ -217,7 +224,7 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
                              f"but {Path(export) / 'vllm.env'} serves none ({env.get(DRAFTER_ENV)!r}); export a "
                              "policy with an n-gram drafter")
         env = {**env, DRAFTER_ENV: ngram[0].strip()}
-    if name in ("learned", "learned-logged", "learned-ngram") and spec.get("method") not in ("custom_class", "eagle3"):
+    if name in LEARNED_RULE and spec.get("method") not in ("custom_class", "eagle3"):
         logger.warning("%s holds a static setting (%s), not the learned rule: vLLM runs a model drafter with a "
                        "static k", Path(export) / file, spec.get("method"))
     if name == "learned-logged":
@@ -226,7 +233,7 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, target:
 
         log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sacpolicy-steplog-"))
         env = {**env, LOG_ENV: str(log_dir), RATE_ENV: "1"}
-    return ServeConfig(name, spec, env if name in ("learned", "learned-logged", "learned-ngram") else {}, policy)
+    return ServeConfig(name, spec, env if name in LEARNED_RULE else {}, policy)
 
 
 def free_port() -> int:
