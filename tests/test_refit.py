@@ -104,7 +104,7 @@ def test_refit_splits_by_request_compares_on_held_out_requests_only_and_deploys_
     assert held["tokens"] == [sum(1 for p in tf["prompt_id"] if p == rid) for rid in held["request"]]
     sec = held["seconds"]
     idx = bootstrap_indices(len(held["request"]), resamples=r["resamples"], seed=0)
-    for a, b in (("candidate", "current"), ("candidate", "best-static")):
+    for a, b in (("candidate", "current"), ("candidate", "best-static"), ("oracle", "best-static")):
         ratio = r["ratios"][f"{a}_vs_{b}".replace("-", "_")]
         assert ratio["ratio"] == pytest.approx(sum(sec[b]) / sum(sec[a]))  # the same tokens: a ratio of seconds
         assert ratio["ci"] == pytest.approx(list(paired_ratio_interval(held["tokens"], sec[a], held["tokens"], sec[b],
@@ -112,6 +112,9 @@ def test_refit_splits_by_request_compares_on_held_out_requests_only_and_deploys_
     assert r["current"]["path"] == str(root / "versions" / first.name / "policy")  # what served when refit ran
     # autoregressive serving loses to a fitted n-gram policy on a periodic workload: accepted, clearly
     assert r["accepted"] and r["ratios"]["candidate_vs_current"]["ci"][0] > 1.2
+    # the oracle over the served drafter: the ceiling, above what the fitted candidate reaches over the best static
+    oracle = r["ratios"]["oracle_vs_best_static"]["ratio"]
+    assert oracle >= r["ratios"]["candidate_vs_best_static"]["ratio"] and oracle >= 1.0
     assert r["best_static"]["drafter"] == "ngram" and 1 <= r["best_static"]["k"] <= 6
     # the candidate: fitted by the fit stage's code on the production traces, for the served drafter and cap
     cand = load_artifact(out / "policies" / "logreg")

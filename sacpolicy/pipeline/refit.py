@@ -18,7 +18,8 @@ the policy that serves it on held-out requests of the same log, and deployed onl
    ran them (``traces.production.AsServed``; ``traces.simulate``, as evaluation replays): simulated seconds of the
    cost model, per request. The paired bootstrap over those requests (``evaluation.intervals``) gives each ratio's
    interval; the candidate is accepted when the lower end of its interval against the current policy is at least
-   ``refit.threshold``.
+   ``refit.threshold``. The oracle over the served drafters (``traces.simulate.Oracle``) is replayed beside them:
+   its ratio to the best static is the headroom any refit has on that workload.
 4. ``refit.json`` (this stage's summary: sizes, split, ratios, decision, paths, per-request figures) and ``refit.md``;
    the tracker logs the ratios (``refit/...``). An accepted candidate is deployed to ``refit.deploy_root``
    (``export.deploy``) when one is given.
@@ -76,7 +77,8 @@ def run(ctx: RunContext) -> dict:
     candidate_path = ctx.out_dir / "policies" / name
     test = by_split["test"]
     per = {arm: replay(rctx, policy, test, log, list(specs))
-           for arm, policy in (("candidate", candidate_path), ("current", current_path), ("best-static", static))}
+           for arm, policy in (("candidate", candidate_path), ("current", current_path), ("best-static", static),
+                               ("oracle", "oracle"))}
     ratios = compare(per, seed=cfg.seed, resamples=rs.resamples, level=rs.level)
     live_part = None
     if rs.live_requests > 0:
@@ -102,9 +104,9 @@ def run(ctx: RunContext) -> dict:
         "best_static": {**static, "chosen_on": "val requests"},
         "held_out": {"requests": len(test), "tokens": int(sum(per["candidate"]["tokens"])),
                      "mode": "simulated: replayed over the logged sequences, seconds from from_run's cost model",
-                     "tokens_per_s": {arm: _tps(per[arm]) for arm in ARMS},
+                     "tokens_per_s": {arm: _tps(per[arm]) for arm in (*ARMS, "oracle")},
                      "per_request": {"request": list(test), "tokens": per["candidate"]["tokens"],
-                                     "seconds": {arm: per[arm]["seconds"] for arm in ARMS}}},
+                                     "seconds": {arm: per[arm]["seconds"] for arm in (*ARMS, "oracle")}}},
         "ratios": ratios, "live": live_part, "threshold": rs.threshold, "level": rs.level, "resamples": rs.resamples,
         "accepted": bool(accepted),
         "decision": (f"accepted: the lower end of the candidate/current interval is at least {rs.threshold}"
@@ -254,21 +256,24 @@ def run_traces(ctx: RunContext, drafters: list[str], taken: set, sampling: dict)
 # ---------------------------------------------------------------------- the comparison
 def replay(ctx: RunContext, policy, test: dict, log: dict, drafters: list[str]) -> dict:
     """{"tokens", "seconds"} per held-out request (``test``'s order) of ``policy`` (a policy directory, replayed as
-    the server runs it: ``AsServed``; or a best-static {"drafter", "k"}), seconds from the run's cost model."""
+    the server runs it: ``AsServed``; a best-static {"drafter", "k"}; or "oracle": ``traces.simulate.Oracle`` over
+    the served drafters, the ceiling any policy reaches on them), seconds from the run's cost model."""
     from sacpolicy.decoding import DecoderConfig
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
     from sacpolicy.traces.production import AsServed
-    from sacpolicy.traces.simulate import simulate
+    from sacpolicy.traces.simulate import Oracle, simulate
 
     k_cap = int(log["k_cap"])
     if isinstance(policy, dict):
         pol, config = Static(int(policy["k"]), policy["drafter"]), DecoderConfig(k_max=k_cap)
-    else:
+    elif policy != "oracle":
         rule = load_artifact(policy).rule
         pol = AsServed(LearnedPolicy(rule), tuple(rule.drafters), k_cap, int(log["max_model_len"]))
         config = DecoderConfig(k_max=max(rule.k_max, k_cap))
+    if policy == "oracle":  # the ceiling: the served drafters' accepted runs known in advance
+        pol, config = Oracle(ctx.cost, k_max=k_cap), DecoderConfig(k_max=k_cap)
     sim = simulate(pol, test, ctx.cost, vocab_size=ctx.vocab_size, config=config, drafters=drafters)
     return {"tokens": [len(out.tokens) for _, out in sim.results],
             "seconds": [float(out.total_s) for _, out in sim.results]}
@@ -367,12 +372,16 @@ def _restore(decoder, learned: dict) -> None:
 
 def compare(per: dict, *, seed: int, resamples: int, level: float) -> dict:
     """The candidate's tokens/s over the current policy's and over the best static's, the current's over the best
-    static's, each with a paired bootstrap interval over the held-out requests (one draw for all three)."""
+    static's and, where ``per`` has it, the oracle's over the best static's (the headroom the served drafters leave),
+    each with a paired bootstrap interval over the held-out requests (one draw for all)."""
     from sacpolicy.evaluation.intervals import bootstrap_indices, paired_ratio_interval
 
     idx = bootstrap_indices(len(per["candidate"]["tokens"]), resamples=resamples, seed=seed)
     out = {}
-    for a, b in (("candidate", "current"), ("candidate", "best-static"), ("current", "best-static")):
+    for a, b in (("candidate", "current"), ("candidate", "best-static"), ("current", "best-static"),
+                 ("oracle", "best-static")):
+        if a not in per:  # the oracle: simulated arms only
+            continue
         lo, hi = paired_ratio_interval(per[a]["tokens"], per[a]["seconds"], per[b]["tokens"], per[b]["seconds"],
                                        idx=idx, level=level)
         out[f"{a}_vs_{b}".replace("-", "_")] = {"ratio": _tps(per[a]) / _tps(per[b]), "ci": [lo, hi]}
