@@ -307,7 +307,7 @@ def test_a_failing_or_invalid_candidate_is_rolled_back_and_current_keeps_serving
     def boom(*args, **kwargs):
         raise RuntimeError("candidate exploded")
 
-    trial.state["ngram"].propose = boom
+    trial.state["lookups"][trial.state["drafter"]].propose = boom
     blocks = engine.step()
     assert any(blocks) and proposer.failures == 0  # its rows planned by current instead
     assert proposer.slot.trial is None and proposer.slot.canary_rollbacks == 1 and read_link(root, CANDIDATE) is None

@@ -184,7 +184,7 @@ def test_the_step_log_equals_the_engines_truth_while_rows_reorder_join_and_leave
         for s, (d, a) in zip(steps, engine.truth[i] + [(None, None)]):
             ctx = np.asarray(engine.seqs[i][: s["context_len"]])
             row = feature_row(RowContext(s["context_len"], 0, accept_rate(history),
-                                         peek=prop.ngram.peek(None, torch.as_tensor(ctx))), 0)
+                                         peek=prop.lookups[prop.drafter].peek(None, torch.as_tensor(ctx))), 0)
             np.testing.assert_allclose(s["features"], row, rtol=1e-6)
             if d is not None and d:
                 history = next_accept_history(history, a, d)
@@ -228,7 +228,8 @@ def test_steps_vllm_runs_without_the_proposer_leave_each_request_one_log_with_vl
         history = None
         for s in req["steps"]:
             ctx = torch.as_tensor(np.asarray(engine.seqs[i][: s["context_len"]]))
-            row = feature_row(RowContext(s["context_len"], 0, accept_rate(history), peek=prop.ngram.peek(None, ctx)), 0)
+            peek = prop.lookups[prop.drafter].peek(None, ctx)
+            row = feature_row(RowContext(s["context_len"], 0, accept_rate(history), peek=peek), 0)
             np.testing.assert_allclose(s["features"], row, rtol=1e-6)
             if s["drafted"] and s["accepted"] is not None:
                 history = next_accept_history(history, s["accepted"], s["drafted"])

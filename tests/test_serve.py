@@ -215,7 +215,7 @@ def test_a_proposer_failure_never_reaches_the_engine(tmp_path, monkeypatch, capl
     def boom(*args, **kwargs):
         raise RuntimeError("drafter exploded")
 
-    monkeypatch.setattr(proposer.ngram, "propose", boom)
+    monkeypatch.setattr(proposer.lookups[proposer.drafter], "propose", boom)
     before = proposer.gc.stats()["collections"][2]
     import gc
 

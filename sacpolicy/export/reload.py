@@ -49,8 +49,7 @@ CANARY_ENV = "SACPOLICY_CANARY_FRACTION"  # overrides canary.json's fraction
 CURRENT, CANDIDATE, VERSIONS, CANARY_FILE = "current", "candidate", "versions", "canary.json"
 DEFAULT_RELOAD_S, DEFAULT_FRACTION, DEFAULT_MIN_STEPS = 30.0, 0.1, 200
 _SMOKE = np.tile(np.arange(1, 9, dtype=np.int64), 6)  # repetitive: the n-gram drafter finds matches
-_STATE = ("rule", "drafter", "ngram", "lookups", "lookup_specs", "policy", "_request", "load_aware",
-          "policy_id")  # what a swap replaces
+_STATE = ("rule", "drafter", "lookups", "lookup_specs", "policy", "_request", "load_aware", "policy_id")  # swapped
 
 
 def read_link(root, name: str) -> str | None:
@@ -107,14 +106,14 @@ def lookup_drafters(art: PolicyArtifact, drafter: str | None = None) -> tuple[st
 
 
 def policy_state(art: PolicyArtifact, drafter: str | None, policy_id: str, load: bool = True) -> dict:
-    """The proposer's per-policy attributes (``_STATE``): the rule, its lookup drafters (``lookup_drafters``; the
-    primary one also as ``drafter`` / ``ngram``) and the ``LearnedPolicy`` that plans with them; ``load``: price steps
-    at vLLM's live batch size where the cost model has batch curves."""
+    """The proposer's per-policy attributes (``_STATE``): the rule, its lookup drafters (``lookup_drafters``, by name;
+    the primary one's name as ``drafter``) and the ``LearnedPolicy`` that plans with them; ``load``: price steps at
+    vLLM's live batch size where the cost model has batch curves."""
     names = lookup_drafters(art, drafter)
     specs = {n: art.drafters[n] for n in names}
     lookups = {n: lookup_drafter(spec) for n, spec in specs.items()}
-    return {"rule": art.rule, "drafter": names[0], "ngram": lookups[names[0]], "lookups": lookups,
-            "lookup_specs": specs, "policy": LearnedPolicy(art.rule),
+    return {"rule": art.rule, "drafter": names[0], "lookups": lookups, "lookup_specs": specs,
+            "policy": LearnedPolicy(art.rule),
             "_request": RequestInfo(drafters=art.rule.drafters),
             "load_aware": bool(art.rule.cost.batch) and load, "policy_id": policy_id}
 
@@ -124,10 +123,8 @@ def keep_running_drafters(state: dict, running) -> dict:
     global index; ``Resettable``) wherever the spec is the same: that index and its requests' rows outlive a policy
     swap, and a canary's two arms share it."""
     same = {n: running.lookups[n] for n, spec in state["lookup_specs"].items()
-            if isinstance(running.lookups.get(n) if hasattr(running, "lookups") else None, Resettable)
-            and running.lookup_specs.get(n) == spec}
-    lookups = {**state["lookups"], **same}
-    return {**state, "lookups": lookups, "ngram": lookups[state["drafter"]]}
+            if isinstance(running.lookups.get(n), Resettable) and running.lookup_specs.get(n) == spec}
+    return {**state, "lookups": {**state["lookups"], **same}}
 
 
 def ratio_interval(a: tuple[int, float, float], b: tuple[int, float, float], z: float = 1.96):

@@ -243,13 +243,11 @@ class Served:
 
 
 def as_served(memo, primary: str) -> Served:
-    """A row's memory: a ``Served``, or (older callers) None for a new request, the ``primary`` drafter's acceptance
-    history as a (float, float) tuple, or a {drafter: history} dict."""
+    """A row's memory: a ``Served``, or None for a new request, or the ``primary`` drafter's acceptance history as a
+    (float, float) tuple (the reload smoke test's rows)."""
     if isinstance(memo, Served):
         return memo
-    if memo is None:
-        return Served()
-    return Served(memo if isinstance(memo, dict) else {primary: memo})
+    return Served(None if memo is None else {primary: memo})
 
 
 class _History:
@@ -347,7 +345,7 @@ class PolicyNgramProposer:
         # which swaps them between steps when a deploy root's `current` moves and plans a canary's requests ----
         art, root, policy_id = open_policy(policy)  # a deploy root: its `current` version
         load = os.environ.get(LOAD_ENV, "1") != "0"
-        self.__dict__.update(policy_state(art, drafter, policy_id, load))  # rule, drafter, ngram, policy, ...
+        self.__dict__.update(policy_state(art, drafter, policy_id, load))  # rule, drafter, lookups, policy, ...
         self.k_cap = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
@@ -440,7 +438,7 @@ class PolicyNgramProposer:
         ``as_served``; None before its first block)."""
         return self.blocks([(context, history)])[0]
 
-    def blocks(self, rows: list[tuple[np.ndarray, Served | tuple | dict | None]], batch: int = 1,
+    def blocks(self, rows: list[tuple[np.ndarray, Served | tuple | None]], batch: int = 1,
                seen: list | None = None) -> list[list[int]]:
         """The tokens the decoder would draft on each (context, memory) row: every lookup drafter peeks (in row
         order: a suffix drafter indexes the row's new tokens as it peeks, so later rows read them in its global

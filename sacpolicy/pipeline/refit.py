@@ -54,6 +54,7 @@ class RefitContext(RunContext):
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
     from sacpolicy.pipeline.fit import examples, fit_policy
+    from sacpolicy.traces.production import logged_drafters
 
     cfg, rs = ctx.cfg, ctx.cfg.refit
     current_path = current_policy(ctx)  # resolved before this run writes policies of its own
@@ -62,7 +63,7 @@ def run(ctx: RunContext) -> dict:
     if rs.live_requests > 0:  # refused before minutes of fitting
         check_live(rs, meta)
     grouped, by_split, split_of = split_requests(ctx, tf_dir, meta)
-    specs = served_specs(meta)
+    specs = logged_drafters(meta)  # the drafters the server ran
     mixed = run_traces(ctx, list(specs), set(grouped), meta["sampling"]) if rs.include_run_traces else {}
     fit_grouped = {**grouped, **mixed}
     rctx = RefitContext(ctx, RunTraces(fit_grouped, {**by_split, "train": {**by_split["train"], **mixed}}, tf_dir,
@@ -191,17 +192,6 @@ def production_traces(ctx: RunContext) -> tuple[dict, Path]:
     return {**read_meta(out / "tf"), "drafter": served["drafter"], "drafters": served.get("drafters")}, out / "tf"
 
 
-def served_specs(meta: dict) -> dict:
-    """{name: ``DrafterSpec``} of the drafters the server ran (its lookup drafters, the primary first; a log written
-    before servers named them all: its one n-gram drafter)."""
-    from sacpolicy.runtime.spec import DrafterSpec
-
-    spec = meta["drafter"]
-    specs = meta.get("drafters") or {spec["name"]: {"kind": spec["kind"], "max_ngram": spec["max_ngram"],
-                                                    "min_ngram": spec["min_ngram"]}}
-    return {name: DrafterSpec.from_dict(name, d) for name, d in specs.items()}
-
-
 def split_requests(ctx: RunContext, tf_dir: Path, meta: dict) -> tuple[dict, dict, dict]:
     """(grouped, {split: grouped}, {request: split}) of the production traces: each request's split from its prompt
     (``assign_split`` of ``traces.production.prompt_key``, ``refit.fractions``: the same prompt served twice lands in
@@ -268,12 +258,12 @@ def replay(ctx: RunContext, policy, test: dict, log: dict, drafters: list[str]) 
     k_cap = int(log["k_cap"])
     if isinstance(policy, dict):
         pol, config = Static(int(policy["k"]), policy["drafter"]), DecoderConfig(k_max=k_cap)
-    elif policy != "oracle":
+    elif policy == "oracle":  # the ceiling: the served drafters' accepted runs known in advance
+        pol, config = Oracle(ctx.cost, k_max=k_cap), DecoderConfig(k_max=k_cap)
+    else:
         rule = load_artifact(policy).rule
         pol = AsServed(LearnedPolicy(rule), tuple(rule.drafters), k_cap, int(log["max_model_len"]))
         config = DecoderConfig(k_max=max(rule.k_max, k_cap))
-    if policy == "oracle":  # the ceiling: the served drafters' accepted runs known in advance
-        pol, config = Oracle(ctx.cost, k_max=k_cap), DecoderConfig(k_max=k_cap)
     sim = simulate(pol, test, ctx.cost, vocab_size=ctx.vocab_size, config=config, drafters=drafters)
     return {"tokens": [len(out.tokens) for _, out in sim.results],
             "seconds": [float(out.total_s) for _, out in sim.results]}

@@ -253,16 +253,15 @@ def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
     return out
 
 
-def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int, tf=None) -> list[dict]:
+def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[dict]:
     """``teacher_forced`` rows of a request from its tokens alone (``decoding.types.teacher_force``, runs as
-    ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN). ``tf``: the
-    drafter's proposals already teacher-forced (``served_teacher_forcing``)."""
+    ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN)."""
     from sacpolicy.decoding.types import teacher_force
     from sacpolicy.traces.collect import proposal_runs
 
     ids, L = torch.tensor(req["tokens"]), req["prompt_len"]
     gen = ids[L:]
-    tf = teacher_force(drafter, ids, L, k_max) if tf is None else tf
+    tf = teacher_force(drafter, ids, L, k_max)
     run, plen = proposal_runs(tf, gen, k_max)
     first, stats = tf.tokens[:, 0].tolist(), tf.confidence.tolist()
     return [{"prompt_id": rid, "category": CATEGORY, "prompt_len": L, "drafter": drafter.name, "position": g,
@@ -318,13 +317,25 @@ def served_teacher_forcing(make_drafter, records: list[dict], reqs: dict, k_max:
 
 
 class _Forced:
-    """A drafter whose teacher forcing is already done (``served_teacher_forcing``'s), for the collector's rows."""
+    """A drafter whose teacher forcing is already done (``served_teacher_forcing``'s): what ``teacher_force`` returns
+    for it, in the collector's rows and in the token-only ones alike."""
 
     def __init__(self, name: str, forced):
         self.name, self.forced = name, forced
 
     def teacher_force(self, ids, start, k_max, aux=None):
         return self.forced
+
+
+def logged_drafters(log: dict) -> dict:
+    """{name: ``DrafterSpec``} of the lookup drafters a step log's server ran, its primary first (``log``: the log's
+    meta, ``read_step_log``'s; a log written before servers named them all: its one n-gram drafter)."""
+    from sacpolicy.runtime.spec import DrafterSpec
+
+    spec = log["drafter"]
+    specs = log.get("drafters") or {spec["name"]: {"kind": "ngram", "max_ngram": spec["max_ngram"],
+                                                   "min_ngram": spec["min_ngram"]}}
+    return {name: DrafterSpec.from_dict(name, d) for name, d in specs.items()}
 
 
 def served_sampling(req: dict, vocab_size: int | None) -> tuple[float, int, float] | None:
@@ -393,7 +404,6 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
     from sacpolicy.decoding.lookup import lookup_drafter
     from sacpolicy.decoding.types import Resettable, fresh_drafters
     from sacpolicy.progress import progress_iter
-    from sacpolicy.runtime.spec import DrafterSpec
 
     model = None if target is None or isinstance(target, str) else target
     records, log = read_step_log(log_dir, target=target if model is None else model.spec, tokenizer=tokenizer)
@@ -412,9 +422,7 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
                            "the logged sequences: pass target=<the loaded target> (sacpolicy.models.load_model), or "
                            "refit.target_pass=true in a refit")
     spec, k_max = log["drafter"], int(log["k_cap"])
-    specs = log.get("drafters") or {spec["name"]: {"kind": "ngram", "max_ngram": spec["max_ngram"],
-                                                   "min_ngram": spec["min_ngram"]}}  # older logs: the n-gram one
-    drafters = [lookup_drafter(DrafterSpec.from_dict(name, d)) for name, d in specs.items()]
+    drafters = [lookup_drafter(s) for s in logged_drafters(log).values()]
     # a suffix drafter's proposals depend on the order the server saw every request in: replayed in that order
     served = {d.name: served_teacher_forcing(lambda d=d: fresh_drafters([d])[0], records, reqs, k_max)
               for d in drafters if isinstance(d, Resettable)}
@@ -432,10 +440,9 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
                     "prompts": {rid: prompt_key(r["tokens"][: r["prompt_len"]]) for rid, r in reqs.items()}}}
 
     def teacher_forced(rid):
-        if model is None:
-            return [row for d in drafters for row in token_teacher_forced_rows(
-                d, rid, reqs[rid], k_max, served[d.name][rid] if d.name in served else None)]
         each = [_Forced(d.name, served[d.name][rid]) if d.name in served else d for d in drafters]
+        if model is None:
+            return [row for d in each for row in token_teacher_forced_rows(d, rid, reqs[rid], k_max)]
         return target_teacher_forced_rows(model, each, rid, reqs[rid], k_max, config)
 
     out = Path(out_dir)
@@ -463,7 +470,6 @@ def target_teacher_forced_rows(target, drafters, rid: str, req: dict, k_max: int
     row = {"prompt_id": rid, "category": CATEGORY, "input_ids": tokens[:L]}
     drafters = drafters if isinstance(drafters, (list, tuple)) else [drafters]
     return teacher_forced_rows(target, drafters, row, tokens[L:], k_max, sampling=sampling)
-
 
 
 # ---------------------------------------------------------------------- replaying the logged policy
