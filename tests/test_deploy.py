@@ -273,7 +273,7 @@ def test_canary_routes_its_fraction_and_rolls_back_a_worse_candidate(tmp_path, m
     proposer = _proposer(root)
     engine = FakeEngine(proposer, 24)
     engine.step()
-    assert proposer.slot.trial is not None and proposer.slot.trial.state["policy_id"] == cand.name
+    assert proposer.slot.trial is not None and proposer.slot.trial.state.policy_id == cand.name
     arms = [_on_candidate(f, 0.5) for f in engine.first]
     assert 4 <= sum(arms) <= 20  # about half of 24 requests, hashed
     for _ in range(100):
@@ -284,7 +284,7 @@ def test_canary_routes_its_fraction_and_rolls_back_a_worse_candidate(tmp_path, m
     assert read_link(root, CANDIDATE) is None and read_link(root, CURRENT).endswith(proposer.policy_id)
     summary = proposer.slot.stats()["canary"]
     assert summary["rolled_back"] and summary["tokens_per_step_ratio"][2] < 1.0
-    assert "fewer tokens per step" in caplog.text
+    assert summary["seconds_per_token_ratio"][1] > 1.0 and "it serves slower" in caplog.text
     # while on trial, the candidate's requests (and only those) went without drafts
     drafted_on_trial = list(engine.drafted)
     assert all(d == 0 for d, a in zip(drafted_on_trial, arms) if a)
@@ -307,7 +307,7 @@ def test_a_failing_or_invalid_candidate_is_rolled_back_and_current_keeps_serving
     def boom(*args, **kwargs):
         raise RuntimeError("candidate exploded")
 
-    trial.state["lookups"][trial.state["drafter"]].propose = boom
+    trial.state.lookups[trial.state.primary].propose = boom
     blocks = engine.step()
     assert any(blocks) and proposer.failures == 0  # its rows planned by current instead
     assert proposer.slot.trial is None and proposer.slot.canary_rollbacks == 1 and read_link(root, CANDIDATE) is None
@@ -340,8 +340,9 @@ def test_a_better_candidate_stays_on_trial_until_the_operator_promotes_it(tmp_pa
     engine = FakeEngine(proposer, 24)
     for _ in range(8):
         engine.step()
-    ratio, low, high = proposer.slot.trial.interval()
-    assert low > 1.0 and "promote it with python scripts/deploy.py" in caplog.text
+    ratio, low, high = proposer.slot.trial.interval("seconds")  # served seconds per output token
+    assert high < 1.0 and proposer.slot.trial.interval("tokens")[1] > 1.0
+    assert "promote it with python scripts/deploy.py" in caplog.text
     assert proposer.policy_id == silent.name and read_link(root, CANDIDATE) is not None  # never automatic
 
 

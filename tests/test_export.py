@@ -18,6 +18,7 @@ import torch
 from test_traces import cost_model
 from toys import PREDICTORS, Markov, load_script, ngram_rule, propose_one, synthetic_traces
 
+from sacpolicy.build import artifact_specs, build_drafters
 from sacpolicy.data import assign_split
 from sacpolicy.decoding import (
     DecodeState,
@@ -28,8 +29,7 @@ from sacpolicy.decoding import (
     SamplingConfig,
     SpeculativeDecoder,
 )
-from sacpolicy.decoding.rows import stop_callback
-from sacpolicy.build import artifact_specs, build_drafters
+from sacpolicy.decoding.controller import stop_callback
 from sacpolicy.export import (
     confidence_threshold,
     reference_row,

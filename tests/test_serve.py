@@ -213,19 +213,24 @@ def test_a_proposer_failure_never_reaches_the_engine(tmp_path, monkeypatch, capl
     assert _step(proposer, rows)[0]
 
     def boom(*args, **kwargs):
-        raise RuntimeError("drafter exploded")
+        raise RuntimeError("policy exploded")
 
-    monkeypatch.setattr(proposer.lookups[proposer.drafter], "propose", boom)
+    monkeypatch.setattr(proposer.policy, "decide", boom)
     before = proposer.gc.stats()["collections"][2]
     import gc
 
     gc.collect()  # the stats count the process's garbage collections too
     assert _step(proposer, rows) == [[]] and _step(proposer, rows * 2) == [[], []]
-    assert proposer.failures == 2 and "drafter exploded" in caplog.text
+    assert proposer.failures == 2 and "policy exploded" in caplog.text
     written = json.loads(stats.read_text())
     assert written["failures"] >= 1 and written["gc"]["collections"][2] >= before + 1
     monkeypatch.undo()
     assert _step(proposer, rows)[0]  # the next step drafts again
+    # a drafter that raises is dropped for the request that made it raise, as the decoder drops it: counted, no failure
+    monkeypatch.setattr(proposer.lookups[proposer.drafter], "propose", lambda rows: 1 / 0)
+    assert _step(proposer, rows) == [[]] and proposer.failures == 2 and proposer.dropped_drafters == 1
+    proposer.write_stats()
+    assert json.loads(stats.read_text())["dropped_drafters"] == 1
 
 
 def test_spec_metrics_are_read_from_prometheus_text():

@@ -35,9 +35,9 @@ from torch import nn
 
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
+from sacpolicy.decoding.controller import Controller, Drafted, Planned, ServedView, stop_callback
 from sacpolicy.decoding.ragged import RaggedCache, new_cache, prefill_inputs
-from sacpolicy.decoding.rows import Clock, Row, WallClock, stop_callback
-from sacpolicy.decoding.stats import block_stats
+from sacpolicy.decoding.rows import Clock, Row, WallClock
 from sacpolicy.decoding.sampling import (
     SamplingConfig,
     draw_uniforms,
@@ -48,23 +48,19 @@ from sacpolicy.decoding.sampling import (
     verify_tree,
     verify_tree_greedy,
 )
+from sacpolicy.decoding.stats import block_stats
 from sacpolicy.decoding.types import (
     Autoregressive,
-    Decision,
     DecodeState,
     DraftBlock,
     Drafter,
-    DraftRow,
-    DraftsTrees,
     GenerationResult,
-    Peekable,
     Policy,
     PolicyRow,
     RequestInfo,
     StepRecord,
     feature_layers,
 )
-from sacpolicy.runtime.features import next_accept_history
 
 __all__ = ["BATCH_K", "DecoderConfig", "Drafted", "Planned", "SpeculativeDecoder", "Verified", "WallClock",
            "stop_callback"]
@@ -100,6 +96,8 @@ class DecoderConfig:
     # their own tokens; a longer or shorter one starts a group of its own (a pass over pads costs like real tokens).
     # 0: only prompts of one length share a pass
     prefill_pad_slack: float = 0.25
+    # plan as a served engine's proposer sees each request (``controller.ServedView``): a replay of its step log
+    view: ServedView | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill_pad_slack >= 0:
@@ -115,27 +113,6 @@ class DecoderConfig:
             raise ValueError(f"cooldown_floor must be in [0, 1] or None, got {self.cooldown_floor}")
         if not 0.0 < self.cooldown_ema <= 1.0:
             raise ValueError(f"cooldown_ema must be in (0, 1], got {self.cooldown_ema}")
-
-
-@dataclass(frozen=True)
-class Planned:
-    """A row's plan for a step: the policy's decision, whether the decoder overrode it (cooldown: autoregressive),
-    and what the row drafts: a drafter still usable for the request (None: none) and k within the row's budget."""
-
-    decision: Decision
-    cooldown: bool
-    drafter: str | None
-    k: int
-    tree: int = 0  # a token tree of at most this many nodes and depth k; 0: a chain of k
-
-
-@dataclass(frozen=True)
-class Drafted:
-    """A row's draft for a step: the drafter used (None: no draft), its block and the row's seconds drafting it."""
-
-    drafter: str | None
-    block: DraftBlock
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -205,7 +182,8 @@ class SpeculativeDecoder:
                     f"{self.vocab_size}; drafts must share the target's tokenizer (the same id for the same token). "
                     f"Fix: {fix}, or use the n-gram or layer-skip drafters"
                 )
-        self.policy.validate(tuple(self.drafters), self.config.k_max)
+        view = self.config.view  # a replay of a served log: the policy knows the rule's drafters, as served
+        self.policy.validate(view.drafters if view is not None else tuple(self.drafters), self.config.k_max)
         self.max_context = getattr(target.config, "max_position_embeddings", None)
         if stop_token_ids is None:
             eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
@@ -216,10 +194,11 @@ class SpeculativeDecoder:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.sampling.seed or 0)
         # each drafter's capabilities, read once: peeks before deciding, the target's hidden states after each pass
-        self.peekable = frozenset(n for n, d in self.drafters.items() if isinstance(d, Peekable))
         self.feature_layers = {n: layers for n, d in self.drafters.items() if (layers := feature_layers(d))}
         self.features = AuxCapture(target, [i for layers in self.feature_layers.values() for i in layers])
         self.clock: Clock = WallClock()  # every time the decoder reads or waits on (a replay sets a virtual one)
+        # plan, draft and observe: the one controller, which the served proposer and the replay run too
+        self.controller = Controller(self.policy, self.drafters, self.config, self._now, self.config.view)
 
     # ------------------------------------------------------------------ helpers
     def _now(self) -> float:
@@ -457,111 +436,27 @@ class SpeculativeDecoder:
                                       self._now() - run.t_start, run.finish, run.dropped, logits, run.queued_s)
 
     # ------------------------------------------------------------------ one step of the batch
-    def _check_decision(self, d: Decision) -> None:
-        if not isinstance(d.k, int) or d.k < 0 or d.k > self.config.k_max:
-            raise ValueError(f"policy {self.policy!r} chose k={d.k!r}; k must be an integer in "
-                             f"[0, {self.config.k_max}]")
-        if d.drafter is not None and d.drafter not in self.drafters:
-            raise ValueError(f"policy {self.policy!r} chose unknown drafter {d.drafter!r}; known: "
-                             f"{list(self.drafters)}")
-        if d.tree is not None and (not isinstance(d.tree, int) or not 0 <= d.tree <= self.config.tree_max):
-            raise ValueError(f"policy {self.policy!r} chose a token tree of {d.tree!r} nodes; it must be None (the "
-                             f"drafter's default), 0 (a chain) or an integer up to decoder tree_max="
-                             f"{self.config.tree_max}")
-
     def _step(self, batch: list[Row], cache: RaggedCache) -> list[StepRecord]:
-        """One step of every row, in order: decide, draft, verify (one target pass over every row's block, one
-        verification call per sampling setting, one read back to the host), commit, observe. Each phase returns
-        typed results that the later phases read and never change."""
-        plans = self._decide(batch)
-        drafts = self._draft(batch, plans)
+        """One step of every row, in order: plan and draft (the controller), verify (one target pass over every row's
+        block, one verification call per sampling setting, one read back to the host), commit, observe (the
+        controller). Each phase returns typed results that the later phases read and never change."""
+        for run in batch:
+            state = run.state
+            state.context_len, state.generated, state.remaining = run.n, len(run.out), run.left
+        # the live load: rows over the configured maximum batch
+        load = min(1.0, len(batch) / self.config.max_batch) if self.config.max_batch > 1 else None
+        plans = self.controller.plan(batch, len(batch), load)
+        drafts = self.controller.draft(batch, plans, self.device)
         t0 = self._now()
         logits = self._score(batch, cache, drafts)
         verified = self._verify(batch, drafts, logits)
         self._commit(batch, cache, drafts, verified, logits)
         verify_s = self._now() - t0
-        return [self._observe(run, plan, drafted, v, verify_s, len(batch))
-                for run, plan, drafted, v in zip(batch, plans, drafts, verified)]
-
-    def _decide(self, batch: list[Row]) -> list[Planned]:
-        """Each row's plan: the policy decides for the rows that are not cooling down in one call, with the live
-        batch size and load; the plan's drafter is one still usable for the request and its k fits the budget. The
-        row's state names the drafter while it drafts (a policy's ``should_stop`` reads it)."""
-        decisions: list[tuple[Decision, bool] | None] = [None] * len(batch)
-        asking = []
-        for i, run in enumerate(batch):
-            state = run.state
-            state.context_len, state.generated, state.remaining, state.drafter = run.n, len(run.out), run.left, None
-            state.batch_size = len(batch)
-            if self.config.max_batch > 1:  # the live load: rows over the configured maximum batch
-                state.load = min(1.0, len(batch) / self.config.max_batch)
-            if run.cooldown > 0:
-                run.cooldown -= 1
-                decisions[i] = (Decision.autoregressive(), True)
-                continue
-            if self.policy.uses_peeks:
-                state.peeks = {name: self.drafters[name].peek(run.drafts[name], run.context)
-                               for name in state.drafters if name in self.peekable}
-            asking.append(i)
-        if asking:
-            for i, decision in zip(asking, self.policy.decide([batch[i].policy for i in asking])):
-                self._check_decision(decision)
-                decisions[i] = (decision, False)
-        if self.config.batch_k == "shared" and len(batch) > 1:  # one k for the batch, as vLLM drafts
-            k = max(d.k for d, _ in decisions)
-            decisions = [(replace(d, k=k) if d.drafter is not None else d, c) for d, c in decisions]
-        plans = []
-        for run, (decision, cooldown) in zip(batch, decisions):
-            name = decision.drafter if decision.drafter in run.state.drafters else None
-            k = max(0, min(decision.k, run.left - 1)) if name is not None else 0
-            run.state.drafter = name if k > 0 else None
-            plans.append(Planned(decision, cooldown, name, k, self._tree_budget(name, decision) if k > 0 else 0))
-        return plans
-
-    def _tree_budget(self, name: str, decision: Decision) -> int:
-        """The row's token-tree budget: the decision's, else the drafter's default; 0 (a chain) for a drafter that
-        drafts chains only."""
-        drafter = self.drafters[name]
-        if not isinstance(drafter, DraftsTrees):
-            return 0
-        return int(drafter.tree_budget) if decision.tree is None else decision.tree
-
-    def _draft(self, batch: list[Row], plans: list[Planned]) -> list[Drafted]:
-        """Each row's draft. Rows drafting with the same drafter draft together (one ``propose`` call; a model
-        drafter runs one forward per drafted token for all of them) and share its time. A drafter that raises is
-        dropped for the request of the row that made it raise (found by proposing its rows one by one); that row
-        decodes on autoregressively and its output stays exact."""
-        drafts = [Drafted(plan.drafter, DraftBlock.empty(self.device)) for plan in plans]  # the drafter chosen
-        groups: dict[str, list[int]] = {}
-        for i, plan in enumerate(plans):
-            if plan.k > 0:
-                groups.setdefault(plan.drafter, []).append(i)
-        for name, rows in groups.items():
-            t0 = self._now()
-            blocks = self._propose(name, [self._draft_row(batch[i], plans[i]) for i in rows],
-                                   [batch[i] for i in rows])
-            seconds = (self._now() - t0) / len(rows)
-            for i, block in zip(rows, blocks):
-                drafts[i] = Drafted(name, block, seconds) if block is not None else Drafted(None, drafts[i].block,
-                                                                                            seconds)
-        return drafts
-
-    def _draft_row(self, run: Row, plan: Planned) -> DraftRow:
-        return DraftRow(run.drafts[plan.drafter], run.context, plan.k, run.sampling, run.generator,
-                        stop_callback(self.policy, run.policy), plan.tree)
-
-    def _propose(self, name: str, rows: list[DraftRow], runs: list[Row]) -> list[DraftBlock | None]:
-        """``rows``' blocks from drafter ``name``, None for a row whose request dropped it."""
-        drafter = self.drafters[name]
-        try:
-            return drafter.propose(rows)
-        except Exception as exc:
-            if len(rows) == 1:
-                self._drop(runs[0], name, exc)
-                return [None]
-            logger.warning("drafter %r raised %r drafting %d rows together; they propose one by one",
-                           name, exc, len(rows))
-        return [self._propose(name, [row], [run])[0] for row, run in zip(rows, runs)]
+        records = [self.controller.observe(run, plan, drafted, v.accepted, len(v.new), verify_s, len(batch), v.stats)
+                   for run, plan, drafted, v in zip(batch, plans, drafts, verified)]
+        for run, rec in zip(batch, records):
+            run.records.append(rec)
+        return records
 
     def _score(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted]) -> torch.Tensor:
         """One target pass over every row's [last committed token, block] (padded to the longest) -> logits
@@ -659,7 +554,7 @@ class SpeculativeDecoder:
                 run.logits.append(logits[i, : len(v.new)] if cols is None else logits[i, cols[: len(v.new)]])
             self._extend_features(run, i, v.accepted + 1, columns=cols)
             if d.drafter is not None:
-                self._settle(run, d.drafter, v.accepted)
+                self.controller.settle(run, d, v.accepted)
             run.out.extend(v.new)
             run.n += len(v.new)
             if v.stopped:
@@ -667,29 +562,6 @@ class SpeculativeDecoder:
         trees = [v.columns for v in verified]
         cache.commit([v.accepted + 1 for v in verified], logits.shape[1],
                      None if all(c is None for c in trees) else trees)
-
-    def _settle(self, run: Row, name: str, accepted: int) -> None:
-        """Tell the drafter how many of the row's drafted tokens were accepted."""
-        try:
-            self.drafters[name].accept(run.drafts[name], accepted)
-        except Exception as exc:
-            self._drop(run, name, exc)
-
-    def _observe(self, run: Row, plan: Planned, drafted: Drafted, v: Verified, verify_s: float,
-                 batch_size: int) -> StepRecord:
-        """The step's record for the row, its acceptance history and cooldown, and the policy's observation."""
-        rec = StepRecord(step=run.state.step, drafter=drafted.drafter, k=plan.decision.k, drafted=drafted.block.k,
-                         accepted=v.accepted, emitted=len(v.new), context_len=run.state.context_len,
-                         draft_s=drafted.seconds, verify_s=verify_s, cooldown=plan.cooldown, batch_size=batch_size,
-                         tree=plan.tree if drafted.block.tree is not None else 0)
-        if v.stats is not None:
-            rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = (list(c) for c in zip(*v.stats))
-        run.records.append(rec)
-        run.state.step += 1
-        run.state.last = rec
-        self._track_acceptance(run, rec)
-        self.policy.observe(run.policy, rec)
-        return rec
 
     def _draft_probs(self, block: DraftBlock, cfg: SamplingConfig) -> torch.Tensor:
         if block.probs is not None:  # the drafter's own q, the very one its tokens were drawn from
@@ -711,26 +583,4 @@ class SpeculativeDecoder:
                     self.drafters[name].extend_features(run.drafts[name],
                                                         self.features.rows(layers, m, row, start, columns))
                 except Exception as exc:
-                    self._drop(run, name, exc)
-
-    def _drop(self, run: Row, name: str, exc: Exception) -> None:
-        logger.warning("drafter %r raised %r; dropped for this request, decoding continues", name, exc)
-        run.dropped.append(name)
-        run.state.drafters = tuple(d for d in run.state.drafters if d != name)
-
-    def _track_acceptance(self, run: Row, rec: StepRecord) -> None:
-        """Per-drafter acceptance history for policies (the ``accept_ema`` feature, weight fixed by the feature spec);
-        the overall EMA of accepted / drafted drives the cooldown (autoregressive steps)."""
-        if not rec.drafted or rec.drafter is None:
-            return
-        rate = rec.accepted / rec.drafted
-        history = run.state.accept_history
-        history[rec.drafter] = next_accept_history(history.get(rec.drafter), rec.accepted, rec.drafted)
-        a = self.config.cooldown_ema
-        run.ema = rate if run.ema is None else a * rate + (1 - a) * run.ema
-        run.spec_steps += 1
-        floor = self.config.cooldown_floor
-        if floor is not None and run.spec_steps >= self.config.cooldown_min_steps and run.ema < floor:
-            logger.info("moving acceptance %.3f < floor %.3f: autoregressive for %d steps",
-                        run.ema, floor, self.config.cooldown_steps)
-            run.cooldown, run.ema, run.spec_steps = self.config.cooldown_steps, None, 0
+                    self.controller.drop(run, name, exc)

@@ -1,4 +1,4 @@
-"""Hot reload and canary for the served proposer (``PolicyNgramProposer``), from a deploy root (``deploy.py``).
+"""Hot reload and canary for the served proposer (``PolicyProposer``), from a deploy root (``deploy.py``).
 
     root/versions/<version>/   immutable vLLM exports (policy/, speculative_config.json, vllm.env, deploy.json)
     root/current  -> versions/<version>     what every request is served with
@@ -15,10 +15,13 @@ the fix, and counted (``reload_failures``); the old policy keeps serving. Specul
 speed, never outputs, and no request is dropped (the acceptance histories are kept).
 
 Canary: while ``candidate`` points at a version (validated the same way), requests whose first-seen context hashes
-below the fraction are planned by it for their whole life; committed tokens per step are summed per arm and
-compared by the ratio of means with a normal interval on its log. The candidate is rolled back (its link removed,
-``canary_rollbacks`` counted) when the interval lies below 1, or when it fails; a better one stays on trial until the
-operator promotes it (``scripts/deploy.py --promote``): promotion is never automatic.
+below the fraction are planned by it for their whole life (the arm is kept in the request's memory, which the
+proposer's one request table finds again, also after steps vLLM ran without the proposer). The arms are judged by
+served time: per request step, the seconds since the proposer last saw the request over the tokens committed since
+(the proposer timestamps its calls), compared by the ratio of means with a normal interval on its log; tokens per step
+are reported beside it. The candidate is rolled back (its link removed, ``canary_rollbacks`` counted) when it serves
+slower (the interval lies above 1), or when it fails; a faster one stays on trial until the operator promotes it
+(``scripts/deploy.py --promote``): promotion is never automatic.
 """
 
 from __future__ import annotations
@@ -30,17 +33,19 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from sacpolicy.decoding import RequestInfo
+from sacpolicy.decoding import DecoderConfig, DecodeState, PolicyRow, RequestInfo
+from sacpolicy.decoding.controller import Controller, ServedView
 from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
 from sacpolicy.decoding.types import Resettable
 from sacpolicy.export import pick_drafter
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
+from sacpolicy.runtime.rule import DecisionRule
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,6 @@ CANARY_ENV = "SACPOLICY_CANARY_FRACTION"  # overrides canary.json's fraction
 CURRENT, CANDIDATE, VERSIONS, CANARY_FILE = "current", "candidate", "versions", "canary.json"
 DEFAULT_RELOAD_S, DEFAULT_FRACTION, DEFAULT_MIN_STEPS = 30.0, 0.1, 200
 _SMOKE = np.tile(np.arange(1, 9, dtype=np.int64), 6)  # repetitive: the n-gram drafter finds matches
-_STATE = ("rule", "drafter", "lookups", "lookup_specs", "policy", "_request", "load_aware", "policy_id")  # swapped
 
 
 def read_link(root, name: str) -> str | None:
@@ -105,26 +109,51 @@ def lookup_drafters(art: PolicyArtifact, drafter: str | None = None) -> tuple[st
     return (primary, *(d for d in rule.drafters if d != primary and specs[d].kind in LOOKUP_KINDS))
 
 
-def policy_state(art: PolicyArtifact, drafter: str | None, policy_id: str, load: bool = True) -> dict:
-    """The proposer's per-policy attributes (``_STATE``): the rule, its lookup drafters (``lookup_drafters``, by name;
-    the primary one's name as ``drafter``) and the ``LearnedPolicy`` that plans with them; ``load``: price steps at
-    vLLM's live batch size where the cost model has batch curves."""
+@dataclass(frozen=True)
+class ServedPolicy:
+    """One policy as the proposer serves it, frozen: the rule, its lookup drafters (by name, the primary first: the
+    one whose feature row the step log keeps for steps that draft nothing), their specs, the ``LearnedPolicy`` that
+    plans with them, the controller that runs it as a served engine sees requests (``decoding.controller``), whether
+    it prices a step's rows at vLLM's live batch size, and its id. A reload or a canary swaps the whole value."""
+
+    rule: DecisionRule
+    lookups: dict
+    specs: dict
+    policy: LearnedPolicy
+    controller: Controller
+    load_aware: bool
+    policy_id: str
+
+    @property
+    def primary(self) -> str:
+        return next(iter(self.lookups))
+
+    def request(self) -> PolicyRow:
+        """A new served request's policy row: the rule's drafters, nothing else known of it (vLLM's hook passes
+        token arrays only)."""
+        request = RequestInfo(drafters=self.rule.drafters)
+        return PolicyRow(DecodeState(request, drafters=tuple(self.lookups)), self.policy.start(request))
+
+
+def served_policy(art: PolicyArtifact, drafter: str | None, policy_id: str, *, k_cap: int, max_model_len: int,
+                  load: bool = True, running: ServedPolicy | None = None) -> ServedPolicy:
+    """The ``ServedPolicy`` of ``art``: its lookup drafters (``lookup_drafters``), planned under the served view of a
+    server that verifies at most ``k_cap`` tokens a step before ``max_model_len``; ``load``: price steps at vLLM's
+    live batch size where the cost model has batch curves. ``running``: the policy serving now, whose drafters that
+    keep what earlier requests taught them (a suffix drafter's global index; ``Resettable``) are kept wherever the
+    spec is the same: that index and its requests' rows outlive a policy swap, and a canary's two arms share it."""
     names = lookup_drafters(art, drafter)
     specs = {n: art.drafters[n] for n in names}
     lookups = {n: lookup_drafter(spec) for n, spec in specs.items()}
-    return {"rule": art.rule, "drafter": names[0], "lookups": lookups, "lookup_specs": specs,
-            "policy": LearnedPolicy(art.rule),
-            "_request": RequestInfo(drafters=art.rule.drafters),
-            "load_aware": bool(art.rule.cost.batch) and load, "policy_id": policy_id}
-
-
-def keep_running_drafters(state: dict, running) -> dict:
-    """``state`` with the running proposer's drafters that keep what earlier requests taught them (a suffix drafter's
-    global index; ``Resettable``) wherever the spec is the same: that index and its requests' rows outlive a policy
-    swap, and a canary's two arms share it."""
-    same = {n: running.lookups[n] for n, spec in state["lookup_specs"].items()
-            if isinstance(running.lookups.get(n), Resettable) and running.lookup_specs.get(n) == spec}
-    return {**state, "lookups": {**state["lookups"], **same}}
+    if running is not None:
+        lookups |= {n: running.lookups[n] for n, spec in specs.items()
+                    if isinstance(running.lookups.get(n), Resettable) and running.specs.get(n) == spec}
+    policy = LearnedPolicy(art.rule)
+    load_aware = bool(art.rule.cost.batch) and load
+    view = ServedView(tuple(art.rule.drafters), k_cap, max_model_len, load_aware)
+    config = DecoderConfig(k_max=max(art.rule.k_max, k_cap), view=view)
+    controller = Controller(policy, lookups, config, time.perf_counter, view)
+    return ServedPolicy(art.rule, lookups, specs, policy, controller, load_aware, policy_id)
 
 
 def ratio_interval(a: tuple[int, float, float], b: tuple[int, float, float], z: float = 1.96):
@@ -151,52 +180,74 @@ def reload_interval() -> float | None:
         return DEFAULT_RELOAD_S
 
 
-class _Trial:
-    """A candidate on trial: its state, its link and committed tokens per step per arm ((n, sum, sum of squares))."""
+class _Arm:
+    """One arm of a trial: per request step it credits, (n, sum, sum of squares) of the tokens the step committed and
+    of the served seconds per committed token (the time since the proposer last saw the request, over the tokens
+    committed since: the engine's verify pass, our proposer and whatever else the step took)."""
 
-    def __init__(self, number: int, link: str, state: dict, fraction: float, min_steps: int):
+    def __init__(self):
+        self.tokens, self.seconds = [0, 0.0, 0.0], [0, 0.0, 0.0]
+
+    def credit(self, tokens: int, seconds: float | None) -> None:
+        _add(self.tokens, tokens)
+        if seconds is not None and tokens > 0:
+            _add(self.seconds, seconds / tokens)
+
+
+def _add(acc: list, x: float) -> None:
+    acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + x, acc[2] + x * x
+
+
+class _Trial:
+    """A candidate on trial: its served policy, its link and each arm's steps (``_Arm``)."""
+
+    def __init__(self, number: int, link: str, state: ServedPolicy, fraction: float, min_steps: int):
         self.number, self.link, self.state, self.fraction, self.min_steps = number, link, state, fraction, min_steps
-        self.arms = {False: [0, 0.0, 0.0], True: [0, 0.0, 0.0]}  # False: current, True: candidate
+        self.arms = {False: _Arm(), True: _Arm()}  # False: current, True: candidate
         self.better_logged = False
 
-    def credit(self, candidate: bool, tokens: int) -> None:
-        arm = self.arms[candidate]
-        arm[0], arm[1], arm[2] = arm[0] + 1, arm[1] + tokens, arm[2] + tokens * tokens
-
-    def interval(self):
-        return ratio_interval(tuple(self.arms[True]), tuple(self.arms[False]))
+    def interval(self, what: str = "seconds"):
+        """Candidate over current of the mean ``what`` ("seconds": served seconds per output token, lower is better;
+        "tokens": tokens per step), with its interval (``ratio_interval``)."""
+        return ratio_interval(tuple(getattr(self.arms[True], what)), tuple(getattr(self.arms[False], what)))
 
     def summary(self) -> dict:
-        iv = self.interval()
-        return {"candidate": self.state["policy_id"], "fraction": self.fraction,
-                "steps": {"current": self.arms[False][0], "candidate": self.arms[True][0]},
-                "tokens_per_step_ratio": None if iv is None else [round(x, 4) for x in iv]}
+        def rounded(iv):
+            return None if iv is None else [round(x, 4) for x in iv]
+
+        return {"candidate": self.state.policy_id, "fraction": self.fraction,
+                "steps": {"current": self.arms[False].tokens[0], "candidate": self.arms[True].tokens[0]},
+                "seconds_per_token_ratio": rounded(self.interval("seconds")),
+                "tokens_per_step_ratio": rounded(self.interval("tokens"))}
 
 
 class PolicySlot:
-    """The proposer's policy over time: hot reload of ``current`` and the canary of ``candidate`` (module doc). The
-    proposer asks it to plan each step's rows (``blocks``); everything runs on the engine thread, between steps."""
+    """The proposer's policy over time: hot reload of ``current`` and the canary of ``candidate`` (module doc). It
+    holds the ``ServedPolicy`` that serves (``current``: swapped by one assignment) and the one on trial; the
+    proposer asks it to plan each step's rows (``blocks``, handing it its planning function); everything runs on the
+    engine thread, between steps. ``notify``: called when what the proposer reports changed (a reload, a trial's
+    start or end)."""
 
-    def __init__(self, proposer, art: PolicyArtifact, root: Path | None, drafter: str | None, load: bool = True):
-        self.p, self.root, self.drafter, self.load = proposer, root, drafter, load
+    def __init__(self, current: ServedPolicy, art: PolicyArtifact, root: Path | None, drafter: str | None, *,
+                 k_cap: int, max_model_len: int, load: bool = True, notify=lambda: None):
+        self.current, self.root, self.drafter, self.load, self.notify = current, root, drafter, load, notify
+        self.k_cap, self.max_model_len = k_cap, max_model_len
         self.target = (art.provenance or {}).get("target")
         self.every = reload_interval() if root is not None else None
         link = read_link(root, CURRENT) if root is not None else None
-        self.current_link = link if link and Path(link).name == proposer.policy_id else None  # moved since: reload
+        self.current_link = link if link and Path(link).name == current.policy_id else None  # moved since: reload
         self.refused: set[tuple[str, str]] = set()  # (link name, target) found wrong: never retried
         self.next_poll, self.trial, self.trials, self.last_trial = 0.0, None, 0, None
         self.reloads = self.reload_failures = self.canary_rollbacks = 0
-        self.arms: OrderedDict = OrderedDict()  # request key -> (trial number, on the candidate)
-        self.key = type(proposer.history)._key  # requests are found by their committed tokens, as _History does
-        self.capacity = proposer.history.capacity
 
     # ------------------------------------------------------------------ planning
-    def blocks(self, rows: list, committed: list[int], batch: int, seen: list | None = None) -> list[list[int]]:
-        """The proposer's ``blocks`` for one step's (context, history) rows (``committed``: tokens each row's last
-        step committed), each request planned by its arm's policy, at ``batch`` (vLLM's live batch size) where that
-        policy is load-aware. ``seen``: gets the proposer's ``seen`` entries of the rows, in their order."""
-        self.poll()
-        arms = [self._route(context, c) for (context, _), c in zip(rows, committed)]
+    def blocks(self, rows: list, plan, batch: int, seen: list | None = None) -> list[list[int]]:
+        """The proposer's blocks for one step's rows, (context, the request's memory, tokens its last step committed,
+        seconds since the proposer last saw it or None), each request planned by its arm's policy (``plan(rows,
+        batch, seen, served)``: the proposer's ``blocks``) at ``batch``, vLLM's live batch size. ``seen``: gets the
+        proposer's ``seen`` entries of the rows, in their order."""
+        self.poll(plan)
+        arms = [self._route(memo, context, committed, seconds) for context, memo, committed, seconds in rows]
         out: list[list[int]] = [[] for _ in rows]
         seen_rows: list = [None] * len(rows)
         for on_candidate in (False, True):
@@ -204,14 +255,21 @@ class PolicySlot:
             if not idx:
                 continue
             trial, part = self.trial, [] if seen is not None else None
+            chosen = [rows[j][:2] for j in idx]
+            dropped = [len(memo.dropped) for _, memo in chosen]
             try:
-                planned = self._plan(trial.state if on_candidate else None, [rows[j] for j in idx], batch, part)
+                planned = plan(chosen, batch, part, trial.state if on_candidate else self.current)
+                new = sorted({name for (_, m), n in zip(chosen, dropped) for name in m.dropped[n:]})
+                if on_candidate and new:
+                    raise RuntimeError(f"its drafters {new} raised and were dropped")
             except Exception as e:
                 if not on_candidate:
                     raise  # the proposer's own failure path: this step goes without drafts
+                for (_, memo), n in zip(chosen, dropped):  # the candidate's drafters failed, not the current's
+                    del memo.dropped[n:]
                 self._end_trial(f"it failed while planning ({type(e).__name__}: {e})", rollback=True)
                 part = [] if seen is not None else None
-                planned = self._plan(None, [rows[j] for j in idx], batch, part)
+                planned = plan(chosen, batch, part, self.current)
             for n, (j, block) in enumerate(zip(idx, planned)):
                 out[j] = block
                 if part is not None:
@@ -222,43 +280,26 @@ class PolicySlot:
             self._judge()
         return out
 
-    def _plan(self, state: dict | None, rows: list, batch: int, seen: list | None = None) -> list[list[int]]:
-        with self._using(state):
-            return self.p.blocks(rows, batch=batch if self.p.load_aware else 1, seen=seen)
-
-    @contextlib.contextmanager
-    def _using(self, state: dict | None):
-        """The proposer runs ``state``'s policy inside the block (None: its own), then its own again."""
-        if state is None:
-            yield
-            return
-        saved = {k: getattr(self.p, k) for k in state}
-        self.p.__dict__.update(state)
-        try:
-            yield
-        finally:
-            self.p.__dict__.update(saved)
-
-    def _route(self, context: np.ndarray, committed: int) -> bool:
-        """Whether this step of the request with ``context`` is planned by the candidate; credits its last step's
-        committed tokens to the arm that planned it. A request keeps the arm it was given when first seen."""
-        prev = self.arms.pop(self.key(context[: len(context) - committed]), None)
-        trial, key = self.trial, self.key(context)
+    def _route(self, memo, context: np.ndarray, committed: int, seconds: float | None) -> bool:
+        """Whether this step of the request (``memo``: its memory, found by the proposer's one request table, which
+        keeps its arm) is planned by the candidate; credits its last step's committed tokens and seconds to the arm
+        that planned it. A request keeps the arm it was given when first seen."""
+        trial, prev = self.trial, memo.arm
         if prev is None:  # first seen: hashed on its context, stable
-            arm = (trial.number, int.from_bytes(key[1][:8], "big") / 2**64 < trial.fraction) if trial else (0, False)
+            key = hashlib.blake2b(context.tobytes(), digest_size=16).digest()[:8]
+            arm = (trial.number, int.from_bytes(key, "big") / 2**64 < trial.fraction) if trial else (0, False)
         elif trial and prev[0] == trial.number:
             arm = prev
-            trial.credit(prev[1], committed)
+            trial.arms[prev[1]].credit(committed, seconds)
         else:  # seen before this trial began (or after it ended): the current policy's
             arm = (0, False)
-        self.arms[key] = arm
-        while len(self.arms) > self.capacity:
-            self.arms.popitem(last=False)
+        memo.arm = arm
         return bool(trial) and arm[1]
 
     # ------------------------------------------------------------------ reload
-    def poll(self, force: bool = False) -> None:
-        """Every ``SACPOLICY_RELOAD_S`` seconds (or now, ``force``): follow ``current`` and ``candidate``."""
+    def poll(self, plan, force: bool = False) -> None:
+        """Every ``SACPOLICY_RELOAD_S`` seconds (or now, ``force``): follow ``current`` and ``candidate``, each new
+        version smoke-tested with ``plan`` (the proposer's planning function, as ``blocks`` takes it)."""
         if self.root is None or (self.every is None and not force):
             return
         now = time.monotonic()
@@ -268,7 +309,7 @@ class PolicySlot:
         changed = False
         current = read_link(self.root, CURRENT)
         if current is not None and current != self.current_link and (CURRENT, current) not in self.refused:
-            if self._switch(current) and self.trial is not None:  # a trial compares against what serves now
+            if self._switch(current, plan) and self.trial is not None:  # a trial compares against what serves now
                 self._end_trial("current moved; the trial restarts against it", rollback=False)
             changed = True
         candidate = read_link(self.root, CANDIDATE)
@@ -279,25 +320,24 @@ class PolicySlot:
             if self.trial is not None:
                 self._end_trial("its link was removed or moved", rollback=False)
             if candidate is not None:
-                self._start_trial(candidate)
+                self._start_trial(candidate, plan)
         if changed:
-            self.p.write_stats()
+            self.notify()
 
-    def _switch(self, link: str) -> bool:
+    def _switch(self, link: str, plan) -> bool:
         try:
-            state = self._validated(link)
+            served = self._validated(link, plan)
         except Exception as e:
             self._refuse(CURRENT, link, e)
             return False
-        old = self.p.policy_id
-        self.p.__dict__.update(state)
+        old, self.current = self.current.policy_id, served
         self.current_link, self.reloads = link, self.reloads + 1
-        logger.info("sacpolicy proposer: reloaded policy %s (was %s) from %s", state["policy_id"], old,
+        logger.info("sacpolicy proposer: reloaded policy %s (was %s) from %s", served.policy_id, old,
                     self.root / CURRENT)
         return True
 
-    def _validated(self, link: str) -> dict:
-        """The proposer state of the version ``link`` points at, once it loads (checksums), was fitted for the running
+    def _validated(self, link: str, plan) -> ServedPolicy:
+        """The served policy of the version ``link`` points at, once it loads (checksums), was fitted for the running
         target, fits the server's k cap and plans a smoke-test block; else an ``ArtifactError`` naming the fix."""
         version = self.root / link
         art = load_artifact(version / "policy")
@@ -307,19 +347,21 @@ class PolicySlot:
             raise ArtifactError(f"{manifest} was fitted for target {target!r}, but this server runs a policy for "
                                 f"{self.target!r}; deploy a policy fitted for {self.target!r} (a target of its own "
                                 "gets a deploy root of its own)")
-        if art.rule.k_max > self.p.k_cap:
+        if art.rule.k_max > self.k_cap:
             raise ArtifactError(f"{manifest} has k_max {art.rule.k_max}, but this server verifies at most "
-                                f"{self.p.k_cap} draft tokens a step (num_speculative_tokens); refit it with k_max <= "
-                                f"{self.p.k_cap}, or restart the server with {version / 'speculative_config.json'}")
-        state = policy_state(art, self.drafter, version.name, self.load)
-        with self._using(state):  # on the version's own drafters: the smoke test teaches the running ones nothing
-            got = self.p.blocks([(_SMOKE, None), (_SMOKE[:20], (0.5, 1.0))], batch=2 if self.p.load_aware else 1)
-        ok = (isinstance(got, list) and len(got) == 2 and all(isinstance(b, list) and len(b) <= self.p.k_cap
+                                f"{self.k_cap} draft tokens a step (num_speculative_tokens); refit it with k_max <= "
+                                f"{self.k_cap}, or restart the server with {version / 'speculative_config.json'}")
+        fresh = served_policy(art, self.drafter, version.name, k_cap=self.k_cap, max_model_len=self.max_model_len,
+                              load=self.load)
+        # on the version's own drafters: the smoke test teaches the running ones nothing
+        got = plan([(_SMOKE, None), (_SMOKE[:20], (0.5, 1.0))], 2 if fresh.load_aware else 1, None, fresh)
+        ok = (isinstance(got, list) and len(got) == 2 and all(isinstance(b, list) and len(b) <= self.k_cap
                                                               and all(isinstance(t, int) for t in b) for b in got))
         if not ok:
             raise ArtifactError(f"{version} failed the smoke test (planned {got!r} on a synthetic context, not lists "
-                                f"of at most {self.p.k_cap} token ids); re-export it")
-        return keep_running_drafters(state, self.p)
+                                f"of at most {self.k_cap} token ids); re-export it")
+        return served_policy(art, self.drafter, version.name, k_cap=self.k_cap, max_model_len=self.max_model_len,
+                             load=self.load, running=self.current)
 
     def _refuse(self, name: str, link: str, e: Exception) -> None:
         self.refused.add((name, link))
@@ -328,12 +370,12 @@ class PolicySlot:
                f"{name} back (python scripts/deploy.py --root {self.root} --rollback)" if name == CURRENT else
                f"deploy a good candidate (python scripts/deploy.py --root {self.root} --policy <artifact> --candidate)")
         logger.error("sacpolicy proposer: not serving %s -> %s: %s. The proposer keeps policy %s; fix: %s",
-                     self.root / name, link, e, self.p.policy_id, fix)
+                     self.root / name, link, e, self.current.policy_id, fix)
 
     # ------------------------------------------------------------------ canary
-    def _start_trial(self, link: str) -> None:
+    def _start_trial(self, link: str, plan) -> None:
         try:
-            state = self._validated(link)
+            state = self._validated(link, plan)
         except Exception as e:
             self._refuse(CANDIDATE, link, e)
             self._remove_candidate(link)
@@ -341,7 +383,7 @@ class PolicySlot:
         fraction, min_steps = self._canary_settings()
         self.trials += 1
         self.trial = _Trial(self.trials, link, state, fraction, min_steps)
-        logger.info("sacpolicy proposer: candidate %s on trial for %.0f%% of new requests", state["policy_id"],
+        logger.info("sacpolicy proposer: candidate %s on trial for %.0f%% of new requests", state.policy_id,
                     100 * fraction)
 
     def _canary_settings(self) -> tuple[float, int]:
@@ -363,18 +405,20 @@ class PolicySlot:
         return min(max(fraction, 0.0), 1.0), max(min_steps, 2)
 
     def _judge(self) -> None:
-        """Roll the candidate back once both arms have ``min_steps`` steps and its interval lies below 1."""
+        """Once both arms have ``min_steps`` timed steps, judge the candidate by served time: roll it back when its
+        seconds per output token over the current policy's lie above 1 (interval), say so when they lie below."""
         trial = self.trial
-        if min(trial.arms[False][0], trial.arms[True][0]) < trial.min_steps:
+        if min(trial.arms[False].seconds[0], trial.arms[True].seconds[0]) < trial.min_steps:
             return
-        iv = trial.interval()
-        if iv is not None and iv[2] < 1.0:
-            self._end_trial(f"it commits fewer tokens per step: {iv[0]:.3f}x the current policy's "
+        iv = trial.interval("seconds")
+        if iv is not None and iv[1] > 1.0:
+            self._end_trial(f"it serves slower: {iv[0]:.3f}x the current policy's seconds per output token "
                             f"[{iv[1]:.3f}, {iv[2]:.3f}]", rollback=True)
-        elif iv is not None and iv[1] > 1.0 and not trial.better_logged:
+        elif iv is not None and iv[2] < 1.0 and not trial.better_logged:
             trial.better_logged = True
-            logger.info("sacpolicy proposer: candidate %s commits %.3fx the tokens per step [%.3f, %.3f]; promote it "
-                        "with python scripts/deploy.py --root %s --promote", trial.state["policy_id"], *iv, self.root)
+            logger.info("sacpolicy proposer: candidate %s takes %.3fx the seconds per output token [%.3f, %.3f]; "
+                        "promote it with python scripts/deploy.py --root %s --promote", trial.state.policy_id, *iv,
+                        self.root)
 
     def _end_trial(self, why: str, rollback: bool) -> None:
         trial, self.trial = self.trial, None
@@ -383,8 +427,8 @@ class PolicySlot:
             self.canary_rollbacks += 1
             self.refused.add((CANDIDATE, trial.link))
             self._remove_candidate(trial.link)
-            logger.warning("sacpolicy proposer: candidate %s rolled back: %s", trial.state["policy_id"], why)
-        self.p.write_stats()
+            logger.warning("sacpolicy proposer: candidate %s rolled back: %s", trial.state.policy_id, why)
+        self.notify()
 
     def _remove_candidate(self, link: str) -> None:
         path = self.root / CANDIDATE
@@ -393,6 +437,6 @@ class PolicySlot:
                 path.unlink()
 
     def stats(self) -> dict:
-        return {"policy_id": self.p.policy_id, "reloads": self.reloads, "reload_failures": self.reload_failures,
+        return {"policy_id": self.current.policy_id, "reloads": self.reloads, "reload_failures": self.reload_failures,
                 "canary_rollbacks": self.canary_rollbacks,
                 "canary": self.trial.summary() if self.trial else self.last_trial}

@@ -1,7 +1,7 @@
 """A learned policy in vLLM (tested inside a real engine: tests/test_vllm.py, scripts/bench_vllm.py).
 
-Learned, per step and request: ``PolicyNgramProposer`` is a vLLM custom proposer class (vLLM's experimental hook
-``{"method": "custom_class", "model": "sacpolicy.export.vllm.PolicyNgramProposer", "num_speculative_tokens": k_max}``,
+Learned, per step and request: ``PolicyProposer`` is a vLLM custom proposer class (vLLM's experimental hook
+``{"method": "custom_class", "model": "sacpolicy.export.vllm.PolicyProposer", "num_speculative_tokens": k_max}``,
 the policy directory in the ``SACPOLICY_POLICY_DIR`` environment variable). For every request in the batch it runs
 what sacpolicy's decoder runs: the rule's lookup drafters (n-gram, suffix) peek, ``LearnedPolicy`` plans (drafter,
 block) from the same feature rows (context length, the peeked proposals, the request's acceptance history), the chosen
@@ -31,19 +31,21 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from sacpolicy.decoding import DecodeState, DraftRow, PolicyRow, SamplingConfig
+from sacpolicy.decoding import SamplingConfig
+from sacpolicy.decoding.controller import Track
 from sacpolicy.decoding.lookup import LOOKUP_KINDS
-from sacpolicy.decoding.rows import stop_callback
 from sacpolicy.export import k_by_batch, pick_drafter, static_k
-from sacpolicy.export.reload import PolicySlot, lookup_drafters, open_policy, policy_state
+from sacpolicy.export.reload import PolicySlot, ServedPolicy, lookup_drafters, open_policy, served_policy
+from sacpolicy.export.vllm_adapter import engine_limits, engine_sampling, is_first_rank
 from sacpolicy.io import write_json, write_text
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
-from sacpolicy.runtime.features import accepted_prefix, next_accept_history
+from sacpolicy.runtime.features import accepted_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ VLLM_SUPPORT = ("vLLM runs lookup drafters (n-gram, suffix) per step under the l
 
 
 def learned_config(artifact, *, drafter: str | None = None) -> dict:
-    """vLLM's ``speculative_config`` that runs the learned rule (``PolicyNgramProposer``, with the policy directory in
+    """vLLM's ``speculative_config`` that runs the learned rule (``PolicyProposer``, with the policy directory in
     ``SACPOLICY_POLICY_DIR``): k up to the rule's ``k_max``. Refuses a rule that chooses among drafters vLLM cannot
     run beside the lookup drafters (a custom proposer proposes from token ids alone: n-gram and suffix lookups),
     unless ``drafter=`` names the lookup drafters to serve it with ("ngram" or "ngram,suffix")."""
@@ -111,7 +113,7 @@ def learned_config(artifact, *, drafter: str | None = None) -> dict:
         raise ArtifactError(f"the policy at {art.path} also chooses drafters {others}, which vLLM cannot run per "
                             f"step: {VLLM_SUPPORT}; {hint}")
     lookup_drafters(art, drafter)  # the named ones are the rule's lookup drafters
-    return {"method": "custom_class", "model": f"{__name__}.{PolicyNgramProposer.__name__}",
+    return {"method": "custom_class", "model": f"{__name__}.{PolicyProposer.__name__}",
             "num_speculative_tokens": art.rule.k_max}
 
 
@@ -222,43 +224,51 @@ def gc_clock() -> _GcClock:
     return _GC_CLOCK[0]
 
 
-class Served:
-    """A served request's memory across vLLM steps: its acceptance history per drafter (``next_accept_history``),
-    each lookup drafter's row state (a suffix drafter's index of the request), keyed by the drafter object, and its
-    last block, (drafter name, tokens), until the next step tells how much of it was accepted."""
+@dataclass(kw_only=True)
+class Served(Track):
+    """A served request's memory across vLLM steps: the controller's ``Track`` of it (the policy's row, with the
+    request's acceptance history per drafter, and each lookup drafter's row state: a suffix drafter's index of the
+    request), its context this step, its last plan and draft with the controller that made them (until the next step
+    tells how much was accepted), its canary arm and when the proposer last saw it (``time.perf_counter``)."""
 
-    __slots__ = ("history", "states", "last")
+    context: torch.Tensor | None = None
+    states: dict = field(default_factory=dict)  # drafter object -> the request's row state of it
+    last: tuple | None = None  # (controller, Planned, Drafted) of the block drafted at the last step
+    arm: tuple[int, bool] | None = None  # (trial number, on the candidate): ``reload.PolicySlot``
+    seen_s: float | None = None
 
-    def __init__(self, history: dict | None = None):
-        self.history: dict[str, tuple[float, float]] = dict(history or {})
-        self.states: dict = {}
-        self.last: tuple[str, list[int]] | None = None
+    def serve(self, served: ServedPolicy) -> None:
+        """Hand the request the drafters of the policy that plans it now (a reload or a canary arm may change them):
+        their row states (made on first use, kept per drafter object) and the names still usable."""
+        self.drafts = {}
+        for name, d in served.lookups.items():
+            st = self.states.get(d)
+            if st is None:
+                st = self.states[d] = d.new_state()
+            self.drafts[name] = st
+        self.state.drafters = tuple(n for n in served.lookups if n not in self.dropped)
 
-    def state(self, drafter):
-        """The request's row state of ``drafter`` (made on first use)."""
-        st = self.states.get(drafter)
-        if st is None:
-            st = self.states[drafter] = drafter.new_state()
-        return st
 
-
-def as_served(memo, primary: str) -> Served:
-    """A row's memory: a ``Served``, or None for a new request, or the ``primary`` drafter's acceptance history as a
+def as_served(memo, served: ServedPolicy) -> Served:
+    """A row's memory: a ``Served``, or None for a new request, or the primary drafter's acceptance history as a
     (float, float) tuple (the reload smoke test's rows)."""
     if isinstance(memo, Served):
         return memo
-    return Served(None if memo is None else {primary: memo})
+    out = Served(policy=served.request(), sampling=_GREEDY)
+    if memo is not None:
+        out.state.accept_history[served.primary] = memo
+    return out
 
 
 class _History:
-    """Each request's memory (``Served``: acceptance histories, drafter states) across vLLM steps. The proposer hook
-    gives no request ids, so a request is found again by its committed tokens: after a step that committed s tokens
-    (accepted drafts + the target's own), the row's first n - s tokens are the context it was drafted on. Requests at
-    equal contexts (the same prompt sent twice) each keep an entry under it, taken in turn: exact for greedy decoding
-    (equal contexts saw equal blocks) and a close estimate when sampling. Where vLLM ran steps without calling the hook
-    (a request of the batch near the context limit: it verifies dummy drafts, not ours), a row is found as the step
-    before's request whose context is its prefix, and its block's accepted tokens are those equal to the block (as
-    ``steplog`` finds them); the dummy drafts do not count."""
+    """Each request's memory (``Served``: acceptance histories, drafter states, canary arm) across vLLM steps: the
+    proposer's one request table. The proposer hook gives no request ids, so a request is found again by its
+    committed tokens: after a step that committed s tokens (accepted drafts + the target's own), the row's first n - s
+    tokens are the context it was drafted on. Requests at equal contexts (the same prompt sent twice) each keep an
+    entry under it, taken in turn: exact for greedy decoding (equal contexts saw equal blocks) and a close estimate
+    when sampling. Where vLLM ran steps without calling the hook (a request of the batch near the context limit: it
+    verifies dummy drafts, not ours), a row is found as the step before's request whose context is its prefix, and its
+    block's accepted tokens are those equal to the block (as ``steplog`` finds them); the dummy drafts do not count."""
 
     def __init__(self, capacity: int):
         self.capacity, self.entries = capacity, OrderedDict()
@@ -273,8 +283,9 @@ class _History:
         """A new engine step: what was recorded so far is the step before's."""
         self._last, self._now = self._now, []
 
-    def advance(self, context: np.ndarray, committed: int) -> Served | None:
-        """The request's memory now that its last step committed ``committed`` tokens (None: a new request)."""
+    def advance(self, context: np.ndarray, committed: int) -> tuple[Served, int] | None:
+        """The request's memory now that its last step committed ``committed`` tokens, and how many of its last block
+        the target accepted (None: a new request)."""
         key = self._key(context[: len(context) - committed])
         found, accepted = self.entries.get(key), committed - 1
         if not found:  # steps vLLM ran without the hook: the step before's request whose context is a prefix
@@ -284,15 +295,11 @@ class _History:
             if not found:
                 return None
             last = found[0].last
-            accepted = accepted_prefix(last[1] if last else [], context[key[0]:])
+            accepted = accepted_prefix(last[2].block.tokens.tolist() if last else [], context[key[0]:])
         memo = found.pop(0)
         if not found:
             del self.entries[key]
-        if memo.last is not None and memo.last[1]:
-            name, block = memo.last
-            memo.history[name] = next_accept_history(memo.history.get(name), accepted, len(block))
-        memo.last = None
-        return memo
+        return memo, accepted
 
     def record(self, context: np.ndarray, memo: Served) -> None:
         """The request's memory, its new block (``memo.last``) drafted on ``context``."""
@@ -303,89 +310,102 @@ class _History:
             self.entries.popitem(last=False)
 
 
-def engine_sampling(caller):
-    """Row i's (temperature, top_p, top_k) in the input batch of vLLM's model runner that called the proposer hook
-    (``caller``: its frame; the hook passes token arrays only, whose rows are the input batch's), as a function of i;
-    None when the caller holds no such batch. vLLM holds a greedy request's temperature as 0 and an unset top_k as the
-    vocabulary size."""
-    batch = getattr(caller.f_locals.get("self"), "input_batch", None)
-    try:
-        temperature, top_p, top_k = batch.temperature_cpu, batch.top_p_cpu, batch.top_k_cpu
-    except AttributeError:
-        return None
-    return lambda i: (float(temperature[i]), float(top_p[i]), int(top_k[i]))
-
-
-class PolicyNgramProposer:
+class PolicyProposer:
     """vLLM ``custom_class`` proposer: lookup proposals (n-gram, suffix), the drafter and block decided per request by
     the learned rule.
 
-    It runs sacpolicy's own ``LearnedPolicy`` and lookup drafters (``NgramDrafter``, ``SuffixDrafter``: peek, plan,
-    stop rule) on each row, as the decoder does, so vLLM decodes with the decisions sacpolicy's decoder makes on the
-    same context: the chosen drafter, the request's acceptance history per drafter (``_History``) and an unknown
+    It runs sacpolicy's one controller (``decoding.controller``: peek, plan, clamp, draft under the stop rule,
+    observe) with the rule's ``LearnedPolicy`` and lookup drafters (``NgramDrafter``, ``SuffixDrafter``) on each
+    row, under the served view of a request (``ServedView``), so vLLM decodes with the decisions sacpolicy's decoder
+    makes on the same context, and a replay of the step log plans through the same code: the chosen drafter, the
+    request's acceptance history per drafter (its memory, ``Served``, found again by ``_History``) and an unknown
     category. It serves every n-gram and suffix drafter of the rule (``SACPOLICY_POLICY_DRAFTER``: the named ones);
     the rule's other drafters (a head, a draft model) are not on offer in this hook, as when a decoder drops a
-    drafter. A suffix drafter keeps each request's index across steps (``Served``) and one global index over every
-    request the proposer has seen, fed as their tokens commit: the server's traffic teaches it, as SuffixDecoding's
-    global tree does (bounded: ``max_nodes``, ``max_requests`` of its spec; kept across policy swaps of the same spec).
+    drafter. A suffix drafter keeps each request's index across steps and one global index over every request the
+    proposer has seen, fed as their tokens commit: the server's traffic teaches it, as SuffixDecoding's global tree
+    does (bounded: ``max_nodes``, ``max_requests`` of its spec; kept across policy swaps of the same spec).
 
-    Load: the rows of one engine step are planned together (``LearnedPolicy.decide``, as the batched decoder does),
-    priced at the step's live batch size (the requests vLLM scheduled) when the rule's cost model was profiled over
-    batch sizes (``scripts/profile_vllm.py --batch-sizes``: vLLM's own batched step costs), so the rule drafts less,
-    or nothing, where a wide batch makes drafting lose; a rule profiled at one request prices every step as one.
+    The policy that serves is one frozen value (``reload.ServedPolicy``) held by the slot (``reload.PolicySlot``),
+    which swaps it by one assignment on a hot reload and hands a canary's requests the candidate's.
+
+    Load: the rows of one engine step are planned together, priced at the step's live batch size (the requests vLLM
+    scheduled) when the rule's cost model was profiled over batch sizes (``scripts/profile_vllm.py --batch-sizes``:
+    vLLM's own batched step costs), so the rule drafts less, or nothing, where a wide batch makes drafting lose; a
+    rule profiled at one request prices every row as a step of its own.
 
     A failure inside the proposer never reaches vLLM's engine: the step goes without drafts (lossless: vLLM then
-    decodes one token per request), the failure is logged once and counted (``failures`` in the stats file)."""
+    decodes one token per request), the failure is logged once and counted (``failures`` in the stats file); the
+    step log's hand-off and the stats file run inside the same guard. Under tensor parallelism every rank builds a
+    proposer; only the first rank writes the stats file and the step log (``vllm_adapter.is_first_rank``)."""
 
     def __init__(self, vllm_config, policy=None, drafter: str | None = None):
         policy, drafter = policy or os.environ.get(POLICY_ENV), drafter or os.environ.get(DRAFTER_ENV) or None
         if not policy:
-            raise ArtifactError(f"PolicyNgramProposer needs a policy artifact: set {POLICY_ENV}=<artifact dir>")
-        # ---- hot reload and canary (sacpolicy.export.reload): the policy's attributes come from a PolicySlot,
-        # which swaps them between steps when a deploy root's `current` moves and plans a canary's requests ----
+            raise ArtifactError(f"PolicyProposer needs a policy artifact: set {POLICY_ENV}=<artifact dir>")
         art, root, policy_id = open_policy(policy)  # a deploy root: its `current` version
         load = os.environ.get(LOAD_ENV, "1") != "0"
-        self.__dict__.update(policy_state(art, drafter, policy_id, load))  # rule, drafter, lookups, policy, ...
-        self.k_cap = vllm_config.speculative_config.num_speculative_tokens
-        self.max_model_len = vllm_config.model_config.max_model_len
-        seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        self.k_cap, self.max_model_len, seqs = engine_limits(vllm_config)
         self.history = _History(4 * seqs)
-        self.slot = PolicySlot(self, art, root, drafter, load)
-        # ---- end of the hot reload hook ----
-        self.calls, self.seconds, self.failures, self.stats_path = 0, 0.0, 0, os.environ.get(STATS_ENV)
+        served = served_policy(art, drafter, policy_id, k_cap=self.k_cap, max_model_len=self.max_model_len,
+                               load=load)
+        # hot reload and canary (sacpolicy.export.reload): the slot holds the served policy and swaps it
+        self.slot = PolicySlot(served, art, root, drafter, k_cap=self.k_cap, max_model_len=self.max_model_len,
+                               load=load, notify=self.write_stats)
+        first = is_first_rank(vllm_config)  # under tensor parallelism one rank reports and logs
+        self.calls, self.seconds, self.failures = 0, 0.0, 0
+        self.dropped_drafters = 0  # drafters dropped for a request (one raised): counted, as the decoder's results do
+        self.stats_path = os.environ.get(STATS_ENV) if first else None
         self.gc = gc_clock() if self.stats_path else None
         self.batch_sizes: dict[int, int] = {}  # steps per live batch size
-        self.steplog, self._logged, self._unsampled = self._open_steplog(vllm_config, art), None, False
+        self.steplog = self._open_steplog(vllm_config, art) if first else None
+        self._logged, self._unsampled = None, False
+
+    # the policy serving now (read-only views of ``slot.current``: a swap is the slot's one assignment)
+    served = property(lambda self: self.slot.current)
+    rule = property(lambda self: self.slot.current.rule)
+    policy = property(lambda self: self.slot.current.policy)
+    lookups = property(lambda self: self.slot.current.lookups)
+    lookup_specs = property(lambda self: self.slot.current.specs)
+    drafter = property(lambda self: self.slot.current.primary)
+    load_aware = property(lambda self: self.slot.current.load_aware)
+    policy_id = property(lambda self: self.slot.current.policy_id)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         t0, failed = time.perf_counter(), False
+        caller = sys._getframe(1)
         try:
-            out = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            out = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, t0)
         except Exception:  # a proposer failure must never take the engine down
-            if not self.failures:
-                logger.exception("the sacpolicy proposer failed; this step goes without drafts (counted as "
-                                 "'failures' in %s)", self.stats_path or f"the proposer's stats ({STATS_ENV})")
-            self.failures, failed = self.failures + 1, True
-            out = [[] for _ in sampled_token_ids]
+            self._failed()
+            failed, out = True, [[] for _ in sampled_token_ids]
         seconds = time.perf_counter() - t0
         self.calls, self.seconds = self.calls + 1, self.seconds + seconds
-        if self.steplog is not None:
-            self._log_step(seconds, engine_sampling(sys._getframe(1)))
-        if self.stats_path and (self.calls % 20 == 0 or failed):
-            self.write_stats()
+        try:  # the step log's hand-off and the stats file: inside the guard too
+            if self.steplog is not None:
+                self._log_step(seconds, engine_sampling(caller))
+            if self.stats_path and (self.calls % 20 == 0 or failed):
+                self.write_stats()
+        except Exception:
+            self._failed()
         return out
+
+    def _failed(self) -> None:
+        if not self.failures:
+            logger.exception("the sacpolicy proposer failed; this step goes without drafts (counted as 'failures' in "
+                             "%s)", self.stats_path or f"the proposer's stats ({STATS_ENV})")
+        self.failures += 1
 
     def write_stats(self) -> None:
         """The proposer lives in vLLM's worker: it reports through a JSON file (``SACPOLICY_PROPOSER_STATS``)."""
         if self.stats_path:
             write_json(self.stats_path, {"calls": self.calls, "seconds": self.seconds, "failures": self.failures,
-                                         "load_aware": self.load_aware,
+                                         "dropped_drafters": self.dropped_drafters, "load_aware": self.load_aware,
                                          "batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}}
                        | self.slot.stats()  # policy_id, reloads, reload_failures, canary (sacpolicy.export.reload)
                        | ({"steplog": self.steplog.cost()} if self.steplog is not None else {})
                        | ({"gc": self.gc.stats()} if self.gc is not None else {}))
 
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         live = []
         self.history.begin_step()
@@ -394,19 +414,35 @@ class PolicyNgramProposer:
             if not len(sampled) or n >= self.max_model_len:  # a prefill chunk mid-way, or no room: no drafts
                 continue
             context = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
-            live.append((i, context, self.history.advance(context, len(sampled)) or Served()))
+            memo, seconds = self._advance(context, len(sampled), now)
+            live.append((i, context, memo, seconds))
         batch = len(sampled_token_ids)  # the requests this engine step verifies together
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
         seen = [] if self.steplog is not None else None  # the step log's: each row's state, k and policy id
         # hot reload and canary (sacpolicy.export.reload): each request planned by its arm's policy
-        blocks = self.slot.blocks([(c, h) for _, c, h in live], [len(sampled_token_ids[i]) for i, *_ in live], batch,
+        blocks = self.slot.blocks([(c, m, len(sampled_token_ids[i]), t) for i, c, m, t in live], self.blocks, batch,
                                   seen=seen)
-        for (i, context, memo), block in zip(live, blocks):
+        for (i, context, memo, _), block in zip(live, blocks):
+            memo.seen_s = now
             self.history.record(context, memo)
             out[i] = block
         if seen is not None:
-            self._logged = ([(c, len(sampled_token_ids[i]), i) for i, c, _ in live], blocks, seen, batch)
+            self._logged = ([(c, len(sampled_token_ids[i]), i) for i, c, *_ in live], blocks, seen, batch)
         return out
+
+    def _advance(self, context: np.ndarray, committed: int, now: float) -> tuple[Served, float | None]:
+        """The request's memory, its last block observed (the controller that planned it settles and observes it:
+        acceptance history, the policy's observation), and the seconds since the proposer last saw it (None: new)."""
+        found = self.history.advance(context, committed)
+        if found is None:
+            return as_served(None, self.served), None
+        memo, accepted = found
+        if memo.last is not None:
+            controller, plan, drafted = memo.last
+            controller.settle(memo, drafted, accepted)
+            controller.observe(memo, plan, drafted, accepted, committed)
+            memo.last = None
+        return memo, (None if memo.seen_s is None else now - memo.seen_s)
 
     # ------------------------------------------------------------------ the step log (sacpolicy.export.steplog)
     def _open_steplog(self, vllm_config, art):
@@ -438,46 +474,40 @@ class PolicyNgramProposer:
         ``as_served``; None before its first block)."""
         return self.blocks([(context, history)])[0]
 
-    def blocks(self, rows: list[tuple[np.ndarray, Served | tuple | None]], batch: int = 1,
-               seen: list | None = None) -> list[list[int]]:
-        """The tokens the decoder would draft on each (context, memory) row: every lookup drafter peeks (in row
-        order: a suffix drafter indexes the row's new tokens as it peeks, so later rows read them in its global
-        index), the policy plans (drafter, k), the chosen drafter drafts with the stop rule. ``batch`` > 1: the rows
-        are planned together as one step of that many rows (the cost model must have batch curves); 1: each row is
-        planned alone. A ``Served`` memory gets the row's drafter states and its new block (``last``). ``seen``: a
-        list that gets each row's (state decided on, k chosen, the planning policy's id, the drafter or None)."""
-        prows = []
+    def blocks(self, rows: list[tuple[np.ndarray, Served | tuple | None]], batch: int = 1, seen: list | None = None,
+               served: ServedPolicy | None = None) -> list[list[int]]:
+        """The tokens the decoder would draft on each (context, memory) row, planned by ``served`` (default: the
+        policy serving now) through its controller: every lookup drafter peeks (in row order: a suffix drafter
+        indexes the row's new tokens as it peeks, so later rows read them in its global index), the policy plans
+        (drafter, k) within the row's room, the chosen drafter drafts under the stop rule. ``batch``: the engine
+        step's live size (where the policy is load-aware its rows are planned together at that size; else each
+        alone). A ``Served`` memory gets its new block (``last``). ``seen``: a list that gets each row's (state
+        decided on, k chosen, the planning policy's id, the drafter or None)."""
+        served = served or self.served
+        memos = []
         for context, memo in rows:
-            memo, n = as_served(memo, self.drafter), len(context)
-            room = min(self.k_cap, self.max_model_len - n - 1)  # the decoder's remaining - 1
-            ctx = torch.from_numpy(context)
-            peeks = {name: d.peek(memo.state(d), ctx) for name, d in self.lookups.items()}
-            state = DecodeState(self._request, context_len=n, remaining=room + 1, drafters=tuple(self.lookups),
-                                accept_history=dict(memo.history), peeks=peeks, batch_size=max(batch, 1))
-            prows.append((PolicyRow(state, self.policy.start(self._request)), memo, ctx, room))
-        if batch > 1:  # one plan for the step's rows, at its live size
-            decisions = self.policy.decide([r for r, *_ in prows]) if prows else []
-        else:  # each row priced as a step of its own
-            decisions = [self.policy.decide([r])[0] for r, *_ in prows]
-        by: dict[str, list] = {}
-        for j, ((row, memo, ctx, room), decision) in enumerate(zip(prows, decisions)):
-            k, name = min(decision.k, room), decision.drafter
-            name = name if name is not None and k >= 1 else None
-            memo.last = None
+            memo = as_served(memo, served)
+            memo.serve(served)
+            memo.context, n = torch.from_numpy(context), len(context)
+            memo.state.context_len, memo.state.remaining = n, self.max_model_len - n
+            memos.append(memo)
+        controller = served.controller
+        dropped = sum(len(m.dropped) for m in memos)
+        plans = controller.plan(memos, max(batch, 1))
+        drafts = controller.draft(memos, plans)
+        self.dropped_drafters += sum(len(m.dropped) for m in memos) - dropped
+        out = []
+        for memo, plan, drafted in zip(memos, plans, drafts):
+            name = drafted.drafter if drafted.block.k else None
+            memo.last = (controller, plan, drafted) if name is not None else None
             if seen is not None:
-                seen.append((row.state, k if name else 0, self.policy_id, name))
-            if name is None:
-                continue
-            row.state.drafter = name
-            d = self.lookups[name]
-            by.setdefault(name, []).append((j, DraftRow(memo.state(d), ctx, k, _GREEDY,
-                                                        stop=stop_callback(self.policy, row))))
-        out: list[list[int]] = [[] for _ in rows]
-        for name, items in by.items():
-            for (j, _), proposal in zip(items, self.lookups[name].propose([r for _, r in items])):
-                out[j] = proposal.tokens.tolist()
-                prows[j][1].last = (name, out[j])
+                seen.append((plan.row.state, plan.k if name else 0, served.policy_id, name))
+            out.append(drafted.block.tokens.tolist())
         return out
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # nothing to load: vLLM calls this on every proposer
+
+
+# Exports written before the proposer served suffix drafters name it by its first name in their speculative_config
+PolicyNgramProposer = PolicyProposer

@@ -19,6 +19,7 @@ from sacpolicy.policy.base import (
     RequestInfo,
     check_k,
 )
+from sacpolicy.decoding.controller import room
 from sacpolicy.policy.features import row_context, token_features
 from sacpolicy.runtime.features import plan_rows
 from sacpolicy.runtime.rule import Block, DecisionRule
@@ -93,7 +94,7 @@ class LearnedPolicy(Policy):
         states = [row.state for row in rows]
         feats, caps = [], []
         for row, state in zip(rows, states):
-            k_cap = min(self.rule.k_max, state.remaining - 1)
+            k_cap = room(state.remaining, self.rule.k_max)
             mem = row.memory
             names = state.drafters if mem.request_drafter is None else (mem.request_drafter,)
             # a drafter that peeked and found nothing to propose is no option this step

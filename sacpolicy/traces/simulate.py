@@ -32,6 +32,7 @@ from sacpolicy.decoding import (
     RequestInfo,
     SpeculativeDecoder,
 )
+from sacpolicy.decoding.controller import room
 from sacpolicy.policy import Decision, Policy, Static
 from sacpolicy.runtime.cost import CostModel
 from sacpolicy.runtime.features import Peek
@@ -365,7 +366,7 @@ class Oracle(Policy):
         best = (1.0 / self.cost.step_time(None, 0, state.context_len), None, 0)
         for name in state.drafters:
             rows = self.current["drafters"][name]
-            r = min(rows["run_len"][g], rows["proposal_len"][g], self.k_max, state.remaining - 1)
+            r = min(rows["run_len"][g], rows["proposal_len"][g], room(state.remaining, self.k_max))
             if r > 0:
                 rate = (r + 1) / self.cost.step_time(name, r, state.context_len)
                 best = max(best, (rate, name, r))
