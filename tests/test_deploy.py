@@ -391,3 +391,35 @@ def test_current_flipped_while_a_real_vllm_engine_generates(tmp_path, monkeypatc
     assert flipped["version"] != first.name and stats["policy_id"] == flipped["version"]
     assert stats["reloads"] == 1 and stats["reload_failures"] == 0 and stats["failures"] == 0
     assert got["spec"]["serial"]["num_drafts"] > 0
+
+
+def test_a_request_keeps_its_canary_arm_across_steps_vllm_ran_without_the_proposer(tmp_path, monkeypatch):
+    """vLLM skips the hook while a request of the batch is near the context limit; the rows come back several tokens
+    on. The canary finds each request through the proposer's one request table (prefix fallback included), so a
+    request never switches arms mid-flight, and its tokens and seconds since are credited to the arm it was given."""
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+    deploy(_policy(tmp_path, "a", ngram_rule("k")), root)
+    deploy(_policy(tmp_path, "b", ngram_rule("stop")), root, candidate=True, fraction=0.5, min_steps=1000)
+    proposer = _proposer(root)
+    engine = FakeEngine(proposer, 12)
+
+    def memos():  # each request's memory, recorded under the context the proposer just drafted on
+        return [proposer.history.entries[proposer.history._key(t[:c])][0] for t, c in zip(engine.truth, seen)]
+
+    seen = list(engine.ctx)
+    engine.step()
+    arms = [m.arm for m in memos()]
+    assert {a[1] for a in arms} == {False, True}  # both arms have requests
+    for i, (t, c) in enumerate(zip(engine.truth, engine.ctx)):  # two engine steps without the hook: 1 token each
+        engine.sampled[i] = [int(t[c + 1])]
+        engine.ctx[i] = c + 2
+    trial = proposer.slot.trial
+    credited = {arm: trial.arms[arm].tokens[0] for arm in (False, True)}
+    seen = list(engine.ctx)
+    engine.step()
+    assert [m.arm for m in memos()] == arms, "a request switched arms"
+    assert proposer.slot.trial is trial
+    assert trial.arms[False].tokens[0] - credited[False] == sum(not a[1] for a in arms)
+    assert trial.arms[True].tokens[0] - credited[True] == sum(a[1] for a in arms)
+    assert trial.arms[True].seconds[0] == trial.arms[True].tokens[0]  # every credited step was timed

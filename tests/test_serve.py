@@ -472,3 +472,33 @@ def test_engines_are_shaped_by_device_and_openmp_is_preloaded_on_cpu_only(tmp_pa
         vllm_run.run_engine("model", [[1, 2]])
     assert (seen["job"]["dtype"], seen["job"]["enforce_eager"]) == ("float32", True)
     assert seen["env"]["LD_PRELOAD"].endswith("libiomp5.so")
+
+
+def test_the_step_log_hand_off_runs_inside_the_proposers_guard(tmp_path):
+    proposer = _proposer(tmp_path, ngram_rule("k"))
+    rows = [np.tile(np.arange(5), 8)]
+
+    class Broken:
+        def step(self, *args):
+            raise RuntimeError("log exploded")
+
+        def cost(self):
+            return {}
+
+    proposer.steplog = Broken()
+    assert _step(proposer, rows)[0] and proposer.failures == 1  # the step's drafts stand; the failure is counted
+
+
+def test_under_tensor_parallelism_one_rank_reports(tmp_path, monkeypatch):
+    from sacpolicy.export.vllm_adapter import is_first_rank
+
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats.json"))
+    for rank, first in ((0, True), (1, False), (2, True), (3, False)):
+        cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8),
+                              model_config=SimpleNamespace(max_model_len=256),
+                              parallel_config=SimpleNamespace(rank=rank, world_size=2))
+        assert is_first_rank(cfg) == first
+        policy = save_policy(tmp_path / f"p{rank}", ngram_rule("k"), drafters=NGRAM, provenance={}, metrics={})
+        proposer = PolicyNgramProposer(cfg, policy)
+        assert (proposer.stats_path is not None) == first
+        assert _step(proposer, [np.tile(np.arange(5), 8)])[0]  # every rank drafts the same
