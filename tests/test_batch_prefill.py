@@ -27,8 +27,8 @@ class OneByOne(SpeculativeDecoder):
     """The decoder as it was before batched prefill: each joining request prefilled alone (a batch of one is the
     unpadded single-sequence pass), the one-row caches joined in order."""
 
-    def _prefill(self, runs):
-        caches = [super(OneByOne, self)._prefill([run]) for run in runs]
+    def prefill(self, rows):
+        caches = [super(OneByOne, self).prefill([row]) for row in rows]
         for other in caches[1:]:
             caches[0].join(other)
         return caches[0]
@@ -248,6 +248,7 @@ def test_ragged_joiners_prefill_in_groups_that_waste_little_padding(tiny_target)
     """The default ``prefill_pad_slack``: requests join the current group in order while padding stays within 25% of
     their tokens; a pass over a long prompt's pads for short ones would cost more than it saves."""
     from sacpolicy.decoding.rows import Row
+    from sacpolicy.decoding.scheduler import prefill_groups
 
     dec = SpeculativeDecoder(tiny_target.model, [], Autoregressive(), stop_token_ids=[])
 
@@ -259,10 +260,10 @@ def test_ragged_joiners_prefill_in_groups_that_waste_little_padding(tiny_target)
             out.append(r)
         return out
 
-    groups = dec._prefill_groups(runs(10, 11, 12, 40, 38, 5))
+    groups = prefill_groups(runs(10, 11, 12, 40, 38, 5), dec.config.prefill_pad_slack)
     assert [[r.n for r in g] for g in groups] == [[10, 11, 12], [40, 38], [5]]
     one = SpeculativeDecoder(tiny_target.model, [], Autoregressive(), stop_token_ids=[],
                              config=DecoderConfig(prefill_pad_slack=ONE_PASS))
-    assert len(one._prefill_groups(runs(10, 40, 5))) == 1
+    assert len(prefill_groups(runs(10, 40, 5), one.config.prefill_pad_slack)) == 1
     with pytest.raises(ValueError, match="prefill_pad_slack"):
         DecoderConfig(prefill_pad_slack=-1)

@@ -452,7 +452,7 @@ def test_one_host_read_per_step_for_the_whole_batch(tiny_target, tiny_prompts, m
     for policy in (Static(3, "repeat"), Autoregressive()):
         dec = SpeculativeDecoder(tiny_target.model, [_RepeatLast()], policy,
                                  config=DecoderConfig(max_batch=4, cpu_kernels=False), stop_token_ids=[])
-        step, per_step = dec._step, []
+        step, per_step = dec.step, []
 
         def counted(batch, cache, _step=step):
             reads.clear()
@@ -460,7 +460,7 @@ def test_one_host_read_per_step_for_the_whole_batch(tiny_target, tiny_prompts, m
             per_step.append((len(batch), len(reads)))
             return out
 
-        dec._step = counted
+        dec.step = counted
         results = dec.generate_batch(tiny_prompts[:4], 12)
         assert all(len(r.tokens) == 12 for r in results)
         assert per_step and all(n == 1 for _, n in per_step), per_step

@@ -3,11 +3,11 @@
 One loop serves every setting: k = 0 (no drafter) is plain autoregressive decoding, so AR and speculative timings
 come from the same code, and one request (``generate``) is a batch of one row (``generate_batch``: continuous batching
 over B rows, each with its own draft block and accepted prefix, verified together in one target pass; the ragged KV
-cache is ``sacpolicy.decoding.ragged``). The decoder never knows which policy it runs; the policy never sees a cache.
+cache is ``sacpolicy.decoding.ragged``). The decoder never knows which policy it rows; the policy never sees a cache.
 
 The decoder owns every request's state (``sacpolicy.decoding.rows.Row``: its tokens, the policy's memory of it, each
 drafter's state); the policy and the drafters are shared by all rows and called once per step with all of them
-(``Policy.decide(rows)``, ``Drafter.propose(rows)``). The step (``_step``, this module's second half) runs five
+(``Policy.decide(rows)``, ``Drafter.propose(rows)``). The step (``_step``, this module's second half) rows five
 phases in order, each a method whose typed, frozen result the later phases read: decide (``Planned``), draft
 (``Drafted``), verify (one target pass and one verification call over the padded blocks of all rows, one read back
 to the host: ``Verified``), commit (buffers, caches, drafters' acceptance), observe (the ``StepRecord``, the
@@ -19,7 +19,7 @@ a tree's nodes are fed as the row's block with a tree attention mask (``RaggedCa
 ``sampling.verify_tree`` / ``verify_tree_greedy``, and its accepted path's KV entries are moved to the front of the
 step's columns before the cache keeps them (``RaggedCache.commit``). Rows with trees and with chains share a batch.
 
-The batching loop and the step it runs are one concept, read together in one module (the review rule in
+The batching loop and the step it rows are one concept, read together in one module (the review rule in
 docs/architecture.md: a module holds one concept, whatever its length).
 """
 
@@ -48,6 +48,7 @@ from sacpolicy.decoding.sampling import (
     verify_tree,
     verify_tree_greedy,
 )
+from sacpolicy.decoding.scheduler import schedule
 from sacpolicy.decoding.stats import block_stats
 from sacpolicy.decoding.types import (
     Autoregressive,
@@ -138,8 +139,8 @@ class Verified:
 def _by_sampling(batch: list[Row]) -> list[tuple[SamplingConfig, list[int]]]:
     """The batch's rows grouped by how their tokens are chosen (seeds aside): one group when all rows share it."""
     groups: dict[tuple, tuple[SamplingConfig, list[int]]] = {}
-    for i, run in enumerate(batch):
-        cfg = run.sampling
+    for i, row in enumerate(batch):
+        cfg = row.sampling
         key = ("greedy",) if cfg.greedy else (cfg.temperature, cfg.top_k, cfg.top_p)
         groups.setdefault(key, (cfg, []))[1].append(i)
     return list(groups.values())
@@ -197,11 +198,11 @@ class SpeculativeDecoder:
         self.feature_layers = {n: layers for n, d in self.drafters.items() if (layers := feature_layers(d))}
         self.features = AuxCapture(target, [i for layers in self.feature_layers.values() for i in layers])
         self.clock: Clock = WallClock()  # every time the decoder reads or waits on (a replay sets a virtual one)
-        # plan, draft and observe: the one controller, which the served proposer and the replay run too
-        self.controller = Controller(self.policy, self.drafters, self.config, self._now, self.config.view)
+        # plan, draft and observe: the one controller, which the served proposer and the replay row too
+        self.controller = Controller(self.policy, self.drafters, self.config, self.now, self.config.view)
 
     # ------------------------------------------------------------------ helpers
-    def _now(self) -> float:
+    def now(self) -> float:
         if self.config.timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self.clock.now()
@@ -277,87 +278,14 @@ class SpeculativeDecoder:
         if any(a < 0 for a in arrivals):
             raise ValueError("arrival times are seconds after the call: they must be >= 0")
         stops = self.stop_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids)
-        runs = [self._new_run(i, p, m, r, a, stops, keep_logits)
+        rows = [self._new_row(i, p, m, r, a, stops, keep_logits)
                 for i, (p, m, r, a) in enumerate(zip(prompts, budgets, requests, arrivals))]
         kernels = cpu_kernels(self.target, self.drafters.values()) if self.config.cpu_kernels else nullcontext()
         with kernels:
-            self._run(runs, B)
-        return [r.result for r in runs]
+            schedule(self, rows, B, self.config.prefill_pad_slack)
+        return [row.result for row in rows]
 
-    def _run(self, runs: list[Row], B: int) -> None:
-        """Continuous batching: admit arrived requests while rows are free (those admitted together prefill in one
-        pass), step the batch, retire finished rows."""
-        waiting = sorted(runs, key=lambda r: r.arrival)[::-1]  # pop() takes the earliest
-        batch: list[Row] = []
-        cache: RaggedCache | None = None
-        t0 = self._now()
-        while waiting or batch:
-            # again after each prefill: requests that arrived during it join before the next step
-            while joining := self._admit(waiting, B - len(batch), t0):
-                cache = self._join(self._prefill_groups(joining), batch, cache)
-            if not batch:
-                if waiting:
-                    self.clock.sleep(max(0.0, waiting[-1].arrival - (self._now() - t0)))
-                continue
-            self._step(batch, cache)
-            live = [i for i, r in enumerate(batch) if r.active]
-            for r in batch:
-                if not r.active:
-                    self._finish(r)
-            if len(live) < len(batch):
-                batch = [batch[i] for i in live]
-                if batch:
-                    cache.select(live)
-                else:
-                    cache = None
-
-    def _admit(self, waiting: list[Row], room: int, t0: float) -> list[Row]:
-        """The waiting requests that have arrived, earliest first, as many as there are free rows (taken out of
-        ``waiting``; each one's ``queued_s`` set)."""
-        joining: list[Row] = []
-        while waiting and len(joining) < room and waiting[-1].arrival <= self._now() - t0:
-            run = waiting.pop()
-            run.queued_s = self._now() - t0 - run.arrival
-            joining.append(run)
-        return joining
-
-    def _prefill_groups(self, joining: list[Row]) -> list[list[Row]]:
-        """The joining requests in order, cut into groups that prefill in one pass: a request joins the current group
-        while the group's padded tokens stay within ``prefill_pad_slack`` of its real ones."""
-        groups: list[list[Row]] = []
-        for run in joining:
-            group = groups[-1] if groups else None
-            if group is not None:
-                lengths = [r.n for r in group] + [run.n]
-                if max(lengths) * len(lengths) <= (1 + self.config.prefill_pad_slack) * sum(lengths):
-                    group.append(run)
-                    continue
-            groups.append([run])
-        return groups
-
-    def _join(self, groups: list[list[Row]], batch: list[Row], cache: RaggedCache | None) -> RaggedCache | None:
-        """Prefill each group of joining requests in one pass; those still decoding join ``batch`` (in place, in
-        order) and their rows the batch's cache, all groups in one copy; the others finish at once. -> the batch's
-        cache."""
-        caches = []
-        for group in groups:
-            new = self._prefill(group)
-            live = [i for i, r in enumerate(group) if r.active]
-            for r in group:
-                if not r.active:
-                    self._finish(r)
-            if live:
-                new.select(live)
-                batch.extend(group[i] for i in live)
-                caches.append(new)
-        if not caches:
-            return cache
-        if cache is None:
-            cache, caches = caches[0], caches[1:]
-        cache.join(*caches)
-        return cache
-
-    def _new_run(self, index, input_ids, max_new_tokens, request, arrival, stops, keep_logits) -> Row:
+    def _new_row(self, index, input_ids, max_new_tokens, request, arrival, stops, keep_logits) -> Row:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens} (request {index})")
         prompt = self._prompt(input_ids, index)
@@ -372,18 +300,18 @@ class SpeculativeDecoder:
         limit = max_new_tokens if self.max_context is None else min(max_new_tokens, self.max_context - L)
         # a seeded request samples from its own generator; the others continue the decoder's
         generator = self.generator if request.seed is None else torch.Generator(device=self.device)
-        run = Row(
+        row = Row(
             buf=torch.empty(L + limit + self.config.k_max + 1, dtype=torch.long, device=self.device),
             stops=stops, limit=limit, max_new_tokens=max_new_tokens,
             policy=PolicyRow(DecodeState(request, drafters=tuple(self.drafters))), drafts={},
             logits=[] if keep_logits else None, generator=generator,
             arrival=arrival, index=index, sampling=request.sampling,
         )
-        run.buf[:L] = prompt
-        run.n = L
-        return run
+        row.buf[:L] = prompt
+        row.n = L
+        return row
 
-    def _prefill(self, runs: list[Row]) -> RaggedCache:
+    def prefill(self, rows: list[Row]) -> RaggedCache:
         """Admit requests together: prefill their prompts in one target pass and pick each one's first token. -> their
         cache, one row per request in order.
 
@@ -394,68 +322,68 @@ class SpeculativeDecoder:
         own generator, or the decoder's in request order: the same draws), its kept logits and its feature drafters'
         hidden states of its prompt's positions after it. A row's ``prefill_s`` is its share of the pass (the rows'
         seconds add up to the pass's, as a drafter's rows share a proposal's)."""
-        for run in runs:
-            if run.state.request.seed is not None:
-                run.generator.manual_seed(run.state.request.seed)
-            run.drafts = {name: d.new_state() for name, d in self.drafters.items()}
-            run.policy.memory = self.policy.start(run.state.request)
-        lengths = [run.n for run in runs]
+        for row in rows:
+            if row.state.request.seed is not None:
+                row.generator.manual_seed(row.state.request.seed)
+            row.drafts = {name: d.new_state() for name, d in self.drafters.items()}
+            row.policy.memory = self.policy.start(row.state.request)
+        lengths = [row.n for row in rows]
         W = max(lengths)
-        t0 = self._now()
+        t0 = self.now()
         # pads repeat the row's first token: any id serves (masked), and a replay target names the row by it
-        ids = torch.stack([torch.cat([run.buf[:1].expand(W - run.n), run.context]) for run in runs])
+        ids = torch.stack([torch.cat([row.buf[:1].expand(W - row.n), row.context]) for row in rows])
         cache = new_cache(self.target.config)
         with self.features:
             last = self.target(input_ids=ids, **with_cache(self.target, cache), use_cache=True, logits_to_keep=1,
                                **prefill_inputs(lengths, self.device, self.dtype)).logits[:, -1]
-        for i, run in enumerate(runs):
-            self._first_token(run, last[i], i, W - run.n)
-        seconds = (self._now() - t0) / len(runs)
-        for run in runs:
-            run.t_start, run.prefill_s = t0, seconds
+        for i, row in enumerate(rows):
+            self._first_token(row, last[i], i, W - row.n)
+        seconds = (self.now() - t0) / len(rows)
+        for row in rows:
+            row.t_start, row.prefill_s = t0, seconds
         return RaggedCache.prefilled(cache, lengths, self.device, self.config.compact_slack)
 
-    def _first_token(self, run: Row, logits: torch.Tensor, row: int, pad: int) -> None:
-        """Row ``row`` of the prefill pass (its prompt after ``pad`` pads; ``logits`` [V] at its last token): the
+    def _first_token(self, row: Row, logits: torch.Tensor, i: int, pad: int) -> None:
+        """Row ``i`` of the prefill pass (its prompt after ``pad`` pads; ``logits`` [V] at its last token): the
         request's first token, its kept logits and its feature drafters' hidden states of the prompt."""
-        L = run.n
-        first = select_token(logits, run.sampling, run.generator)
-        self._extend_features(run, row, L, pad)
-        if run.logits is not None:
-            run.logits.append(logits[None])
-        run.buf[L] = first
-        run.out, run.n = [int(first)], L + 1
-        if run.out[0] in run.stops:
-            run.finish = "eos"
+        L = row.n
+        first = select_token(logits, row.sampling, row.generator)
+        self._extend_features(row, i, L, pad)
+        if row.logits is not None:
+            row.logits.append(logits[None])
+        row.buf[L] = first
+        row.out, row.n = [int(first)], L + 1
+        if row.out[0] in row.stops:
+            row.finish = "eos"
 
-    def _finish(self, run: Row) -> None:
-        if run.finish is None:
-            run.finish = "length" if len(run.out) >= run.max_new_tokens else "context"
-        logits = torch.cat(run.logits)[: len(run.out)] if run.logits is not None else None
-        run.result = GenerationResult(run.out, run.records, run.state.request.prompt_len, run.prefill_s,
-                                      self._now() - run.t_start, run.finish, run.dropped, logits, run.queued_s)
+    def finish(self, row: Row) -> None:
+        if row.finish is None:
+            row.finish = "length" if len(row.out) >= row.max_new_tokens else "context"
+        logits = torch.cat(row.logits)[: len(row.out)] if row.logits is not None else None
+        row.result = GenerationResult(row.out, row.records, row.state.request.prompt_len, row.prefill_s,
+                                      self.now() - row.t_start, row.finish, row.dropped, logits, row.queued_s)
 
     # ------------------------------------------------------------------ one step of the batch
-    def _step(self, batch: list[Row], cache: RaggedCache) -> list[StepRecord]:
+    def step(self, batch: list[Row], cache: RaggedCache) -> list[StepRecord]:
         """One step of every row, in order: plan and draft (the controller), verify (one target pass over every row's
         block, one verification call per sampling setting, one read back to the host), commit, observe (the
         controller). Each phase returns typed results that the later phases read and never change."""
-        for run in batch:
-            state = run.state
-            state.context_len, state.generated, state.remaining = run.n, len(run.out), run.left
+        for row in batch:
+            state = row.state
+            state.context_len, state.generated, state.remaining = row.n, len(row.out), row.left
         # the live load: rows over the configured maximum batch
         load = min(1.0, len(batch) / self.config.max_batch) if self.config.max_batch > 1 else None
         plans = self.controller.plan(batch, len(batch), load)
         drafts = self.controller.draft(batch, plans, self.device)
-        t0 = self._now()
+        t0 = self.now()
         logits = self._score(batch, cache, drafts)
         verified = self._verify(batch, drafts, logits)
         self._commit(batch, cache, drafts, verified, logits)
-        verify_s = self._now() - t0
-        records = [self.controller.observe(run, plan, drafted, v.accepted, len(v.new), verify_s, len(batch), v.stats)
-                   for run, plan, drafted, v in zip(batch, plans, drafts, verified)]
-        for run, rec in zip(batch, records):
-            run.records.append(rec)
+        verify_s = self.now() - t0
+        records = [self.controller.observe(row, plan, drafted, v.accepted, len(v.new), verify_s, len(batch), v.stats)
+                   for row, plan, drafted, v in zip(batch, plans, drafts, verified)]
+        for row, rec in zip(batch, records):
+            row.records.append(rec)
         return records
 
     def _score(self, batch: list[Row], cache: RaggedCache, drafts: list[Drafted]) -> torch.Tensor:
@@ -463,9 +391,9 @@ class SpeculativeDecoder:
         [B, T, V]: row i's position j is the target's distribution after its j-th fed token (a token tree's node:
         after its path, the tree attention mask of ``TokenTree.attention``)."""
         T = max(d.block.k for d in drafts) + 1
-        ids = torch.stack([torch.cat([run.buf[run.n - 1 : run.n], d.block.tokens,
-                                      run.buf[run.n - 1 : run.n].expand(T - 1 - d.block.k)])
-                           for run, d in zip(batch, drafts)])
+        ids = torch.stack([torch.cat([row.buf[row.n - 1 : row.n], d.block.tokens,
+                                      row.buf[row.n - 1 : row.n].expand(T - 1 - d.block.k)])
+                           for row, d in zip(batch, drafts)])
         trees = [d.block.tree.attention(T, self.device) if d.block.tree is not None and not d.block.tree.is_chain
                  else None for d in drafts]
         with self.features:
@@ -483,42 +411,42 @@ class SpeculativeDecoder:
         tokens = (torch.nn.utils.rnn.pad_sequence([d.block.tokens for d in drafts], batch_first=True)
                   if K else logits.new_zeros((B, 0), dtype=torch.long))
         # random numbers in row order, each from its row's generator: the draws a row-by-row verification makes
-        draws = [None if run.sampling.greedy else draw_uniforms(k, run.generator, self.device)
-                 for run, k in zip(batch, lengths)]
+        draws = [None if row.sampling.greedy else draw_uniforms(k, row.generator, self.device)
+                 for row, k in zip(batch, lengths)]
         n = torch.empty(B, dtype=torch.long, device=self.device)
         nxt = torch.empty_like(n)
         stats: list[torch.Tensor | None] = [None] * B
         paths: list[list[int] | None] = [None] * B
-        for cfg, rows in _by_sampling(batch):
-            for i in rows:
+        for cfg, idx in _by_sampling(batch):
+            for i in idx:
                 if drafts[i].block.tree is not None:
                     paths[i] = self._verify_tree(drafts[i].block, logits[i, : lengths[i] + 1], cfg, draws[i], n, nxt, i)
-            rows = [i for i in rows if paths[i] is None]
-            if not rows:
+            idx = [i for i in idx if paths[i] is None]
+            if not idx:
                 continue
-            sel = slice(None) if len(rows) == B else torch.tensor(rows, device=self.device)
-            lens = torch.tensor([lengths[i] for i in rows], device=self.device)
+            sel = slice(None) if len(idx) == B else torch.tensor(idx, device=self.device)
+            lens = torch.tensor([lengths[i] for i in idx], device=self.device)
             if cfg.greedy:
                 n[sel], nxt[sel] = verify_greedy(logits[sel], tokens[sel], lens)
             else:
                 p = probs_from_logits(logits[sel], cfg)
-                q = torch.stack([_pad_rows(self._draft_probs(drafts[i].block, cfg), K) for i in rows])
-                u = torch.stack([_pad_rows(draws[i][0], K) for i in rows])
+                q = torch.stack([_pad_rows(self._draft_probs(drafts[i].block, cfg), K) for i in idx])
+                u = torch.stack([_pad_rows(draws[i][0], K) for i in idx])
                 n[sel], nxt[sel] = verify(p, q, tokens[sel], lengths=lens,
-                                          uniforms=(u, torch.stack([draws[i][1] for i in rows])))
+                                          uniforms=(u, torch.stack([draws[i][1] for i in idx])))
             if self.config.step_stats:
-                for j, i in enumerate(rows):
+                for j, i in enumerate(idx):
                     if lengths[i]:
                         row_pq = None if cfg.greedy else (p[j, : lengths[i] + 1], q[j, : lengths[i]])
                         stats[i] = block_stats(drafts[i].block, logits[i, : lengths[i] + 1], row_pq)
         head = torch.cat([n[:, None], nxt[:, None], tokens], dim=1).tolist()  # the step's one read to the host
         out = []
-        for i, (run, (acc, target_token, *drafted)) in enumerate(zip(batch, head)):
+        for i, (row, (acc, target_token, *drafted)) in enumerate(zip(batch, head)):
             new = (drafted[:acc] if paths[i] is None else [drafted[j] for j in paths[i]]) + [target_token]
-            stop = next((j for j, t in enumerate(new) if t in run.stops), None)
+            stop = next((j for j, t in enumerate(new) if t in row.stops), None)
             if stop is not None:
                 new = new[: stop + 1]
-            new = new[: run.left]
+            new = new[: row.left]
             out.append(Verified(acc, tuple(new), stop is not None and stop < len(new), nxt[i],
                                 None if stats[i] is None else stats[i].tolist(),
                                 None if paths[i] is None else tuple(paths[i])))
@@ -542,23 +470,23 @@ class SpeculativeDecoder:
         """Each row keeps its verified tokens: its buffer, output and length, the target's logits of them (when
         kept), its feature drafters' hidden states and its drafter's acceptance; the cache keeps the committed
         columns of every row."""
-        for i, (run, d, v) in enumerate(zip(batch, drafts, verified)):
+        for i, (row, d, v) in enumerate(zip(batch, drafts, verified)):
             cols = v.columns  # a token tree's: the root's and its accepted path's
             if cols is not None:
                 if v.accepted:
-                    run.buf[run.n : run.n + v.accepted] = d.block.tokens[list(v.path)]
+                    row.buf[row.n : row.n + v.accepted] = d.block.tokens[list(v.path)]
             elif d.block.k:
-                run.buf[run.n : run.n + d.block.k] = d.block.tokens
-            run.buf[run.n + v.accepted] = v.target_token  # a device-side copy: no sync
-            if run.logits is not None:  # row j of the verify pass is the distribution of the step's j-th new token
-                run.logits.append(logits[i, : len(v.new)] if cols is None else logits[i, cols[: len(v.new)]])
-            self._extend_features(run, i, v.accepted + 1, columns=cols)
+                row.buf[row.n : row.n + d.block.k] = d.block.tokens
+            row.buf[row.n + v.accepted] = v.target_token  # a device-side copy: no sync
+            if row.logits is not None:  # row j of the verify pass is the distribution of the step's j-th new token
+                row.logits.append(logits[i, : len(v.new)] if cols is None else logits[i, cols[: len(v.new)]])
+            self._extend_features(row, i, v.accepted + 1, columns=cols)
             if d.drafter is not None:
-                self.controller.settle(run, d, v.accepted)
-            run.out.extend(v.new)
-            run.n += len(v.new)
+                self.controller.settle(row, d, v.accepted)
+            row.out.extend(v.new)
+            row.n += len(v.new)
             if v.stopped:
-                run.finish = "eos"
+                row.finish = "eos"
         trees = [v.columns for v in verified]
         cache.commit([v.accepted + 1 for v in verified], logits.shape[1],
                      None if all(c is None for c in trees) else trees)
@@ -570,17 +498,17 @@ class SpeculativeDecoder:
             return torch.nn.functional.one_hot(block.tokens, self.vocab_size).float()
         return probs_from_logits(block.logits, cfg)
 
-    def _extend_features(self, run: Row, row: int, m: int, start: int = 0, columns: list[int] | None = None) -> None:
+    def _extend_features(self, row: Row, i: int, m: int, start: int = 0, columns: list[int] | None = None) -> None:
         """Hand the row's feature drafters the target's hidden states of m positions of its row in the last pass,
         from ``start`` on (or of ``columns``, a token tree's committed ones): the ones that are now committed (the
         prompt after prefill, after its row's pads; the last token and the accepted drafts after a verify)."""
         if not self.features.layers:
             return
-        for name in run.state.drafters:
+        for name in row.state.drafters:
             layers = self.feature_layers.get(name)
             if layers:
                 try:
-                    self.drafters[name].extend_features(run.drafts[name],
-                                                        self.features.rows(layers, m, row, start, columns))
+                    self.drafters[name].extend_features(row.drafts[name],
+                                                        self.features.rows(layers, m, i, start, columns))
                 except Exception as exc:
-                    self.controller.drop(run, name, exc)
+                    self.controller.drop(row, name, exc)
