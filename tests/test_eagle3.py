@@ -15,7 +15,8 @@ from toys import propose_one
 from sacpolicy.decoding.eagle3 import Eagle3Config, Eagle3Head, KVCache, load_head, ttt_mask, vocab_hash
 from sacpolicy.decoding.feature import FeatureDrafter, load_feature_drafter
 from sacpolicy.decoding.sampling import SamplingConfig
-from sacpolicy.decoding.types import DraftRow, propose_each
+from sacpolicy.decoding.teacher import propose_each
+from sacpolicy.decoding.types import DraftRow
 from sacpolicy.export.speculators import export_sglang, export_speculators
 from sacpolicy.training.eagle3 import Eagle3Settings, save_head, train_eagle3
 from sacpolicy.training.eagle3_data import build_feature_cache, capture_features

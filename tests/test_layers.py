@@ -62,9 +62,13 @@ def test_runtime_needs_numpy_only():
             assert ok, f"runtime/{path.name} imports {m}: production engines load runtime with numpy alone"
 
 
-def test_the_decoder_leaf_module_imports_nothing_of_sacpolicy_but_the_sampling_math():
-    mods = {m for m in imports(PKG / "decoding" / "types.py") if m.startswith("sacpolicy")}
-    assert mods <= {"sacpolicy.decoding.sampling"}, mods
+def test_the_decoder_leaf_modules_import_nothing_of_sacpolicy_but_the_sampling_math_and_each_other():
+    """The decoder's data (types), its token trees and its two protocols are the leaves every layer reads."""
+    leaves = {"types": {"sacpolicy.decoding.sampling", "sacpolicy.decoding.tree"}, "tree": set(),
+              "protocols": {"sacpolicy.decoding.types"}}
+    for name, allowed in leaves.items():
+        mods = {m for m in imports(PKG / "decoding" / f"{name}.py") if m.startswith("sacpolicy")}
+        assert mods <= allowed, (name, mods)
 
 
 # ---------------------------------------------------------------------- the module graph

@@ -667,7 +667,7 @@ def test_both_lookup_drafters_are_served_and_their_log_replays_in_the_order_the_
     proposer peeked then, where teacher forcing each request whole in turn (as collection does) differs, and the
     logged policy's replay reproduces every accepted count."""
     from sacpolicy.decoding import SuffixDrafter
-    from sacpolicy.decoding.types import teacher_force
+    from sacpolicy.decoding.teacher import teacher_force
     from sacpolicy.traces.production import served_teacher_forcing
 
     prop, policy = lookup_proposer(tmp_path, monkeypatch)

@@ -10,9 +10,10 @@ from scipy.stats import chisquare
 from toys import Markov, MarkovTreeDrafter, ModelTreeDrafter, markov_pair, mixed_prompts
 
 from sacpolicy.decoding import DecoderConfig, RequestInfo, SamplingConfig, SpeculativeDecoder
+from sacpolicy.decoding.protocols import Policy
 from sacpolicy.decoding.sampling import draw_uniforms, verify_tree, verify_tree_greedy
 from sacpolicy.decoding.tree import TokenTree, best_nodes, grow_tree
-from sacpolicy.decoding.types import Decision, Policy
+from sacpolicy.decoding.types import Decision
 from sacpolicy.policy import Static
 
 

@@ -29,21 +29,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from sacpolicy.decoding.protocols import Drafter, DraftsTrees, Peekable, Policy, PolicyRow
 from sacpolicy.decoding.sampling import SamplingConfig
-from sacpolicy.decoding.types import (
-    Decision,
-    DecodeState,
-    DraftBlock,
-    Drafter,
-    DraftRow,
-    DraftsTrees,
-    DraftToken,
-    Peekable,
-    Policy,
-    PolicyRow,
-    StepRecord,
-    StopFn,
-)
+from sacpolicy.decoding.types import Decision, DecodeState, DraftBlock, DraftRow, DraftToken, StepRecord, StopFn
 from sacpolicy.runtime.features import next_accept_history
 
 __all__ = ["Controller", "Drafted", "Planned", "ServedView", "Track", "room", "stop_callback"]

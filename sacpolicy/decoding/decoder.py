@@ -36,6 +36,7 @@ from torch import nn
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
 from sacpolicy.decoding.controller import Controller, Drafted, Planned, ServedView, stop_callback
+from sacpolicy.decoding.protocols import Autoregressive, Drafter, Policy, PolicyRow, feature_layers
 from sacpolicy.decoding.ragged import RaggedCache, new_cache, prefill_inputs
 from sacpolicy.decoding.rows import Clock, Row, WallClock
 from sacpolicy.decoding.sampling import (
@@ -50,18 +51,7 @@ from sacpolicy.decoding.sampling import (
 )
 from sacpolicy.decoding.scheduler import schedule
 from sacpolicy.decoding.stats import block_stats
-from sacpolicy.decoding.types import (
-    Autoregressive,
-    DecodeState,
-    DraftBlock,
-    Drafter,
-    GenerationResult,
-    Policy,
-    PolicyRow,
-    RequestInfo,
-    StepRecord,
-    feature_layers,
-)
+from sacpolicy.decoding.types import DecodeState, DraftBlock, GenerationResult, RequestInfo, StepRecord
 
 __all__ = ["BATCH_K", "DecoderConfig", "Drafted", "Planned", "SpeculativeDecoder", "Verified", "WallClock",
            "stop_callback"]

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from sacpolicy.decoding.compat import with_cache
+from sacpolicy.decoding.protocols import Drafter, Peekable
 from sacpolicy.decoding.sampling import draft_stats, select_token
-from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, Peekable, TeacherForced, TeacherForcing
+from sacpolicy.decoding.teacher import TeacherForced, TeacherForcing
+from sacpolicy.decoding.types import DraftBlock, DraftRow
 from sacpolicy.runtime.features import Peek, peek_of
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM, ngram_confidence, ngram_match
 

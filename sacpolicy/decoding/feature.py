@@ -9,17 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from sacpolicy.decoding.eagle3 import Eagle3Head, KVCache, load_head
+from sacpolicy.decoding.protocols import Drafter, DraftsTrees, ReadsFeatures
 from sacpolicy.decoding.sampling import draft_stats, probs_from_logits, sample
+from sacpolicy.decoding.teacher import TeacherForced, TeacherForcing
 from sacpolicy.decoding.tree import TokenTree, best_nodes, grow_tree
-from sacpolicy.decoding.types import (
-    DraftBlock,
-    Drafter,
-    DraftRow,
-    DraftsTrees,
-    ReadsFeatures,
-    TeacherForced,
-    TeacherForcing,
-)
+from sacpolicy.decoding.types import DraftBlock, DraftRow
 from sacpolicy.runtime.spec import TREE_WIDTH
 
 

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sacpolicy.decoding.types import DraftBlock, Drafter, DraftRow, Peekable, Resettable, TeacherForced, TeacherForcing
+from sacpolicy.decoding.protocols import Drafter, Peekable, Resettable
+from sacpolicy.decoding.teacher import TeacherForced, TeacherForcing
+from sacpolicy.decoding.types import DraftBlock, DraftRow
 from sacpolicy.runtime.features import PEEK_MAX, Peek
 from sacpolicy.runtime.suffix import (
     MAX_DEPTH,

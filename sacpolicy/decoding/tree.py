@@ -16,13 +16,93 @@ nodes of all. A child's score is at most its parent's, so the kept nodes always 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from sacpolicy.decoding.types import TokenTree
+__all__ = ["TokenTree", "best_nodes", "grow_tree"]
 
-__all__ = ["TokenTree", "grow_tree", "best_nodes"]  # TokenTree lives with the decoder's other plain data (types)
+
+@dataclass(frozen=True)
+class TokenTree:
+    """A draft tree (``sacpolicy.decoding.tree``: the layout and how trees grow): ``tokens`` [N] long (on the target's
+    device), ``parents`` (-1: the root, the last committed token) and ``depths`` per node (host ints)."""
+
+    tokens: torch.Tensor
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = int(self.tokens.shape[0])
+        if self.tokens.dim() != 1 or len(self.parents) != n or len(self.depths) != n:
+            raise ValueError(f"a token tree needs one parent and one depth per token; got {tuple(self.tokens.shape)} "
+                             f"tokens, {len(self.parents)} parents, {len(self.depths)} depths")
+        for j, (p, d) in enumerate(zip(self.parents, self.depths)):
+            if not -1 <= p < j or d != (1 if p < 0 else self.depths[p] + 1):
+                raise ValueError(f"tree node {j} has parent {p} and depth {d}: a parent must come before its child "
+                                 "(-1 = the root) and a node's depth must be its parent's + 1; build trees with "
+                                 "TokenTree.build or grow_tree")
+
+    @classmethod
+    def build(cls, tokens: torch.Tensor, parents: Sequence[int]) -> TokenTree:
+        """A tree of these tokens and parents (the depths follow)."""
+        depths: list[int] = []
+        for j, p in enumerate(parents):
+            p = int(p)
+            if not -1 <= p < j:
+                raise ValueError(f"tree node {j} has parent {p}; a parent must come before its child (-1 = the root)")
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return cls(tokens, tuple(int(p) for p in parents), tuple(depths))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> TokenTree:
+        """The chain of these tokens: node j's parent is node j - 1."""
+        n = int(tokens.shape[0])
+        return cls(tokens, tuple(range(-1, n - 1)), tuple(range(1, n + 1)))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.size - 1))
+
+    def children(self) -> list[list[int]]:
+        """Per column (0 = the root, j + 1 = node j): its children's node indices, in the order they are tried."""
+        out: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for j, p in enumerate(self.parents):
+            out[p + 1].append(j)
+        return out
+
+    def attention(self, T: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify pass's view of T >= size + 1 columns (the root, the nodes, then padding): (mask [T, T] bool, True
+        where column c attends column c'; offsets [T] long, each column's position after the root's). A node attends
+        the root, its ancestors and itself, at offset = its depth; padding columns are causal, at their own index."""
+        if T < self.size + 1:
+            raise ValueError(f"a tree of {self.size} nodes needs {self.size + 1} columns, got {T}")
+        mask = torch.ones(T, T, dtype=torch.bool).tril_()
+        mask[: self.size + 1, : self.size + 1] = False
+        mask[0, 0] = True
+        for j, p in enumerate(self.parents):
+            mask[j + 1] = mask[p + 1]
+            mask[j + 1, j + 1] = True
+        offsets = torch.arange(T)
+        offsets[1 : self.size + 1] = torch.tensor(self.depths, dtype=torch.long)
+        return mask.to(device), offsets.to(device)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from depth 1 down to ``node`` (-1: the root alone, an empty path)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
 
 
 # expand(nodes, tokens, parents, depths): the draft's log-probabilities [len(nodes), V] of the children of ``nodes``,

@@ -41,7 +41,7 @@ import numpy as np
 from sacpolicy.decoding import DecoderConfig, DecodeState, PolicyRow, RequestInfo
 from sacpolicy.decoding.controller import Controller, ServedView
 from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
-from sacpolicy.decoding.types import Resettable
+from sacpolicy.decoding.protocols import Resettable
 from sacpolicy.export import pick_drafter
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact

@@ -348,7 +348,7 @@ def _learned(decoder) -> dict:
     """What ``decoder``'s drafters learned from earlier requests (a suffix drafter's global index), copied."""
     import copy
 
-    from sacpolicy.decoding.types import Resettable
+    from sacpolicy.decoding.protocols import Resettable
 
     return {name: copy.deepcopy(d.index) for name, d in decoder.drafters.items() if isinstance(d, Resettable)}
 

@@ -1,23 +1,16 @@
 """Policies decide which drafter and how many tokens to draft, from a state; they never touch models or caches.
 
-The protocol and the data it reads (``Policy``, ``PolicyRow``, ``RequestInfo``, ``DecodeState``, ``Decision``,
-``DraftToken``) live in the decoder's leaf module ``sacpolicy.decoding.types``; this module re-exports them with the
-policies' checks.
+The protocol and the data it reads (``Policy``, ``PolicyRow``, ``Autoregressive``; ``RequestInfo``, ``DecodeState``,
+``Decision``, ``DraftToken``) live in the decoder's ``sacpolicy.decoding.protocols`` and ``sacpolicy.decoding.types``;
+this module re-exports them with the policies' checks.
 """
 
 from __future__ import annotations
 
-from sacpolicy.decoding.types import (
-    Decision,
-    DecodeState,
-    DraftToken,
-    Policy,
-    PolicyRow,
-    RequestInfo,
-    StepRecord,
-)
+from sacpolicy.decoding.protocols import Autoregressive, Policy, PolicyRow
+from sacpolicy.decoding.types import Decision, DecodeState, DraftToken, RequestInfo, StepRecord
 
-__all__ = ["DecodeState", "Decision", "DraftToken", "Policy", "PolicyRow", "RequestInfo", "StepRecord", "check_drafter",
+__all__ = ["Autoregressive", "DecodeState", "Decision", "DraftToken", "Policy", "PolicyRow", "RequestInfo", "StepRecord", "check_drafter",
            "check_k"]
 
 

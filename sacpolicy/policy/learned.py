@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sacpolicy.decoding.controller import room
 from sacpolicy.policy.base import (
     Decision,
     DraftToken,
@@ -19,7 +20,6 @@ from sacpolicy.policy.base import (
     RequestInfo,
     check_k,
 )
-from sacpolicy.decoding.controller import room
 from sacpolicy.policy.features import row_context, token_features
 from sacpolicy.runtime.features import plan_rows
 from sacpolicy.runtime.rule import Block, DecisionRule

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sacpolicy.decoding.types import Autoregressive  # noqa: F401 (a rule like the others)
+from sacpolicy.policy.base import Autoregressive  # noqa: F401 (a rule like the others)
 from sacpolicy.policy.base import (
     Decision,
     DecodeState,

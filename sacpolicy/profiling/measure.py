@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
+from sacpolicy.decoding.protocols import feature_layers, fresh_drafters
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.sampling import SamplingConfig
-from sacpolicy.decoding.types import DraftRow, feature_layers, fresh_drafters
+from sacpolicy.decoding.types import DraftRow
 from sacpolicy.profiling.fit import MIN_REPEATS, fit_cost_model, fit_step_overhead
 from sacpolicy.profiling.loop import decoder_steps
 from sacpolicy.runtime.cost import CostModel

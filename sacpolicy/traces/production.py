@@ -256,7 +256,7 @@ def live_rows(rid: str, req: dict, drafter: str) -> list[dict]:
 def token_teacher_forced_rows(drafter, rid: str, req: dict, k_max: int) -> list[dict]:
     """``teacher_forced`` rows of a request from its tokens alone (``decoding.types.teacher_force``, runs as
     ``collect.teacher_forced_rows`` reads them): exact for greedy decoding, ``p_target`` unknown (NaN)."""
-    from sacpolicy.decoding.types import teacher_force
+    from sacpolicy.decoding.teacher import teacher_force
     from sacpolicy.traces.collect import proposal_runs
 
     ids, L = torch.tensor(req["tokens"]), req["prompt_len"]
@@ -283,7 +283,7 @@ def served_teacher_forcing(make_drafter, records: list[dict], reqs: dict, k_max:
     them). Exact at every visited position when every request of the run is in the log (sampling rate 1, nothing
     dropped, no canary trial: a candidate's rows peek after the current policy's) and the drafter's spec did not
     change by a policy swap mid-run."""
-    from sacpolicy.decoding.types import TeacherForced
+    from sacpolicy.decoding.teacher import TeacherForced
 
     drafters, states, made, out = {}, {}, {}, {}
     for r in records:
@@ -402,7 +402,7 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
     these settings."""
     from sacpolicy.decoding import SamplingConfig
     from sacpolicy.decoding.lookup import lookup_drafter
-    from sacpolicy.decoding.types import Resettable, fresh_drafters
+    from sacpolicy.decoding.protocols import Resettable, fresh_drafters
     from sacpolicy.progress import progress_iter
 
     model = None if target is None or isinstance(target, str) else target
