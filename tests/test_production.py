@@ -1,5 +1,5 @@
 """The production loop's first half: the served proposer's step log (sacpolicy.export.steplog) and the traces rebuilt
-from it (sacpolicy.traces.production).
+from it (sacpolicy.traces: logformat, steplog_read, production, vllm_compare, served_replay).
 
 Fast: a fake engine drives ``PolicyNgramProposer.propose`` as vLLM does (rows reorder, join and leave between steps;
 each step verifies the previous step's drafts against a deterministic greedy "target" and hands the proposer the
@@ -30,15 +30,12 @@ from sacpolicy.export import steplog
 from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
 from sacpolicy.runtime import save_policy
 from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, next_accept_history
-from sacpolicy.traces.production import (
-    StepLogError,
-    build_production_traces,
-    compare_with_vllm,
-    read_step_log,
-    replay_logged,
-    requests_of,
-)
+from sacpolicy.traces.logformat import StepLogError
+from sacpolicy.traces.production import build_production_traces
 from sacpolicy.traces.schema import load_traces, read_meta
+from sacpolicy.traces.served_replay import replay_logged
+from sacpolicy.traces.steplog_read import read_step_log, requests_of
+from sacpolicy.traces.vllm_compare import compare_with_vllm
 
 VOCAB, MAX_LEN, K = 9, 256, 6
 TARGET = "toy:greedy-target"

@@ -4,7 +4,7 @@ Opt-in: ``SACPOLICY_PROPOSER_LOG=<dir>`` (``scripts/serve.py --log-steps DIR``) 
 ``SACPOLICY_PROPOSER_LOG_RATE`` (``--log-rate``, default 1) samples requests by a hash of the context they are first
 seen with, so a request is logged whole or not at all. With logging off the proposer pays one ``if`` per step.
 
-Per logged request step (``traces.production.STEP_SCHEMA``): the request's log id (vLLM's hook gives no request ids;
+Per logged request step (``traces.logformat.STEP_SCHEMA``): the request's log id (vLLM's hook gives no request ids;
 requests are found again by their committed tokens, as ``_History`` finds them), its step, the feature row the policy
 read (``runtime.features.feature_row`` of the state the policy decided on for the drafter it chose, the primary
 drafter's when it chose none, position 0 of the block; the plan's other positions differ only in
@@ -16,7 +16,8 @@ accepted tokens. On first sight also the request's sampling settings (temperatur
 input batch (``PolicyNgramProposer`` finds it on the model runner that calls its hook, which passes token arrays
 only; the temperature rounded to 6 decimals, as vLLM holds it in float32): null where it could not be read.
 Penalties (repetition, frequency, presence) are not logged; traces take the logged settings as all there was.
-``traces.production`` rebuilds every request's token sequence from these alone and turns the log into traces.
+``traces.steplog_read`` rebuilds every request's token sequence from these alone and ``traces.production`` turns the
+log into traces.
 
 The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
 queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle cannot
@@ -62,7 +63,7 @@ import numpy as np
 
 from sacpolicy.policy.features import row_context
 from sacpolicy.runtime.features import accepted_prefix, feature_row
-from sacpolicy.traces.production import LOG_FORMAT, META_KEY, SHARD_PREFIX, STEP_SCHEMA, check_rate
+from sacpolicy.traces.logformat import LOG_FORMAT, META_KEY, SHARD_PREFIX, STEP_SCHEMA, check_rate
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ the policy that serves it on held-out requests of the same log, and deployed onl
    The candidate is the predictor with the lowest validation log-loss (``policies/<predictor>``).
 3. The candidate, the current policy (``refit.policy``, else the deploy root's ``current``, else from_run's headline)
    and the best static (drafter, k) of the val requests are replayed over the held-out test requests as the server
-   ran them (``traces.production.AsServed``; ``traces.simulate``, as evaluation replays): simulated seconds of the
+   ran them (``traces.served_replay.AsServed``; ``traces.simulate``, as evaluation replays): simulated seconds of the
    cost model, per request. The paired bootstrap over those requests (``evaluation.intervals``) gives each ratio's
    interval; the candidate is accepted when the lower end of its interval against the current policy is at least
    ``refit.threshold``. The oracle over the served drafters (``traces.simulate.Oracle``) is replayed beside them:
@@ -54,7 +54,7 @@ class RefitContext(RunContext):
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
     from sacpolicy.pipeline.fit import examples, fit_policy
-    from sacpolicy.traces.production import logged_drafters
+    from sacpolicy.traces.steplog_read import logged_drafters
 
     cfg, rs = ctx.cfg, ctx.cfg.refit
     current_path = current_policy(ctx)  # resolved before this run writes policies of its own
@@ -146,13 +146,13 @@ def current_policy(ctx: RunContext) -> Path:
 
 
 def log_meta(logs) -> dict | None:
-    """The provenance the log's first shard records (``traces.production.read_step_log``'s meta); None without a
+    """The provenance the log's first shard records (``traces.steplog_read.read_step_log``'s meta); None without a
     readable shard (reading the log then names the problem and the fix)."""
     import json
 
     import pyarrow.parquet as pq
 
-    from sacpolicy.traces.production import META_KEY, SHARD_PREFIX
+    from sacpolicy.traces.logformat import META_KEY, SHARD_PREFIX
 
     files = sorted(Path(logs).glob(f"{SHARD_PREFIX}*.parquet"))
     try:
@@ -165,7 +165,8 @@ def log_meta(logs) -> dict | None:
 def production_traces(ctx: RunContext) -> tuple[dict, Path]:
     """(meta, tf dir) of the production traces built from ``refit.logs`` into this run (refusing, with the fix, logs
     of another target than the run's and a k cap below ``fit.k_max``)."""
-    from sacpolicy.traces.production import StepLogError, build_production_traces
+    from sacpolicy.traces.logformat import StepLogError
+    from sacpolicy.traces.production import build_production_traces
     from sacpolicy.traces.schema import read_meta
 
     cfg, logs = ctx.cfg, Path(ctx.cfg.refit.logs)
@@ -252,7 +253,7 @@ def replay(ctx: RunContext, policy, test: dict, log: dict, drafters: list[str]) 
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
-    from sacpolicy.traces.production import AsServed
+    from sacpolicy.traces.served_replay import AsServed
     from sacpolicy.traces.simulate import Oracle, simulate
 
     k_cap = int(log["k_cap"])
@@ -299,7 +300,8 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
-    from sacpolicy.traces.production import AsServed, read_step_log, requests_of
+    from sacpolicy.traces.served_replay import AsServed
+    from sacpolicy.traces.steplog_read import read_step_log, requests_of
 
     reqs, _ = requests_of(read_step_log(ctx.cfg.refit.logs, target=ctx.cfg.target.spec)[0])
     target = ctx.target
