@@ -4,7 +4,8 @@ error only, so the writer in vLLM's worker and every reader import one definitio
 
 A log is a directory of Parquet shards named ``steps-<UTC start, YYYYmmddTHHMMSS>-<server run id>-<n>.parquet``, each
 a table of ``STEP_SCHEMA`` whose schema metadata holds, under ``META_KEY``, the server's provenance as JSON
-(its target, policy, drafters and k cap, and the counts its writer kept: ``dropped``, ``write_failures``).
+(its target, policy, drafters and k cap, and the counts its writer kept: ``dropped``, ``bad_records``,
+``write_failures``).
 """
 
 from __future__ import annotations

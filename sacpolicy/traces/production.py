@@ -96,7 +96,8 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
             **({"beta": "processed"} if temperature > 0 else {}),
             "teacher_forcing": "target" if model is not None else "tokens",  # who computed beta / p_target
             "log": {"dir": str(Path(log_dir).resolve()), "requests": len(reqs), "incomplete": incomplete,
-                    "dropped": log["dropped"], "shards": log["shards"], "k_cap": k_max,
+                    "dropped": log["dropped"], "bad_records": log["bad_records"], "shards": log["shards"],
+                    "k_cap": k_max,
                     "max_model_len": log["max_model_len"], "load_aware": log["load_aware"],
                     "rule_drafters": log["rule_drafters"], "sampling": counts,
                     "policies": sorted({s["policy"] for r in reqs.values() for s in r["steps"]}),

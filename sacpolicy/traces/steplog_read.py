@@ -24,14 +24,15 @@ logger = logging.getLogger(__name__)
 
 
 def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None = None) -> tuple[list[dict], dict]:
-    """Every record of the log at ``log_dir`` and its provenance (the first shard's metadata; ``dropped`` summed over
-    server runs). Refuses a shard that cannot be read, a shard without step-log metadata, shards of different
-    targets, and (when given) a log of another ``target`` (sacpolicy model spec) or ``tokenizer``."""
+    """Every record of the log at ``log_dir`` and its provenance (the first shard's metadata; what each writer lost,
+    summed over server runs: ``dropped`` and ``bad_records`` records, ``write_failures`` shards). Refuses a shard that cannot be read, a
+    shard without step-log metadata, shards of different targets, and (when given) a log of another ``target``
+    (sacpolicy model spec) or ``tokenizer``."""
     files = sorted(Path(log_dir).glob(f"{SHARD_PREFIX}*.parquet"))
     if not files:
         raise StepLogError(f"{log_dir} holds no step-log shards ({SHARD_PREFIX}*.parquet); serve with "
                            "scripts/serve.py --log-steps DIR (SACPOLICY_PROPOSER_LOG) and send requests first")
-    records, meta, dropped = [], None, {}
+    records, meta, lost = [], None, {"dropped": {}, "bad_records": {}, "write_failures": {}}
     for path in files:
         try:
             table = pq.read_table(path)
@@ -46,9 +47,10 @@ def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None =
         m = json.loads(raw)
         meta = meta or m
         _check_provenance(path, m, meta, files[0], target, tokenizer)
-        dropped[m["run_id"]] = max(dropped.get(m["run_id"], 0), int(m.get("dropped", 0)))
+        for key, runs in lost.items():  # a writer's counts grow from shard to shard: its last shard's
+            runs[m["run_id"]] = max(runs.get(m["run_id"], 0), int(m.get(key, 0)))
         records += table.to_pylist()
-    return records, {**meta, "dropped": sum(dropped.values()), "shards": len(files)}
+    return records, {**meta, **{key: sum(runs.values()) for key, runs in lost.items()}, "shards": len(files)}
 
 
 def _check_provenance(path, m: dict, first: dict, first_path, target, tokenizer) -> None:
