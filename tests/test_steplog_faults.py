@@ -1,21 +1,27 @@
 """The step log under faults (issue 64): a record the writer cannot build or store is left out and counted while later
-steps are written, and ``close`` never waits on a writer that is gone.
+steps are written, and ``close`` never waits on a writer that is gone; a damaged shard (unreadable, or its metadata
+not JSON or lacking what a reader needs) is refused with the file and the fix, or skipped and counted on request.
 
 Fast: the fake engine of test_production drives the real proposer; bad records are queued beside its steps exactly
-as the engine thread queues a step.
+as the engine thread queues a step, and shards are damaged on disk after the log is written.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
-from test_production import logged_requests, proposer, workload
+from test_production import TARGET, logged_requests, proposer, workload
 
 from sacpolicy.export import steplog
 from sacpolicy.runtime.features import RowContext
+from sacpolicy.traces.logformat import META_KEY, StepLogError
+from sacpolicy.traces.production import build_production_traces
+from sacpolicy.traces.steplog_read import read_step_log
 
 
 def bad_row(log, why: str) -> tuple:
@@ -116,3 +122,88 @@ def test_a_shard_that_cannot_be_written_is_counted_and_later_shards_are_written(
     cost = prop.steplog.cost()
     assert cost["write_failures"] == 1 and cost["shards"] == len(calls) - 1 >= 2
     assert meta["write_failures"] == 1 and meta["shards"] == cost["shards"]
+
+
+# ---------------------------------------------------------------------- damaged shards
+def two_runs(tmp_path, monkeypatch) -> tuple[list, dict]:
+    """A log of two server runs (a shard each, 4 requests each): (its shards in name order, {shard: its requests' log
+    ids})."""
+    for seed in (1, 2):
+        prop = proposer(tmp_path, monkeypatch)
+        workload(n=4, seed=seed).run(prop)
+        prop.steplog.close()
+    shards = sorted((tmp_path / "log").glob("steps-*.parquet"))
+    assert len(shards) == 2
+    return shards, {s: set(pq.read_table(s, columns=["request"])["request"].to_pylist()) for s in shards}
+
+
+def with_meta(shard, meta: bytes | None) -> None:
+    """Rewrite ``shard`` with ``meta`` as its step-log metadata (None: none)."""
+    table = pq.read_table(shard)
+    pq.write_table(table.replace_schema_metadata(None if meta is None else {META_KEY: meta}), shard)
+
+
+def edited(shard, **change) -> bytes:
+    """The shard's metadata with ``change`` (a value None: the key removed)."""
+    meta = json.loads(pq.read_schema(shard).metadata[META_KEY.encode()])
+    meta.update(change)
+    return json.dumps({k: v for k, v in meta.items() if v is not None}).encode()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("json", r"metadata \(sacpolicy.steplog\) is not valid JSON"),
+    ("target", r"metadata \(sacpolicy.steplog\) lacks \['target'\]"),
+    ("run_id", r"metadata \(sacpolicy.steplog\) lacks \['run_id'\]"),
+    ("drafter", r"metadata \(sacpolicy.steplog\) lacks \['drafter'\]"),
+    ("target_type", r"holds a target or drafter that is not a JSON object"),
+    ("columns", r"lacks the step log's columns \['context'\]"),
+], ids=["json", "target", "run_id", "drafter", "target_type", "columns"])
+def test_damaged_shard_metadata_is_refused_naming_the_file_and_the_fix(tmp_path, monkeypatch, damage, message):
+    shards, _ = two_runs(tmp_path, monkeypatch)
+    bad = shards[1]
+    if damage == "json":
+        with_meta(bad, b'{"format": 1, "run_id": ')  # cut short
+    elif damage == "target_type":
+        with_meta(bad, edited(bad, target="toy:greedy-target"))
+    elif damage == "columns":
+        table = pq.read_table(bad)
+        pq.write_table(table.drop_columns(["context"]), bad)
+    else:
+        with_meta(bad, edited(bad, **{damage: None}))
+    with pytest.raises(StepLogError, match=f"{bad}.*{message}.*damaged.*Delete it or copy it again.*skip_corrupt"):
+        read_step_log(tmp_path / "log")
+
+
+def test_skip_corrupt_leaves_out_damaged_shards_with_a_warning_and_counts_them(tmp_path, monkeypatch, caplog):
+    shards, ids = two_runs(tmp_path, monkeypatch)
+    first, second = shards
+    with_meta(first, b"not json")  # the first shard: the log's provenance comes from the next one
+    records, meta = read_step_log(tmp_path / "log", target=TARGET, skip_corrupt=True)
+    assert meta["corrupt_shards"] == 1 and meta["shards"] == 1
+    assert {r["request"] for r in records} == ids[second]
+    assert f"skipped a damaged step-log shard (skip_corrupt): {first}'s step-log metadata" in caplog.text
+    # a shard cut short (unreadable) is skipped as well; then none is left: refused, naming the count
+    second.write_bytes(second.read_bytes()[: second.stat().st_size // 2])
+    with pytest.raises(StepLogError, match="none of its 2 step-log shards can be read"):
+        read_step_log(tmp_path / "log", skip_corrupt=True)
+    assert f"corrupt step-log shard {second}" in caplog.text
+
+
+def test_skip_corrupt_is_threaded_through_building_traces_and_skips_damage_only(tmp_path, monkeypatch):
+    shards, ids = two_runs(tmp_path, monkeypatch)
+    first, second = shards
+    second.write_bytes(second.read_bytes()[: second.stat().st_size // 2])
+    with pytest.raises(StepLogError, match=f"corrupt step-log shard {second}.*skip_corrupt=True"):
+        build_production_traces(tmp_path / "log", tmp_path / "t")
+    meta = build_production_traces(tmp_path / "log", tmp_path / "t", skip_corrupt=True)
+    assert meta["log"]["corrupt_shards"] == 1 and meta["log"]["shards"] == 1
+    assert set(meta["log"]["prompts"]) == ids[first] and meta["log"]["requests"] == 4
+    # a shard of another log format is not damage: refused even when skipping damaged shards
+    pq.write_table(pq.read_table(first), second)
+    with_meta(second, edited(first, format=2))
+    with pytest.raises(StepLogError, match=f"{second} is not a step-log shard of format 1 \\(its format: 2"):
+        read_step_log(tmp_path / "log", skip_corrupt=True)
+    # shards of another target are refused, not skipped
+    with_meta(second, edited(first, target={"target": "hf:other/model"}))
+    with pytest.raises(StepLogError, match="one target's logs"):
+        read_step_log(tmp_path / "log", skip_corrupt=True)

@@ -28,8 +28,8 @@ several is refused unless ``select`` keeps one of them.
 
 A request is rebuilt only when its steps are in the log from its first on (a step dropped by a full queue or a
 deleted shard in the middle leaves it out, counted in ``meta.log.incomplete``; missing last steps leave it shorter,
-its sequence a prefix of what was served). Shards that cannot be read, and logs of another target or
-tokenizer than the one asked for, are refused with the file and the fix.
+its sequence a prefix of what was served). Shards that cannot be read (unless ``skip_corrupt``: then left out and
+counted), and logs of another target or tokenizer than the one asked for, are refused with the file and the fix.
 """
 
 from __future__ import annotations
@@ -57,20 +57,22 @@ def prompt_key(prompt) -> str:
 
 
 def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | None = None, sampling=None,
-                            select=None, chunk: int = 256, progress: bool = True) -> dict:
+                            select=None, skip_corrupt: bool = False, chunk: int = 256, progress: bool = True) -> dict:
     """``out_dir/live`` and ``out_dir/tf`` from the step log at ``log_dir`` (see the module docstring); returns the
     meta written. ``target``: the log's target, as a spec (checked against the log) or a loaded model
     (``models.LoadedModel``: checked by its spec, and run over every sequence for the collector's own teacher-forced
     rows, which sampled requests need). ``sampling`` ({"temperature", "top_k", "top_p"} or a ``SamplingConfig``):
     the settings of requests whose log records none (default greedy); ``select``: keep only the requests served at
-    these settings."""
+    these settings; ``skip_corrupt``: leave damaged shards out (``read_step_log``'s, counted in
+    ``meta.log.corrupt_shards``) rather than refuse the log."""
     from sacpolicy.decoding import SamplingConfig
     from sacpolicy.decoding.lookup import lookup_drafter
     from sacpolicy.decoding.types import Resettable, fresh_drafters
     from sacpolicy.progress import progress_iter
 
     model = None if target is None or isinstance(target, str) else target
-    records, log = read_step_log(log_dir, target=target if model is None else model.spec, tokenizer=tokenizer)
+    records, log = read_step_log(log_dir, target=target if model is None else model.spec, tokenizer=tokenizer,
+                                 skip_corrupt=skip_corrupt)
     reqs, incomplete = requests_of(records)
     if incomplete:
         logger.warning("%d of %d logged requests are incomplete (steps dropped or a shard missing) and are left out",
@@ -97,7 +99,7 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
             "teacher_forcing": "target" if model is not None else "tokens",  # who computed beta / p_target
             "log": {"dir": str(Path(log_dir).resolve()), "requests": len(reqs), "incomplete": incomplete,
                     "dropped": log["dropped"], "bad_records": log["bad_records"], "shards": log["shards"],
-                    "k_cap": k_max,
+                    "corrupt_shards": log["corrupt_shards"], "k_cap": k_max,
                     "max_model_len": log["max_model_len"], "load_aware": log["load_aware"],
                     "rule_drafters": log["rule_drafters"], "sampling": counts,
                     "policies": sorted({s["policy"] for r in reqs.values() for s in r["steps"]}),

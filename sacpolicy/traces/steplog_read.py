@@ -1,56 +1,70 @@
 """Reading the served proposer's step log (``sacpolicy.export.steplog``; its files: ``traces.logformat``): every
 record and the servers' provenance (``read_step_log``, refusing shards of another target, tokenizer or server setting
-with the file and the fix), the requests rebuilt from their records
+with the file and the fix; skipping damaged ones on request), the requests rebuilt from their records
 (``requests_of``), the lookup drafters the server ran (``logged_drafters``) and each request's sampling settings
 (``served_sampling``, ``request_settings``). What builds on it: ``traces.production`` (traces),
 ``traces.vllm_compare`` (vLLM's own per-request arrays), ``traces.served_replay`` (the logged policy's replay).
 
-A request is rebuilt only when its steps are in the log from its first on (a step dropped by a full queue or a deleted
-shard in the middle leaves it out, counted as incomplete; missing last steps leave it shorter, its
-sequence a prefix of what was served).
+A request is rebuilt only when its steps are in the log from its first on (a step dropped by a full queue, a bad
+record, or a deleted or skipped shard in the middle leaves it out, counted as incomplete; missing last steps leave it
+shorter, its sequence a prefix of what was served).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from sacpolicy.traces.logformat import LOG_FORMAT, META_KEY, SHARD_PREFIX, StepLogError
+from sacpolicy.traces.logformat import DAMAGED, SHARD_PREFIX, CorruptShard, StepLogError, shard_files, shard_meta
 
 logger = logging.getLogger(__name__)
 
 
-def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None = None) -> tuple[list[dict], dict]:
+def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None = None,
+                  skip_corrupt: bool = False) -> tuple[list[dict], dict]:
     """Every record of the log at ``log_dir`` and its provenance (the first shard's metadata; what each writer lost,
-    summed over server runs: ``dropped`` and ``bad_records`` records, ``write_failures`` shards). Refuses a shard that cannot be read, a
-    shard without step-log metadata, shards of different targets, and (when given) a log of another ``target``
-    (sacpolicy model spec) or ``tokenizer``."""
-    files = sorted(Path(log_dir).glob(f"{SHARD_PREFIX}*.parquet"))
+    summed over server runs: ``dropped`` and ``bad_records`` records, ``write_failures`` shards; ``shards`` read and
+    ``corrupt_shards`` skipped). Refuses shards of different targets or server settings, a shard of another log
+    format, and (when given) a log of another ``target`` (sacpolicy model spec) or ``tokenizer``, each with the file
+    and the fix. A shard that cannot be read, or whose metadata or columns are damaged (``logformat.CorruptShard``),
+    is refused too, unless ``skip_corrupt``: then it is left out with a warning naming it (its requests are then
+    incomplete, or end early), so one damaged file does not block a whole log."""
+    files = shard_files(log_dir)
     if not files:
         raise StepLogError(f"{log_dir} holds no step-log shards ({SHARD_PREFIX}*.parquet); serve with "
                            "scripts/serve.py --log-steps DIR (SACPOLICY_PROPOSER_LOG) and send requests first")
-    records, meta, lost = [], None, {"dropped": {}, "bad_records": {}, "write_failures": {}}
+    records, meta, first_path, corrupt = [], None, None, 0
+    lost: dict[str, dict] = {"dropped": {}, "bad_records": {}, "write_failures": {}}
     for path in files:
         try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow raises several types for damaged files
-            raise StepLogError(f"corrupt step-log shard {path}: {exc}; it was cut short (a crash or an incomplete "
-                               "copy: shards are written atomically). Delete it or copy it again; its requests are "
-                               "then left out as incomplete") from exc
-        raw = (table.schema.metadata or {}).get(META_KEY.encode())
-        if raw is None or json.loads(raw).get("format") != LOG_FORMAT:
-            raise StepLogError(f"{path} is not a step-log shard of format {LOG_FORMAT} (written by "
-                               f"sacpolicy.export.steplog); move it out of {log_dir} or log again with this sacpolicy")
-        m = json.loads(raw)
-        meta = meta or m
-        _check_provenance(path, m, meta, files[0], target, tokenizer)
+            table, m = _read_shard(path)
+        except CorruptShard as exc:
+            if not skip_corrupt:
+                raise
+            logger.warning("skipped a damaged step-log shard (skip_corrupt): %s", exc)
+            corrupt += 1
+            continue
+        if meta is None:
+            meta, first_path = m, path
+        _check_provenance(path, m, meta, first_path, target, tokenizer)
         for key, runs in lost.items():  # a writer's counts grow from shard to shard: its last shard's
             runs[m["run_id"]] = max(runs.get(m["run_id"], 0), int(m.get(key, 0)))
         records += table.to_pylist()
-    return records, {**meta, **{key: sum(runs.values()) for key, runs in lost.items()}, "shards": len(files)}
+    if meta is None:
+        raise StepLogError(f"{log_dir}: none of its {len(files)} step-log shards can be read (each damaged, warned "
+                           "above); copy the log again from the server, or serve and log anew")
+    return records, {**meta, **{key: sum(runs.values()) for key, runs in lost.items()},
+                     "shards": len(files) - corrupt, "corrupt_shards": corrupt}
+
+
+def _read_shard(path):
+    """(table, provenance) of the shard at ``path``; ``CorruptShard`` when it cannot be read or is damaged."""
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for damaged files
+        raise CorruptShard(f"corrupt step-log shard {path}: {exc}; {DAMAGED}") from exc
+    return table, shard_meta(path, table.schema)
 
 
 def _check_provenance(path, m: dict, first: dict, first_path, target, tokenizer) -> None:
