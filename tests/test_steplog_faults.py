@@ -1,6 +1,7 @@
 """The step log under faults (issue 64): a record the writer cannot build or store is left out and counted while later
 steps are written, and ``close`` never waits on a writer that is gone; a damaged shard (unreadable, or its metadata
-not JSON or lacking what a reader needs) is refused with the file and the fix, or skipped and counted on request.
+not JSON or lacking what a reader needs) is refused with the file and the fix, or skipped and counted on request; a
+tensor-parallel engine's log holds each request once (only its first proposer worker writes).
 
 Fast: the fake engine of test_production drives the real proposer; bad records are queued beside its steps exactly
 as the engine thread queues a step, and shards are damaged on disk after the log is written.
@@ -11,11 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from test_production import TARGET, logged_requests, proposer, workload
+from test_production import TARGET, logged_requests, proposer, vllm_config, workload
 
 from sacpolicy.export import steplog
 from sacpolicy.runtime.features import RowContext
@@ -207,3 +209,61 @@ def test_skip_corrupt_is_threaded_through_building_traces_and_skips_damage_only(
     with_meta(second, edited(first, target={"target": "hf:other/model"}))
     with pytest.raises(StepLogError, match="one target's logs"):
         read_step_log(tmp_path / "log", skip_corrupt=True)
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+def tp_config(rank: int, tp: int = 2, pcp: int = 1):
+    """test_production's vLLM config as a worker of a tensor-parallel engine sees it (vLLM sets ``rank``)."""
+    cfg = vllm_config()
+    cfg.parallel_config = SimpleNamespace(rank=rank, tensor_parallel_size=tp, prefill_context_parallel_size=pcp)
+    return cfg
+
+
+class TensorParallel:
+    """The proposer hook of a tensor-parallel engine: every rank's proposer is called with the same rows and drafts
+    the same blocks (the engine uses one)."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def propose(self, *args):
+        blocks = [p.propose(*args) for p in self.ranks]
+        assert all(b == blocks[0] for b in blocks)
+        return blocks[0]
+
+
+def test_a_tensor_parallel_engine_logs_each_request_once_from_its_first_rank(tmp_path, monkeypatch):
+    from toys import ngram_rule
+
+    from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
+    from sacpolicy.runtime import save_policy
+
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
+    policy = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram",
+                         "max_ngram": 3}}, provenance={"target": TARGET}, metrics={})
+    ranks = [PolicyNgramProposer(tp_config(r), str(policy)) for r in (0, 1)]
+    assert ranks[0].steplog is not None and ranks[1].steplog is None  # rank 1 holds no log: one `if` per step
+    engine = workload(n=6, seed=3)
+    engine.run(TensorParallel(ranks))
+    ranks[0].steplog.close()
+    reqs, incomplete, meta = logged_requests(tmp_path)
+    assert incomplete == 0 and len(reqs) == len(engine.prompts) and meta["shards"] == 1  # once each, not twice
+    assert sorted(r["tokens"] for r in reqs.values()) == sorted(engine.seqs.values())
+    assert meta["proposer_workers"] == 2
+
+
+@pytest.mark.parametrize("rank, tp, pcp, place", [(0, 1, 1, 0), (3, 2, 1, 1), (5, 2, 1, 1), (4, 2, 1, 0),
+                                                   (6, 2, 2, 2), (8, 2, 2, 0)])
+def test_the_writer_is_the_first_proposer_worker_of_each_engine(rank, tp, pcp, place):
+    """vLLM's ranks: tensor-parallel innermost, then prefill-context-parallel, then pipeline stages (the proposer runs
+    on the last); external data-parallel engines stack whole engines on top."""
+    assert steplog.engine_rank(tp_config(rank, tp, pcp)) == (place, tp * pcp)
+    assert steplog.engine_rank(vllm_config()) == (0, 1)  # not in vLLM, no process group: the one writer
+
+
+@pytest.mark.slow
+def test_vllms_parallel_config_holds_what_the_writer_reads():
+    config = pytest.importorskip("vllm.config")
+    pc = config.ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    pc.rank = 3  # what vLLM's worker sets: the last stage's second tensor-parallel rank
+    assert steplog.engine_rank(SimpleNamespace(parallel_config=pc)) == (1, 2)

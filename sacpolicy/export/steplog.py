@@ -2,7 +2,9 @@
 
 Opt-in: ``SACPOLICY_PROPOSER_LOG=<dir>`` (``scripts/serve.py --log-steps DIR``) turns it on, and
 ``SACPOLICY_PROPOSER_LOG_RATE`` (``--log-rate``, default 1) samples requests by a hash of the context they are first
-seen with, so a request is logged whole or not at all. With logging off the proposer pays one ``if`` per step.
+seen with, so a request is logged whole or not at all. With logging off the proposer pays one ``if`` per step. One
+writer per engine: vLLM builds the proposer on every tensor-parallel rank, all seeing the same rows, and only the
+first of them logs (``engine_rank``; the others pay the same one ``if``), so a log holds each request once.
 
 Per logged request step (``traces.logformat.STEP_SCHEMA``): the request's log id (vLLM's hook gives no request ids;
 requests are found again by their committed tokens, as ``_History`` finds them), its step, the feature row the policy
@@ -84,6 +86,24 @@ def target_provenance(vllm_config, art) -> dict:
             "tokenizer": getattr(mc, "tokenizer", None), "vocab_size": vocab() if callable(vocab) else None}
 
 
+def engine_rank(vllm_config) -> tuple[int, int]:
+    """(this worker's place among the workers of its engine that run the proposer, how many run it). vLLM builds the
+    proposer on every worker of the last pipeline stage: each tensor-parallel (and prefill-context-parallel) rank,
+    each seeing the same rows and drafting the same blocks. From ``vllm_config.parallel_config``: ``rank``, which
+    vLLM's worker sets to its global rank, tensor-parallel ranks innermost, then prefill-context-parallel ones, so
+    ``rank`` modulo their product is the place; without a parallel config (not in vLLM), torch.distributed's rank
+    and world size when a process group is initialised, else (0, 1)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    peers = int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "prefill_context_parallel_size", 1))
+    return int(getattr(pc, "rank", 0)) % peers, peers
+
+
 class StepLogger:
     """The step log of one proposer (see the module docstring). ``step`` runs on the engine thread; a daemon thread
     writes. ``meta``: the shard metadata (``for_proposer``); ``key``: a context's key (the proposer's ``_History``'s).
@@ -117,8 +137,15 @@ class StepLogger:
         mp_util.Finalize(self, self.close, exitpriority=10)
 
     @classmethod
-    def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger:
-        """The log of ``proposer`` (a ``PolicyNgramProposer``, its artifact ``art``) in ``out_dir``."""
+    def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger | None:
+        """The log of ``proposer`` (a ``PolicyNgramProposer``, its artifact ``art``) in ``out_dir``; None on a worker
+        that is not its engine's writer (``engine_rank``: one writer per engine, the first of the workers that run
+        the proposer; the others see the same rows and would log every request again)."""
+        rank, peers = engine_rank(vllm_config)
+        if rank:
+            logger.info("the step log of this engine is written by its first proposer worker; this one (%d of %d) "
+                        "logs nothing", rank, peers)
+            return None
         spec = art.drafters[proposer.drafter]
         meta = {"target": target_provenance(vllm_config, art), "policy_dir": str(art.path),
                 "drafter": {"name": proposer.drafter, "kind": spec.kind, "max_ngram": spec.max_ngram,
@@ -126,7 +153,8 @@ class StepLogger:
                 # every lookup drafter served, the primary first: what production traces teacher-force
                 "drafters": {n: s.to_dict() for n, s in proposer.lookup_specs.items()},
                 "k_cap": int(proposer.k_cap), "max_model_len": int(proposer.max_model_len),
-                "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters)}
+                "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters),
+                "proposer_workers": peers}  # the engine's workers that ran the proposer (this one alone logs)
         return cls(out_dir, meta, proposer.history._key, rate=float(os.environ.get(RATE_ENV, "1")),
                    capacity=proposer.history.capacity, queue_size=QUEUE_SIZE,
                    flush_s=float(os.environ.get(FLUSH_ENV, FLUSH_S)))
