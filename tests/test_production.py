@@ -26,7 +26,7 @@ import pytest
 import torch
 from toys import LOOKUP_DRAFTERS, load_script, lookup_rule, ngram_rule
 
-from sacpolicy.export import steplog
+from sacpolicy.export import steplog, steplog_writer
 from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
 from sacpolicy.runtime import save_policy
 from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, next_accept_history
@@ -270,16 +270,16 @@ def test_requests_are_sampled_whole_by_their_first_context(tmp_path, monkeypatch
 
 def test_a_blocked_writer_never_blocks_the_engine_and_drops_are_counted(tmp_path, monkeypatch):
     release, entered = threading.Event(), threading.Event()
-    records = steplog._records
+    records = steplog_writer._records
 
     def blocked(item):
         entered.set()
         release.wait(30)
         return records(item)
 
-    monkeypatch.setattr(steplog, "_records", blocked)
+    monkeypatch.setattr(steplog_writer, "_records", blocked)
     monkeypatch.setattr(steplog, "QUEUE_SIZE", 2)
-    monkeypatch.setattr(steplog, "DRAIN_S", 0.001)  # the writer takes the first step at once, and gets stuck in it
+    monkeypatch.setattr(steplog_writer, "DRAIN_S", 0.001)  # the writer takes the first step at once, and gets stuck in it
     prop = proposer(tmp_path, monkeypatch)
     engine = workload(seed=3)
     times = engine.run(prop, on_step=lambda t: t == 20 and release.set())  # the writer is stuck for 20 steps

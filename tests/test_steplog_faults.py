@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_production import TARGET, logged_requests, proposer, vllm_config, workload
 
-from sacpolicy.export import steplog
+from sacpolicy.export import steplog, steplog_writer
 from sacpolicy.runtime.features import RowContext
 from sacpolicy.traces.logformat import META_KEY, StepLogError
 from sacpolicy.traces.production import build_production_traces
@@ -37,11 +37,11 @@ def bad_row(log, why: str) -> tuple:
 def test_a_bad_record_is_counted_and_the_writer_keeps_writing_the_steps_around_it(tmp_path, monkeypatch, caplog, why):
     """One drain holds the bad record and every good step (the writer wakes only at close): the good ones are all in
     the shards, the bad one is counted in the logger's cost and the shards' metadata and logged once."""
-    monkeypatch.setattr(steplog, "DRAIN_S", 3600.0)
+    monkeypatch.setattr(steplog_writer, "DRAIN_S", 3600.0)
     prop = proposer(tmp_path, monkeypatch)
     log = prop.steplog
     engine = workload(n=6, seed=4)
-    engine.run(prop, on_step=lambda t: t == 3 and log.queue.put_nowait((time.time(), 0.01, 1, [bad_row(log, why)])))
+    engine.run(prop, on_step=lambda t: t == 3 and log.writer.put((time.time(), 0.01, 1, [bad_row(log, why)])))
     log.close()
     reqs, incomplete, meta = logged_requests(tmp_path)
     assert incomplete == 0 and len(reqs) == len(engine.prompts)
@@ -53,14 +53,14 @@ def test_a_bad_record_is_counted_and_the_writer_keeps_writing_the_steps_around_i
 
 
 def test_bad_records_in_every_drain_are_logged_once_and_later_steps_are_still_written(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(steplog, "DRAIN_S", 0.001)  # a drain per engine step or so: bad records in many of them
+    monkeypatch.setattr(steplog_writer, "DRAIN_S", 0.001)  # a drain per engine step or so: bad records in many of them
     prop = proposer(tmp_path, monkeypatch)
     log = prop.steplog
     engine, queued = workload(n=6, seed=7), []
 
     def on_step(t):  # a bad record after each of the first 30 engine steps (then the engine idles to step 10000)
         if t <= 30:
-            log.queue.put_nowait((time.time(), 0.01, 1, [bad_row(log, "build")]))
+            log.writer.put((time.time(), 0.01, 1, [bad_row(log, "build")]))
             queued.append(t)
             time.sleep(0.002)  # the writer takes some of them in drains of their own
 
@@ -68,7 +68,7 @@ def test_bad_records_in_every_drain_are_logged_once_and_later_steps_are_still_wr
     log.close()
     reqs, incomplete, meta = logged_requests(tmp_path)
     assert incomplete == 0 and len(reqs) == len(engine.prompts)
-    assert log.bad_records == meta["bad_records"] == len(queued) > 10
+    assert log.cost()["bad_records"] == meta["bad_records"] == len(queued) > 10
     assert sum("bad_records" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -78,20 +78,20 @@ def test_an_engine_step_the_log_cannot_read_never_reaches_the_engine(tmp_path, m
     prop = proposer(tmp_path, monkeypatch)
     log = prop.steplog
     log.step([(np.arange(5), 1, object(), 2, [1, 2], "p", None, "ngram")], 1, 0.01, "ngram")  # raises inside
-    assert log.bad_records == 1
     engine = workload(n=4, seed=2)
     engine.run(prop)
     log.close()
-    reqs, incomplete, _ = logged_requests(tmp_path)
+    reqs, incomplete, meta = logged_requests(tmp_path)
     assert incomplete == 0 and len(reqs) == len(engine.prompts)
+    assert log.cost()["bad_records"] == meta["bad_records"] == 1  # counted by the writer, in the shards too
 
 
 def test_close_returns_at_once_when_the_writer_is_gone_or_idle(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(steplog.StepLogger, "_run", lambda self: None)  # a writer that ended ...
+    monkeypatch.setattr(steplog_writer.ShardWriter, "_run", lambda self: None)  # a writer that ended ...
     gone = steplog.StepLogger(tmp_path / "gone", {}, bytes, queue_size=2)
-    gone.thread.join(5)
+    gone.writer.thread.join(5)
     for _ in range(2):  # ... and left a full queue: a put would wait its whole timeout
-        gone.queue.put_nowait((time.time(), 0.0, 1, []))
+        gone.writer.put((time.time(), 0.0, 1, []))
     t0 = time.perf_counter()
     gone.close()
     assert time.perf_counter() - t0 < 0.5
@@ -100,7 +100,7 @@ def test_close_returns_at_once_when_the_writer_is_gone_or_idle(tmp_path, monkeyp
     idle = steplog.StepLogger(tmp_path / "idle", {}, bytes, flush_s=3600.0)
     t0 = time.perf_counter()
     idle.close()
-    assert time.perf_counter() - t0 < 0.5 and not idle.thread.is_alive()
+    assert time.perf_counter() - t0 < 0.5 and not idle.writer.thread.is_alive()
 
 
 def test_a_shard_that_cannot_be_written_is_counted_and_later_shards_are_written(tmp_path, monkeypatch):
@@ -115,7 +115,7 @@ def test_a_shard_that_cannot_be_written_is_counted_and_later_shards_are_written(
         return real(path, data)
 
     monkeypatch.setattr(sacpolicy.io, "write_bytes", first_fails)
-    monkeypatch.setattr(steplog, "DRAIN_S", 0.001)
+    monkeypatch.setattr(steplog_writer, "DRAIN_S", 0.001)
     monkeypatch.setenv(steplog.FLUSH_ENV, "0.001")  # a shard per drain
     prop = proposer(tmp_path, monkeypatch)
     workload(n=6, seed=3).run(prop, on_step=lambda t: t < 40 and time.sleep(0.003))
