@@ -356,7 +356,7 @@ class ReloadDrill:
 def reload_report(log_dir: Path, stats_path: Path, swaps: list[dict]) -> dict:
     """What a drill server did: its swaps and failed swaps (the proposer's stats file), the policy id it ended on,
     and the verify steps each policy id planned (its step log), beside the deploys the drill made."""
-    from sacpolicy.traces.production import read_step_log
+    from sacpolicy.traces.steplog_read import read_step_log
 
     stats = json.loads(Path(stats_path).read_text()) if Path(stats_path).is_file() else {}
     steps: dict[str, int] = {}

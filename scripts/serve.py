@@ -111,7 +111,7 @@ def step_log_env(args, config) -> dict:
 
     from sacpolicy.export.steplog import RATE_ENV
     from sacpolicy.export.vllm import LOG_ENV
-    from sacpolicy.traces.production import StepLogError, check_rate
+    from sacpolicy.traces.logformat import StepLogError, check_rate
 
     if config.policy_dir is None or config.name != "learned":
         raise SystemExit(f"serve: --log-steps logs the learned rule's proposer; --config {config.name} does not run "

@@ -9,8 +9,9 @@ Starts ``python -m vllm.entrypoints.openai.api_server`` with the export's learne
 its step log in ``--logs`` (every request: ``SACPOLICY_PROPOSER_LOG_RATE=1``) and
 ``--per-request-spec-decode-metrics detailed``, sends the prompts (the chat template applied, as token ids) greedily,
 ``--concurrency`` at a time, waits for the log's writer and stops the server. Then it reads the log back
-(``traces.production``), finds every served request in it by its tokens and compares the logged (drafted, accepted)
-of every verified step with vLLM's ``per_step_drafted`` / ``per_step_accepted`` (``compare_with_vllm``). Prints the
+(``traces.steplog_read``), finds every served request in it by its tokens and compares the logged (drafted,
+accepted) of every verified step with vLLM's ``per_step_drafted`` / ``per_step_accepted``
+(``traces.vllm_compare.compare_with_vllm``). Prints the
 agreement and writes ``--out`` (JSON: the prompts' ids, the responses' tokens and vLLM's arrays, the check).
 """
 
@@ -41,7 +42,8 @@ def main(argv=None) -> dict:
     from sacpolicy.export.vllm import LOG_ENV
     from sacpolicy.export.vllm_serve import ServeError, VllmServer, completions, serve_config
     from sacpolicy.models import EMBEDDED_TARGET, load_tokenizer, served_model
-    from sacpolicy.traces.production import compare_with_vllm, read_step_log, requests_of
+    from sacpolicy.traces.steplog_read import read_step_log, requests_of
+    from sacpolicy.traces.vllm_compare import compare_with_vllm
 
     logs = Path(args.logs).resolve()
     if logs.exists() and any(logs.iterdir()):

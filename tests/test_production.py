@@ -1,5 +1,5 @@
 """The production loop's first half: the served proposer's step log (sacpolicy.export.steplog) and the traces rebuilt
-from it (sacpolicy.traces.production).
+from it (sacpolicy.traces: logformat, steplog_read, production, vllm_compare, served_replay).
 
 Fast: a fake engine drives ``PolicyNgramProposer.propose`` as vLLM does (rows reorder, join and leave between steps;
 each step verifies the previous step's drafts against a deterministic greedy "target" and hands the proposer the
@@ -26,19 +26,16 @@ import pytest
 import torch
 from toys import LOOKUP_DRAFTERS, load_script, lookup_rule, ngram_rule
 
-from sacpolicy.export import steplog
+from sacpolicy.export import steplog, steplog_writer
 from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
 from sacpolicy.runtime import save_policy
 from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, next_accept_history
-from sacpolicy.traces.production import (
-    StepLogError,
-    build_production_traces,
-    compare_with_vllm,
-    read_step_log,
-    replay_logged,
-    requests_of,
-)
+from sacpolicy.traces.logformat import StepLogError
+from sacpolicy.traces.production import build_production_traces
 from sacpolicy.traces.schema import load_traces, read_meta
+from sacpolicy.traces.served_replay import replay_logged
+from sacpolicy.traces.steplog_read import read_step_log, requests_of
+from sacpolicy.traces.vllm_compare import compare_with_vllm
 
 VOCAB, MAX_LEN, K = 9, 256, 6
 TARGET = "toy:greedy-target"
@@ -273,16 +270,16 @@ def test_requests_are_sampled_whole_by_their_first_context(tmp_path, monkeypatch
 
 def test_a_blocked_writer_never_blocks_the_engine_and_drops_are_counted(tmp_path, monkeypatch):
     release, entered = threading.Event(), threading.Event()
-    records = steplog._records
+    records = steplog_writer._records
 
     def blocked(item):
         entered.set()
         release.wait(30)
         return records(item)
 
-    monkeypatch.setattr(steplog, "_records", blocked)
+    monkeypatch.setattr(steplog_writer, "_records", blocked)
     monkeypatch.setattr(steplog, "QUEUE_SIZE", 2)
-    monkeypatch.setattr(steplog, "DRAIN_S", 0.001)  # the writer takes the first step at once, and gets stuck in it
+    monkeypatch.setattr(steplog_writer, "DRAIN_S", 0.001)  # the writer takes the first step at once, and gets stuck in it
     prop = proposer(tmp_path, monkeypatch)
     engine = workload(seed=3)
     times = engine.run(prop, on_step=lambda t: t == 20 and release.set())  # the writer is stuck for 20 steps

@@ -14,6 +14,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 from test_config import cfg_for
@@ -210,6 +211,29 @@ def test_bad_input_is_refused_with_the_fix(served, tmp_path, monkeypatch):
         refit(tmp_path / "h", run, logs)
     with pytest.raises(pipeline.PipelineError, match="not a policy artifact.*refit.policy"):
         refit(tmp_path / "i", run, logs, f"refit.policy={tmp_path}")
+
+
+def test_refit_skips_damaged_shards_only_when_told(served, tmp_path, caplog):
+    """A damaged shard (here the log's first, its metadata not JSON) stops a refit with the file and the fix;
+    ``refit.skip_corrupt=true`` leaves it out, warns naming it, and counts it in refit.json."""
+    import shutil
+
+    _, logs = served
+    run, _ = make_run(tmp_path, weak_rule())
+    copy = tmp_path / "logs"
+    shutil.copytree(logs, copy)
+    damaged = copy / "steps-00000000T000000-damaged-00000.parquet"
+    shard = min(copy.glob("steps-*.parquet"))
+    table = pq.read_table(shard)
+    pq.write_table(table.replace_schema_metadata({"sacpolicy.steplog": b"{not json"}), damaged)
+    with pytest.raises(pipeline.PipelineError, match=f"refit.logs=.*{damaged}.*not valid JSON.*refit.skip_corrupt"):
+        refit(tmp_path / "a", run, copy)
+    refit(tmp_path / "b", run, copy, "refit.skip_corrupt=true")
+    r = json.loads((tmp_path / "b" / "refit.json").read_text())
+    assert r["requests"]["corrupt_shards"] == 1 and r["requests"]["requests"] == 30
+    assert r["requests"]["shards"] == len(list(logs.glob("steps-*.parquet")))
+    assert f"skipped a damaged step-log shard (skip_corrupt): {damaged}" in caplog.text
+    assert "1 damaged shards skipped" in (tmp_path / "b" / "refit.md").read_text()
 
 
 def test_live_arms_decode_the_held_out_requests_in_our_decoder(tmp_path, monkeypatch):

@@ -2,9 +2,11 @@
 
 Opt-in: ``SACPOLICY_PROPOSER_LOG=<dir>`` (``scripts/serve.py --log-steps DIR``) turns it on, and
 ``SACPOLICY_PROPOSER_LOG_RATE`` (``--log-rate``, default 1) samples requests by a hash of the context they are first
-seen with, so a request is logged whole or not at all. With logging off the proposer pays one ``if`` per step.
+seen with, so a request is logged whole or not at all. With logging off the proposer pays one ``if`` per step. One
+writer per engine: vLLM builds the proposer on every tensor-parallel rank, all seeing the same rows, and only the
+first of them logs (``engine_rank``; the others pay the same one ``if``), so a log holds each request once.
 
-Per logged request step (``traces.production.STEP_SCHEMA``): the request's log id (vLLM's hook gives no request ids;
+Per logged request step (``traces.logformat.STEP_SCHEMA``): the request's log id (vLLM's hook gives no request ids;
 requests are found again by their committed tokens, as ``_History`` finds them), its step, the feature row the policy
 read (``runtime.features.feature_row`` of the state the policy decided on for the drafter it chose, the primary
 drafter's when it chose none, position 0 of the block; the plan's other positions differ only in
@@ -16,24 +18,24 @@ accepted tokens. On first sight also the request's sampling settings (temperatur
 input batch (``PolicyNgramProposer`` finds it on the model runner that calls its hook, which passes token arrays
 only; the temperature rounded to 6 decimals, as vLLM holds it in float32): null where it could not be read.
 Penalties (repetition, frequency, presence) are not logged; traces take the logged settings as all there was.
-``traces.production`` rebuilds every request's token sequence from these alone and turns the log into traces.
+``traces.steplog_read`` rebuilds every request's token sequence from these alone and ``traces.production`` turns the
+log into traces.
 
-The engine thread only appends one record per engine step to a bounded ``queue.Queue`` (``put_nowait``): when the
-queue is full the step's records are dropped and counted (``dropped``; a request missing a step in the middle cannot
-be rebuilt and is left out of the traces, one missing its last steps is rebuilt up to them), never waited for. What
-the log costs is counted where it is spent (``cost``): the engine thread's seconds in ``step`` and the writer thread's
-CPU seconds (building records and shards), which ``PolicyNgramProposer``'s stats file reports and ``bench_serve`` sets
-against the served run's time. A request is found again only from the engine step just before (vLLM proposes for every
-running request each step), so a later request with the same prompt starts its own log, and a request vLLM preempted
-and resumed later is logged as a new one whose first context holds its tokens so far. A daemon thread writes the
-records as Parquet shards atomically (a temporary file, then a rename); it wakes every ``DRAIN_S`` to take what is
-queued, not at every step, and writes every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds, every ``SHARD_ROWS`` rows, and
-on ``close`` (also at interpreter exit, and when a multiprocessing child that holds the log ends normally). vLLM
-force-kills its worker process when the server shuts down, so the records of the last flush interval are lost then:
-stop a server at least that long after its last request, or set the interval lower (``bench_serve``'s reload drill and
-``serve_logged.py`` use 1-2 s). Each shard's metadata names the target (the policy's provenance and vLLM's model,
-tokenizer and vocabulary), the policy, the drafter and the server's k cap, so logs of another target are refused when
-they are read.
+The engine thread only hands one record per engine step to the writer's bounded queue (``steplog_writer``, never
+waiting: a full queue drops the step's records, counted in ``dropped``; a request missing a step in the middle cannot
+be rebuilt and is left out of the traces, one missing its last steps is rebuilt up to them); a daemon thread writes
+them as Parquet shards every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds and on ``close`` (also at interpreter exit,
+and when a multiprocessing child that holds the log ends normally), leaving out and counting a record it cannot
+build or store (``bad_records``) and going on. What the log costs is counted where it is spent (``cost``): the engine
+thread's seconds in ``step`` and the writer thread's CPU seconds (building records and shards), which
+``PolicyNgramProposer``'s stats file reports and ``bench_serve`` sets against the served run's time. A request is found
+again only from the engine step just before (vLLM proposes for every running request each step), so a later request
+with the same prompt starts its own log, and a request vLLM preempted and resumed later is logged as a new one whose
+first context holds its tokens so far. vLLM force-kills its worker process when the server shuts down, so the records
+of the last flush interval are lost then: stop a server at least that long after its last request, or set the
+interval lower (``bench_serve``'s reload drill and ``serve_logged.py`` use 1-2 s). Each shard's metadata names the
+target (the policy's provenance and vLLM's model, tokenizer and vocabulary), the policy, the drafter and the server's
+k cap, so logs of another target are refused when they are read.
 
 Privacy and retention: the log stores the token ids of the prompts and of the outputs (detokenizing them gives the
 text back), so treat the directory as you treat request logs. Nothing is ever deleted by sacpolicy: shards are named
@@ -46,31 +48,26 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import logging
 import os
-import queue
-import threading
 import time
 import uuid
 from collections import OrderedDict
-from datetime import datetime, timezone
 from multiprocessing import util as mp_util
 from pathlib import Path
 
 import numpy as np
 
+from sacpolicy.export.steplog_writer import FLUSH_S, SHARD_ROWS, ShardWriter
 from sacpolicy.policy.features import row_context
-from sacpolicy.runtime.features import accepted_prefix, feature_row
-from sacpolicy.traces.production import LOG_FORMAT, META_KEY, SHARD_PREFIX, STEP_SCHEMA, check_rate
+from sacpolicy.runtime.features import accepted_prefix
+from sacpolicy.traces.logformat import LOG_FORMAT, check_rate
 
 logger = logging.getLogger(__name__)
 
 RATE_ENV = "SACPOLICY_PROPOSER_LOG_RATE"  # share of requests logged, in (0, 1] (default 1)
 FLUSH_ENV = "SACPOLICY_PROPOSER_LOG_FLUSH_S"  # seconds between shards while records arrive (default FLUSH_S)
-QUEUE_SIZE, SHARD_ROWS, FLUSH_S = 4096, 50_000, 30.0  # engine steps queued at most; rows per shard at most
-DRAIN_S = 0.5  # the writer takes the queued steps this often (a wake per engine step would cost the engine more)
-_STOP = object()
+QUEUE_SIZE = 4096  # engine steps queued at most
 
 
 def target_provenance(vllm_config, art) -> dict:
@@ -81,10 +78,28 @@ def target_provenance(vllm_config, art) -> dict:
             "tokenizer": getattr(mc, "tokenizer", None), "vocab_size": vocab() if callable(vocab) else None}
 
 
+def engine_rank(vllm_config) -> tuple[int, int]:
+    """(this worker's place among the workers of its engine that run the proposer, how many run it). vLLM builds the
+    proposer on every worker of the last pipeline stage: each tensor-parallel (and prefill-context-parallel) rank,
+    each seeing the same rows and drafting the same blocks. From ``vllm_config.parallel_config``: ``rank``, which
+    vLLM's worker sets to its global rank, tensor-parallel ranks innermost, then prefill-context-parallel ones, so
+    ``rank`` modulo their product is the place; without a parallel config (not in vLLM), torch.distributed's rank
+    and world size when a process group is initialised, else (0, 1)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    peers = int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "prefill_context_parallel_size", 1))
+    return int(getattr(pc, "rank", 0)) % peers, peers
+
+
 class StepLogger:
-    """The step log of one proposer (see the module docstring). ``step`` runs on the engine thread; a daemon thread
-    writes. ``meta``: the shard metadata (``for_proposer``); ``key``: a context's key (the proposer's ``_History``'s).
-    """
+    """The step log of one proposer (see the module docstring). ``step`` runs on the engine thread; ``writer`` (a
+    ``ShardWriter``: a daemon thread) writes. ``meta``: the shard metadata (``for_proposer``); ``key``: a context's
+    key (the proposer's ``_History``'s)."""
 
     def __init__(self, out_dir, meta: dict, key, *, rate: float = 1.0, capacity: int = 1024,
                  queue_size: int = QUEUE_SIZE, shard_rows: int = SHARD_ROWS, flush_s: float = FLUSH_S):
@@ -93,27 +108,30 @@ class StepLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:8]
         self.meta = {"format": LOG_FORMAT, "run_id": self.run_id, "rate": self.rate, **meta}
-        self.capacity, self.shard_rows, self.flush_s = capacity, shard_rows, flush_s
+        self.capacity = capacity
         # key of a request's context -> [entry]; entry = [log id (None: not sampled), step, drafted, prompt length,
         # the engine step it was last seen at, its last block's tokens, the context length it was last seen at]
         self.requests: OrderedDict = OrderedDict()
         self._last: list = []  # (key, entry) of the rows of the step before
-        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.dropped = self.written = self.shards = self.write_failures = self._ids = self._steps = 0
-        self.engine_s = self.writer_cpu_s = 0.0  # the log's own cost: engine-thread seconds, writer CPU seconds
-        self._closed = False
-        self.drain_s = min(DRAIN_S, flush_s)
-        self._wake = threading.Event()  # set by close: drain now
-        self.thread = threading.Thread(target=self._run, name="sacpolicy-steplog", daemon=True)
-        self.thread.start()
+        self._ids = self._steps = 0
+        self.engine_s = 0.0  # the log's own cost on the engine thread (the writer counts its CPU seconds)
+        self.writer = ShardWriter(self.out_dir, self.meta, queue_size=queue_size, shard_rows=shard_rows,
+                                  flush_s=flush_s)
         # written at exit: atexit for a main process; a multiprocessing child exits through os._exit (no atexit)
         # after running multiprocessing's finalizers. A killed process writes nothing (module docstring)
         atexit.register(self.close)
         mp_util.Finalize(self, self.close, exitpriority=10)
 
     @classmethod
-    def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger:
-        """The log of ``proposer`` (a ``PolicyNgramProposer``, its artifact ``art``) in ``out_dir``."""
+    def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger | None:
+        """The log of ``proposer`` (a ``PolicyNgramProposer``, its artifact ``art``) in ``out_dir``; None on a worker
+        that is not its engine's writer (``engine_rank``: one writer per engine, the first of the workers that run
+        the proposer; the others see the same rows and would log every request again)."""
+        rank, peers = engine_rank(vllm_config)
+        if rank:
+            logger.info("the step log of this engine is written by its first proposer worker; this one (%d of %d) "
+                        "logs nothing", rank, peers)
+            return None
         spec = art.drafters[proposer.drafter]
         meta = {"target": target_provenance(vllm_config, art), "policy_dir": str(art.path),
                 "drafter": {"name": proposer.drafter, "kind": spec.kind, "max_ngram": spec.max_ngram,
@@ -121,7 +139,8 @@ class StepLogger:
                 # every lookup drafter served, the primary first: what production traces teacher-force
                 "drafters": {n: s.to_dict() for n, s in proposer.lookup_specs.items()},
                 "k_cap": int(proposer.k_cap), "max_model_len": int(proposer.max_model_len),
-                "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters)}
+                "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters),
+                "proposer_workers": peers}  # the engine's workers that ran the proposer (this one alone logs)
         return cls(out_dir, meta, proposer.history._key, rate=float(os.environ.get(RATE_ENV, "1")),
                    capacity=proposer.history.capacity, queue_size=QUEUE_SIZE,
                    flush_s=float(os.environ.get(FLUSH_ENV, FLUSH_S)))
@@ -154,6 +173,8 @@ class StepLogger:
         t0 = time.perf_counter()
         try:
             self._step(rows, batch, seconds, drafter)
+        except Exception as exc:  # the log must never take the engine down: the step's records are lost, counted
+            self.writer.lost(len(rows), "rows of an engine step", exc)
         finally:
             self.engine_s += time.perf_counter() - t0
 
@@ -196,10 +217,7 @@ class StepLogger:
         while len(self.requests) > self.capacity:  # finished requests are never looked up again
             self.requests.popitem(last=False)
         if out:
-            try:
-                self.queue.put_nowait((time.time(), seconds, batch, out))
-            except queue.Full:
-                self.dropped += len(out)
+            self.writer.put((time.time(), seconds, batch, out))
 
     def _after_unseen_steps(self, context: np.ndarray, last: list) -> list | None:
         """The entry of the step before whose context is a proper prefix of ``context`` and that no row took yet
@@ -216,112 +234,19 @@ class StepLogger:
                 return entry
         return None
 
-    # ------------------------------------------------------------------ the writer thread
+    @property
+    def dropped(self) -> int:
+        """Records dropped because the writer's queue was full."""
+        return self.writer.dropped
+
     def cost(self) -> dict:
         """What the log has cost so far: ``engine_s``, seconds the engine thread spent in ``step``; ``writer_cpu_s``,
-        CPU seconds of the writer thread (records, Parquet, files); and the steps, records written and dropped."""
-        return {"engine_s": round(self.engine_s, 6), "writer_cpu_s": round(self.writer_cpu_s, 6),
-                "steps": self._steps, "written": self.written, "dropped": self.dropped, "shards": self.shards}
-
-    def _run(self) -> None:
-        """Every ``drain_s`` (or at once on ``close``): take every queued step and turn its records into one Arrow
-        batch at once (Python objects kept for a shard's whole interval would grow the heap the garbage collector
-        walks), write a shard when one is due. Waking per engine step instead would put a thread on the CPU between
-        every two steps."""
-        batches, rows, last, stop = [], 0, time.monotonic(), False
-        while not stop:
-            self._wake.wait(self.drain_s)
-            cpu = time.thread_time()
-            drained: list[dict] = []
-            while True:
-                try:
-                    item = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                drained += _records(item)
-            batch = self._arrow(drained) if drained else None
-            del drained
-            if batch is not None:
-                batches.append(batch)
-                rows += batch.num_rows
-            if batches and (stop or rows >= self.shard_rows or time.monotonic() - last >= self.flush_s):
-                self._write(batches, rows)
-                batches, rows, last = [], 0, time.monotonic()
-            elif not batches:
-                last = time.monotonic()
-            self.writer_cpu_s += time.thread_time() - cpu
-
-    def _arrow(self, records: list[dict]):
-        """The records as one Arrow batch of ``STEP_SCHEMA``; None (the rows lost, counted) when they do not fit it."""
-        import pyarrow as pa
-
-        try:
-            return pa.RecordBatch.from_pylist(records, schema=STEP_SCHEMA)
-        except Exception:  # a bad row must not stop the writer
-            self._failed(f"{len(records)} records")
-            return None
-
-    def _write(self, batches: list, rows: int) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from sacpolicy.io import write_bytes
-
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        path = self.out_dir / f"{SHARD_PREFIX}{stamp}-{self.run_id}-{self.shards:05d}.parquet"
-        try:
-            meta = {**self.meta, "dropped": self.dropped, "write_failures": self.write_failures}
-            table = pa.Table.from_batches(batches, schema=STEP_SCHEMA).replace_schema_metadata(
-                {META_KEY: json.dumps(meta)})
-            sink = pa.BufferOutputStream()
-            pq.write_table(table, sink)
-            write_bytes(path, sink.getvalue().to_pybytes())
-            self.shards, self.written = self.shards + 1, self.written + rows
-        except Exception:  # a full disk must not stop the writer; the rows are lost and counted
-            self._failed(str(path))
-
-    def _failed(self, what: str) -> None:
-        if not self.write_failures:
-            logger.exception("the proposer's step log could not write %s; its rows are dropped", what)
-        self.write_failures += 1
+        CPU seconds of the writer thread (records, Parquet, files); the steps, and the writer's counts (records
+        written, dropped for a full queue, bad: ``bad_records``; shards written and failed: ``write_failures``)."""
+        return {"engine_s": round(self.engine_s, 6), "writer_cpu_s": round(self.writer.cpu_s, 6),
+                "steps": self._steps, **self.writer.counts()}
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued and stop the writer (idempotent; also run at interpreter exit)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.queue.put(_STOP, timeout=timeout)
-            self._wake.set()
-        except queue.Full:
-            logger.warning("the step log's writer did not drain its queue in %.0f s; %s is left incomplete", timeout,
-                           self.out_dir)
-            return
-        self.thread.join(timeout)
-        if self.dropped:
-            logger.warning("the step log dropped %d records (its queue was full); their requests are incomplete",
-                           self.dropped)
-
-
-def _records(item) -> list[dict]:
-    """One engine step's queued rows as ``STEP_SCHEMA`` records (the feature rows are built here, off the engine)."""
-    unix_s, seconds, batch, rows = item
-    return [{"request": rid, "step": step, "unix_s": unix_s, "policy": policy, "prompt_len": prompt_len,
-             "context_len": n, "context": None if ctx is None else ctx.tolist(),
-             "committed": None if new is None else new.tolist(), "prev_drafted": prev_drafted,
-             "prev_accepted": prev_accepted, "unseen": unseen, "k": k, "drafted": drafted,
-             "features": feature_row(rowctx, 0), "batch_size": batch, "proposer_s": seconds, **_sampling(sampling),
-             "drafter": drafter}
-            for rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, unseen, k, drafted, rowctx, n, policy,
-            sampling, drafter in rows]
-
-
-def _sampling(sampling) -> dict:
-    """A first step's sampling columns ((temperature, top_p, top_k) or None: unknown, or not a first step)."""
-    if sampling is None:
-        return {"temperature": None, "top_p": None, "top_k": None}
-    temperature, top_p, top_k = sampling
-    return {"temperature": round(float(temperature), 6), "top_p": round(float(top_p), 6), "top_k": int(top_k)}
+        """Write what is queued and stop the writer (idempotent; also run at interpreter exit); at most ``timeout``
+        seconds for a busy writer, none for one that is gone."""
+        self.writer.close(timeout)

@@ -106,6 +106,9 @@ class RefitSettings:
     # Keep only the requests served at these settings ({temperature, top_k, top_p}); a log of several needs it.
     # null: the log's one setting (requests whose log records none count as greedy)
     select: dict[str, float] | None = None
+    # Leave out step-log shards that cannot be read or whose metadata is damaged (each named in a warning, counted in
+    # refit.json's requests.corrupt_shards) instead of refusing the log; their requests are then incomplete
+    skip_corrupt: bool = False
     threshold: float = 1.0  # accept when the lower end of the candidate/current interval is at least this
     level: float = 0.95  # the interval's confidence level
     resamples: int = 2000  # paired bootstrap resamples over held-out requests

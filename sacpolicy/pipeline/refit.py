@@ -7,15 +7,16 @@ the policy that serves it on held-out requests of the same log, and deployed onl
 1. The step log (``scripts/serve.py --log-steps``) becomes production traces (``traces.production``) in
    ``traces/production/{live,tf}`` of this run (``refit.target_pass=true``: the run's target computes beta and
    p_target over the logged sequences, which sampled requests need; ``refit.select``: one sampling setting of a log
-   of several); its requests are split by their prompt's hash into train / val / test (``data.splits.assign_split``,
-   ``refit.fractions``), so no request is in two splits.
+   of several; ``refit.skip_corrupt=true``: damaged shards left out, counted); its requests are split by their
+   prompt's hash into train / val / test (``data.splits.assign_split``, ``refit.fractions``), so no request is in two
+   splits.
 2. Every configured predictor is fitted as stage ``fit`` fits it (``fit.fit_policy``: the same examples, rule tuning
    on the val requests, the best static on them as fallback), with from_run's cost model (``cost.json``);
    ``refit.include_run_traces=true`` adds from_run's train-split traces of the served drafters to the fit examples.
    The candidate is the predictor with the lowest validation log-loss (``policies/<predictor>``).
 3. The candidate, the current policy (``refit.policy``, else the deploy root's ``current``, else from_run's headline)
    and the best static (drafter, k) of the val requests are replayed over the held-out test requests as the server
-   ran them (``traces.production.AsServed``; ``traces.simulate``, as evaluation replays): simulated seconds of the
+   ran them (``traces.served_replay.AsServed``; ``traces.simulate``, as evaluation replays): simulated seconds of the
    cost model, per request. The paired bootstrap over those requests (``evaluation.intervals``) gives each ratio's
    interval; the candidate is accepted when the lower end of its interval against the current policy is at least
    ``refit.threshold``. The oracle over the served drafters (``traces.simulate.Oracle``) is replayed beside them:
@@ -54,7 +55,7 @@ class RefitContext(RunContext):
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
     from sacpolicy.pipeline.fit import examples, fit_policy
-    from sacpolicy.traces.production import logged_drafters
+    from sacpolicy.traces.steplog_read import logged_drafters
 
     cfg, rs = ctx.cfg, ctx.cfg.refit
     current_path = current_policy(ctx)  # resolved before this run writes policies of its own
@@ -95,7 +96,7 @@ def run(ctx: RunContext) -> dict:
     accepted = ratios["candidate_vs_current"]["ci"][0] >= rs.threshold
     summary = {
         "logs": provenance["logs"], "from_run": provenance["from_run"], "traces": str(tf_dir.parent),
-        "requests": {k: log[k] for k in ("requests", "incomplete", "dropped", "shards", "policies")},
+        "requests": {k: log[k] for k in ("requests", "incomplete", "dropped", "shards", "corrupt_shards", "policies")},
         "split": {"fractions": dict(rs.fractions), **{s: len(by_split[s]) for s in SPLITS},
                   "requests": {s: sorted(by_split[s]) for s in SPLITS}},
         "run_traces": {"included": bool(rs.include_run_traces), "prompts": len(mixed)},
@@ -146,26 +147,25 @@ def current_policy(ctx: RunContext) -> Path:
 
 
 def log_meta(logs) -> dict | None:
-    """The provenance the log's first shard records (``traces.production.read_step_log``'s meta); None without a
-    readable shard (reading the log then names the problem and the fix)."""
-    import json
-
+    """The provenance the log's first readable shard records (``traces.steplog_read.read_step_log``'s meta); None
+    without one (reading the log then names the problem and the fix)."""
     import pyarrow.parquet as pq
 
-    from sacpolicy.traces.production import META_KEY, SHARD_PREFIX
+    from sacpolicy.traces.logformat import shard_files, shard_meta
 
-    files = sorted(Path(logs).glob(f"{SHARD_PREFIX}*.parquet"))
-    try:
-        raw = (pq.read_schema(files[0]).metadata or {}).get(META_KEY.encode()) if files else None
-    except (OSError, ValueError):  # a damaged shard (pyarrow's ArrowInvalid is a ValueError)
-        return None
-    return json.loads(raw) if raw else None
+    for path in shard_files(logs):
+        try:
+            return shard_meta(path, pq.read_schema(path))
+        except (OSError, ValueError):  # damaged (pyarrow's ArrowInvalid and StepLogError are ValueErrors)
+            continue
+    return None
 
 
 def production_traces(ctx: RunContext) -> tuple[dict, Path]:
     """(meta, tf dir) of the production traces built from ``refit.logs`` into this run (refusing, with the fix, logs
     of another target than the run's and a k cap below ``fit.k_max``)."""
-    from sacpolicy.traces.production import StepLogError, build_production_traces
+    from sacpolicy.traces.logformat import StepLogError
+    from sacpolicy.traces.production import build_production_traces
     from sacpolicy.traces.schema import read_meta
 
     cfg, logs = ctx.cfg, Path(ctx.cfg.refit.logs)
@@ -180,7 +180,7 @@ def production_traces(ctx: RunContext) -> tuple[dict, Path]:
     select = None if rs.select is None else dict(rs.select)
     try:
         meta = build_production_traces(logs, out, target=ctx.target if rs.target_pass else cfg.target.spec,
-                                       select=select)
+                                       select=select, skip_corrupt=rs.skip_corrupt)
     except StepLogError as e:
         raise PipelineError(f"refit.logs={logs}: {e}") from e
     k_cap = int(meta["log"]["k_cap"])
@@ -252,7 +252,7 @@ def replay(ctx: RunContext, policy, test: dict, log: dict, drafters: list[str]) 
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
-    from sacpolicy.traces.production import AsServed
+    from sacpolicy.traces.served_replay import AsServed
     from sacpolicy.traces.simulate import Oracle, simulate
 
     k_cap = int(log["k_cap"])
@@ -299,9 +299,11 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
-    from sacpolicy.traces.production import AsServed, read_step_log, requests_of
+    from sacpolicy.traces.served_replay import AsServed
+    from sacpolicy.traces.steplog_read import read_step_log, requests_of
 
-    reqs, _ = requests_of(read_step_log(ctx.cfg.refit.logs, target=ctx.cfg.target.spec)[0])
+    rs = ctx.cfg.refit
+    reqs, _ = requests_of(read_step_log(rs.logs, target=ctx.cfg.target.spec, skip_corrupt=rs.skip_corrupt)[0])
     target = ctx.target
 
     def decoder(policy):  # each arm as the server runs it (AsServed: the server's k cap and room), as replay does
@@ -408,7 +410,8 @@ def write_report(path: Path, s: dict) -> Path:
     lines = [
         f"# Refit: {s['decision'].split(':')[0]}", "",
         (f"- logs: `{s['logs']}` ({req['requests']} complete requests, {req['incomplete']} incomplete, "
-         f"{req['dropped']} steps dropped); from_run: `{s['from_run']}`"),
+         f"{req['dropped']} steps dropped, {req['corrupt_shards']} damaged shards skipped); from_run: "
+         f"`{s['from_run']}`"),
         (f"- split by request: train {split['train']}, val {split['val']}, test {split['test']} (fractions "
          f"{split['fractions']}); run traces mixed in: {s['run_traces']['prompts']} prompts"),
         (f"- candidate: `{s['candidate']['path']}` ({s['candidate']['predictor']}); current: `{s['current']['path']}`; "
