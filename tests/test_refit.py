@@ -62,8 +62,10 @@ def make_run(tmp_path, rule, *overrides, drafters=NGRAM) -> tuple:
 
 
 def refit(out, run, logs, *overrides):
+    """Stage refit of ``logs`` against ``run``; these tests' logs hold tens of requests, so a split may hold as few as
+    3 (``refit.min_requests`` is 30 by default; ``overrides`` come after and win)."""
     return pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", f"refit.logs={logs}", "predictor=[logreg]",
-                                "fit.k_max=6", *overrides, tmp_path=out))
+                                "fit.k_max=6", "refit.min_requests=3", *overrides, tmp_path=out))
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +132,23 @@ def test_refit_splits_by_request_compares_on_held_out_requests_only_and_deploys_
     assert md.startswith("# Refit: accepted") and "candidate / current" in md and r["deployed"]["version"] in md
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("refit/candidate_vs_current_lo" in m for m in logged)
+
+
+def test_by_default_a_tie_is_not_promoted_and_a_small_log_decides_nothing(served, tmp_path):
+    """The defaults guard what serves: a candidate no better than the current policy (the same fit: a ratio of
+    exactly 1) is rejected at refit.threshold's default (1.02), though a threshold of 1 would promote it; and a log of
+    30 requests (13 / 10 / 7 by split) is refused at refit.min_requests' default (30 per split)."""
+    _, logs = served
+    run, weak = make_run(tmp_path, weak_rule())
+    first = refit(tmp_path / "first", run, logs, "refit.threshold=1.0")["refit"]
+    same = first["candidate"]["path"]  # the candidate a second refit of the same log fits again, exactly
+    tie = refit(tmp_path / "tie", run, logs, f"refit.policy={same}", "refit.threshold=1.0")["refit"]
+    assert tie["ratios"]["candidate_vs_current"]["ci"] == pytest.approx([1.0, 1.0]) and tie["accepted"]
+    default = refit(tmp_path / "default", run, logs, f"refit.policy={same}")["refit"]
+    assert default["threshold"] == 1.02 and not default["accepted"] and default["decision"].startswith("rejected")
+    with pytest.raises(pipeline.PipelineError, match=r"30 complete requests .*refit.min_requests=30 in each"):
+        pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", f"refit.logs={logs}", "predictor=[logreg]",
+                             "fit.k_max=6", tmp_path=tmp_path / "small"))
 
 
 def test_a_candidate_worse_than_the_serving_policy_is_rejected_and_not_deployed(served, tmp_path):
