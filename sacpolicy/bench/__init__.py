@@ -1,6 +1,7 @@
 """What the benchmark scripts (``scripts/bench_*.py``, ``scripts/profile_vllm.py``) share: their common options, the
-target and held-out prompts they load, the order in which they alternate the configurations they time, live tokens/s
-of static k against autoregressive decoding, teacher-forced acceptance rows, Markdown tables and the JSON they write.
+target and held-out prompts they load, the order in which they alternate the configurations they time, the check that
+a timed request kept every drafter (``check_drafters_kept``), live tokens/s of static k against autoregressive
+decoding, teacher-forced acceptance rows, Markdown tables and the JSON they write.
 ``bench.serve``: the tables of ``scripts/bench_serve.py`` (vLLM's server under load).
 
 The top layer of the package: it may import any other room, and nothing in the package imports it. What only some
