@@ -14,6 +14,7 @@ import torch
 
 from sacpolicy.decoding.drafters import LayerSkipDrafter, ModelDrafter, trim_lm_head
 from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
+from sacpolicy.io import read_safetensors
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
 from sacpolicy.runtime.spec import DrafterSpec
 
@@ -76,10 +77,13 @@ def head_dir(path: str) -> Path:
 
 
 def load_vocab_map(model_dir) -> torch.Tensor | None:
+    """The trimmed vocabulary's ``d2t`` map of a draft directory, None without one."""
     from safetensors.torch import load_file
 
+    from sacpolicy.models import ModelSpecError
+
     path = Path(model_dir) / VOCAB_MAP_FILE
-    return load_file(str(path))["d2t"].long() if path.is_file() else None
+    return read_safetensors(path, load_file, ModelSpecError)["d2t"].long() if path.is_file() else None
 
 
 def model_drafter(target, spec: str, name: str = "draft", seed: int = 0, trim: bool = True) -> ModelDrafter:

@@ -75,6 +75,8 @@ def run(target, drafters, policy, prompts, requests, args, B: int, max_batch: in
     t0 = time.perf_counter()
     res = dec.generate_batch(prompts, args.max_tokens, max_batch=B, arrivals=arrivals, requests=requests)
     wall = time.perf_counter() - t0
+    bench.check_drafters_kept(f"{policy!r} at batch size {B}", [r.dropped_drafters for r in res],
+                              allow=args.allow_dropped_drafters)
     tokens = sum(len(r.tokens) for r in res)
     lat = np.array([r.latency_s for r in res])
     drafted = sum(s.drafted for r in res for s in r.steps)
@@ -155,6 +157,7 @@ def main(argv=None) -> int:
                                                     "(e.g. ar,static-k*,learned); AR always runs")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every policy at each batch size, in alternating "
                                                            "order; the table shows each ratio's range over them")
+    bench.add_allow_dropped(ap)
     bench.add_out(ap, "bench_batch.json")
     args = ap.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the runs: the plot is written first

@@ -128,7 +128,7 @@ def ours(target, drafters, policy, eos):
         res = dec.generate(ids, n)
         return res.tokens, {
             "drafted": sum(s.drafted for s in res.steps), "accepted": sum(s.accepted for s in res.steps),
-            "draft_s": res.draft_s, "verify_s": res.verify_s,
+            "draft_s": res.draft_s, "verify_s": res.verify_s, "dropped_drafters": res.dropped_drafters,
         }
 
     return run
@@ -258,6 +258,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default="", help="comma-separated row-name prefixes to keep (ar rows always run)")
     ap.add_argument("--trace-cost", action="store_true",
                     help="also time the teacher-forced trace pass of our drafters against live decoding")
+    bench.add_allow_dropped(ap)
     bench.add_out(ap, "bench_decoder.json")
     args = ap.parse_args(argv)
     args.ks = bench.int_list(args.ks)
@@ -291,7 +292,10 @@ def main(argv=None) -> dict:
             r.tokens, r.seconds = r.tokens + len(toks), r.seconds + dt
             r.target_calls += counter.calls - before
             r.peak_rss = max(r.peak_rss, mem.peak)
-            for key, val in (stats or {}).items():
+            stats = dict(stats or {})
+            bench.check_drafters_kept(r.name, [stats.pop("dropped_drafters", [])], requests=[i],
+                                      allow=args.allow_dropped_drafters)
+            for key, val in stats.items():
                 setattr(r, key, getattr(r, key) + val)
             reference = toks if reference is None else reference
             if toks != reference:

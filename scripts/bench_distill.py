@@ -77,7 +77,8 @@ def evaluate(name, target, drafter, test_seqs, test_prompts, args) -> dict:
     ctx = torch.tensor([test_seqs[0]["input_ids"]], device=target.device)
     row = {"name": name, "match_rate": match, "mean_beta_t1": beta, "draft_cost": step_cost(target, drafter, ctx)}
     if not args.no_live:
-        row.update(bench.live_static_k(target, drafter, test_prompts, args.ks, args.max_new_tokens))
+        row.update(bench.live_static_k(target, drafter, test_prompts, args.ks, args.max_new_tokens,
+                                       allow_dropped=args.allow_dropped_drafters))
     print(json.dumps(row), flush=True)
     return row
 
@@ -97,6 +98,7 @@ def main(argv=None):
     ap.add_argument("--no-live", action="store_true")
     ap.add_argument("--reuse", action="append", default=[], help="NAME=DIR: evaluate an already distilled draft")
     ap.add_argument("--workdir", default=None)
+    bench.add_allow_dropped(ap)
     bench.add_out(ap, "bench_distill.json")
     args = ap.parse_args(argv)
     args.ks = bench.int_list(args.ks)

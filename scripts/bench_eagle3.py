@@ -204,7 +204,8 @@ def evaluate(args) -> None:
             row[set_name] = acceptance(target, drafter, seqs, args.k_max)
         row["draft_cost"] = step_cost(target, drafter, torch.tensor(sets["mt_bench"][1][0]["input_ids"]))
         if args.live and (name.startswith("final") or name == "token-level draft" or not args.workdir):
-            row["live"] = bench.live_static_k(target, drafter, live_prompts, ks, args.max_new_tokens)
+            row["live"] = bench.live_static_k(target, drafter, live_prompts, ks, args.max_new_tokens,
+                                              allow_dropped=args.allow_dropped_drafters)
         rows.append(row)
         print(row, flush=True)
     meta = {"target": EMBEDDED_TARGET, "split": args.split, "k_max": args.k_max,
@@ -331,6 +332,7 @@ def main(argv=None):
     e.add_argument("--live", action="store_true", help="also decode live (final head and token-level draft)")
     e.add_argument("--live-prompts", type=int, default=8)
     e.add_argument("--ks", default="2,3,4")
+    bench.add_allow_dropped(e)
     bench.add_out(e, "bench_eagle3.json")
     s = sub.add_parser("ship", help="write a head as sacpolicy/heads/<name> with its provenance")
     s.add_argument("--head", required=True, help="the trained head directory (e.g. <workdir>/head/head)")

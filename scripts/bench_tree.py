@@ -70,6 +70,7 @@ def run(args) -> dict:
     for i, ids in enumerate(prompts):
         for name in (list(decs) if i % 2 == 0 else list(decs)[::-1]):  # ABC CBA ...: drift moves all alike
             r = decs[name].generate(ids, args.max_new_tokens)
+            bench.check_drafters_kept(name, [r.dropped_drafters], requests=[i], allow=args.allow_dropped_drafters)
             row = per[name]
             row["tokens"].append(len(r.tokens) - 1)  # the prefill's token is no verify step's
             row["seconds"].append(r.decode_s)
@@ -143,6 +144,7 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--cost", default=None, help="a cost.json that prices the head: adds trees sized by it")
     ap.add_argument("--cost-drafter", default="feature", help="the cost model's name for the head")
+    bench.add_allow_dropped(ap)
     bench.add_out(ap, "bench_tree.json")
     args = ap.parse_args(argv)
     if args.width is None:

@@ -11,8 +11,10 @@ its step log in ``--logs`` (every request: ``SACPOLICY_PROPOSER_LOG_RATE=1``) an
 ``--concurrency`` at a time, waits for the log's writer and stops the server. Then it reads the log back
 (``traces.steplog_read``), finds every served request in it by its tokens and compares the logged (drafted,
 accepted) of every verified step with vLLM's ``per_step_drafted`` / ``per_step_accepted``
-(``traces.vllm_compare.compare_with_vllm``). Prints the
-agreement and writes ``--out`` (JSON: the prompts' ids, the responses' tokens and vLLM's arrays, the check).
+(``traces.vllm_compare.compare_with_vllm``). Prints the agreement and writes ``--out`` (JSON: the prompts' ids, the
+responses' tokens and vLLM's arrays, the check). Exits 1, saying why on stderr, when a request failed, a served
+request differs from vLLM's arrays (or is missing from the log), or nothing was served (``problems``): a check that
+did not check out never reads as a pass.
 """
 
 from __future__ import annotations
@@ -22,6 +24,36 @@ import time
 from pathlib import Path
 
 from sacpolicy import bench
+
+
+def problems(check: dict) -> list[str]:
+    """Why a run does not check out, one sentence each with what to look at; none when every prompt sent was served
+    and its logged steps equal vLLM's arrays. ``check``: ``compare_with_vllm``'s, with ``failed`` (the indices of the
+    requests that got an error instead of a response) added."""
+    served, out = check["served"], []
+    if not served:
+        out.append("no request was served: nothing was compared; send prompts that fit --max-model-len")
+    if check["failed"]:
+        out.append(f"{len(check['failed'])} of {served} requests failed (indices {_some(check['failed'])}): their "
+                   "errors are in the --out JSON's responses, the server's in its .server.log")
+    if check["mismatched"]:
+        out.append(f"{len(check['mismatched'])} of {served} served requests differ from vLLM's per-step arrays or "
+                   f"are missing from the step log (indices {_some(check['mismatched'])}): compare their steps in the "
+                   "log with the responses' arrays in the --out JSON")
+    return out
+
+
+def _some(indices: list[int], n: int = 10) -> str:
+    return ", ".join(map(str, indices[:n])) + (f", ... ({len(indices) - n} more)" if len(indices) > n else "")
+
+
+def exit_status(check: dict, err=None) -> int:
+    """The process's exit status for a run's ``check``: 0 when it checks out, else 1 after writing each of
+    ``problems(check)`` to ``err`` (stderr)."""
+    found = problems(check)
+    for line in found:
+        print(f"[serve_logged] FAILED: {line}", file=err or sys.stderr, flush=True)
+    return 1 if found else 0
 
 
 def main(argv=None) -> dict:
@@ -85,10 +117,11 @@ def main(argv=None) -> dict:
     print(f"[serve_logged] {check['logged']}/{check['served']} served requests found in the log; "
           f"{check['equal_steps']}/{check['steps']} verify steps equal to vLLM's arrays ({share:.1%}); "
           f"{len(check['mismatched'])} requests differ; {len(failed)} failed; {seconds:.0f} s", flush=True)
+    check["problems"] = problems(check)
     bench.write_results(args.out, {"source": args.source, "split": args.split, "prompt_ids":
                                    [r["prompt_id"] for r in rows], "responses": responses, "check": check}, args)
     return check
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    sys.exit(exit_status(main()))

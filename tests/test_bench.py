@@ -193,3 +193,26 @@ def test_bench_suffix_replays_exactly_what_live_decoding_does(tiny_target):
     lo, hi = r6["tokens_per_call_interval"]
     assert lo <= r6["tokens_per_call_vs_ngram"] <= hi
     assert "suffix sf4 p0.1 d32" in cli.markdown({"revision": {cli.setting_name(setting): rows_k}})
+
+
+def test_a_timed_run_where_a_request_dropped_its_drafter_is_refused_unless_allowed(tiny_target, caplog):
+    """A drafter that raises is dropped for its request and decoding goes on: a benchmark timing that request would
+    time the configuration without it. live_static_k (which bench_distill and bench_eagle3 share) refuses, naming
+    the configuration, the request, the drafter and the option that allows it; allowed, it warns."""
+    import logging
+
+    from toys import FlakyNgram, mixed_prompts
+
+    prompts = mixed_prompts([6], seed=0, repeats=4)  # the random prompt (also the warm-up), then the repetitive one
+    fix = r"1 of 1 timed requests dropped a drafter that raised \(request 1: flaky\).*--allow-dropped-drafters"
+    with pytest.raises(bench.DroppedDrafterError, match="k2: " + fix):
+        bench.live_static_k(tiny_target, FlakyNgram(name="flaky"), prompts, [2], 8)
+    with caplog.at_level(logging.WARNING, logger="sacpolicy.bench"):
+        out = bench.live_static_k(tiny_target, FlakyNgram(name="flaky"), prompts, [2], 8, allow_dropped=True)
+    assert out["best_k"] == 2 and "k2: " in caplog.text and "request 1: flaky" in caplog.text
+    assert bench.check_drafters_kept("x", [[], ["a", "b"], ["a"]], allow=True) == {"a": 2, "b": 1}
+    assert bench.check_drafters_kept("x", [[], []]) == {}
+    ap = bench.parser("doc")
+    bench.add_allow_dropped(ap)
+    assert ap.parse_args(["--allow-dropped-drafters"]).allow_dropped_drafters
+    assert not ap.parse_args([]).allow_dropped_drafters

@@ -328,6 +328,31 @@ def test_bad_directories_fail_clearly(target, tmp_path):
         load_feature_drafter(target, sglang)
 
 
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_a_truncated_head_download_is_named_with_the_fix(fmt, target, tmp_path):
+    """A third-party head whose model.safetensors (or one shard of it) was cut short: HeadFormatError naming the
+    file, that it is truncated, and the fix, not safetensors' "incomplete metadata, file not fully covered"."""
+    head = write_format(fmt, random_head(target), target, tmp_path)
+    weights = head / "model.safetensors"
+    if fmt == "sglang":  # a sharded release: the index names the shards, the second one is cut
+        tensors = load_file(str(weights))
+        names = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for shard, keys in shards.items():
+            save_file({k: tensors[k].contiguous() for k in keys}, str(head / shard))
+        (head / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+        weights.unlink()
+        load_feature_drafter(target, head)  # whole shards load
+        weights = head / "model-00002-of-00002.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(HeadFormatError, match=re.escape(str(weights)) + " is truncated: .*download or copy it "
+                       "again") as info:
+        load_feature_drafter(target, head)
+    assert "incomplete metadata" not in str(info.value)
+
+
 # ---------------------------------------------------------------------- a head the speculators package wrote
 VARIANTS = {
     "plain llama": ("llama", {}),

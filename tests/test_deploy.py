@@ -138,6 +138,37 @@ def test_the_deploy_script_rolls_back_promotes_and_lists(tmp_path, capsys):
         cli.main(["--root", str(tmp_path / "empty"), "--policy", str(a), "--candidate"])
 
 
+@pytest.mark.parametrize("damage", ["cut", "not a list", "entry without a version"])
+def test_a_damaged_history_is_refused_with_the_file_and_the_fix_and_current_keeps_serving(tmp_path, damage):
+    """history.json cut short or not a list of flips: rollback and a deploy (which appends to it) name the file and
+    how to recover (move it aside, --list and --to), never a parse error; current stays where it was; after the fix
+    the root deploys and rolls back again."""
+    cli = load_script("deploy")
+    root = tmp_path / "root"
+    a, b = _policy(tmp_path, "a"), _policy(tmp_path, "b", ngram_rule("k"))
+    cli.main(["--root", str(root), "--policy", str(a)])
+    cli.main(["--root", str(root), "--policy", str(b)])
+    served = _name(read_link(root, CURRENT))
+    path = root / HISTORY_FILE
+    text = path.read_text()
+    path.write_text({"cut": text[: len(text) // 2], "not a list": '{"action": "deploy"}',
+                     "entry without a version": '[{"action": "deploy"}]'}[damage])
+    fix = re.escape(f"{path} is not ") + r".*damaged.*" + re.escape(f"mv {path} {path}.damaged") + r".*--list.*--to"
+    with pytest.raises(ArtifactError, match=fix):
+        rollback(root)
+    with pytest.raises(SystemExit, match=fix):
+        cli.main(["--root", str(root), "--rollback"])
+    with pytest.raises(SystemExit, match=fix):
+        cli.main(["--root", str(root), "--policy", str(a)])
+    assert _name(read_link(root, CURRENT)) == served and len(versions(root)) == 2
+    path.rename(path.with_name(f"{HISTORY_FILE}.damaged"))  # the fix the error names
+    cli.main(["--root", str(root), "--policy", str(a)])
+    fresh = _name(read_link(root, CURRENT))
+    cli.main(["--root", str(root), "--to", served])
+    assert rollback(root) == fresh and [e["action"] for e in json.loads(path.read_text())] == ["deploy"] * 2 + [
+        "rollback"]
+
+
 def test_reload_picks_up_a_new_version_mid_run(tmp_path, monkeypatch):
     monkeypatch.setenv(RELOAD_ENV, "3600")
     stats = tmp_path / "stats.json"

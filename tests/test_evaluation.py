@@ -463,3 +463,30 @@ def test_headline_predictor_is_the_lowest_validation_log_loss():
     assert headline_predictor({"hgb": val(float("nan")), "mlp": val(None), "svm": {}, "logreg": val(0.9)}) == \
         "logreg"  # a missing or NaN loss ranks last
     assert headline_predictor({}) is None
+
+
+def test_live_rows_count_the_requests_that_dropped_a_drafter_and_the_report_says_so(tiny_target, tmp_path):
+    """A drafter the decoder drops for a request (it raised) is counted in the live rows that ran it, per drafter,
+    marked and footnoted in eval.md: a row timed without its drafter does not pass for the policy as configured."""
+    from types import SimpleNamespace
+
+    from toys import FlakyNgram, mixed_prompts
+
+    from sacpolicy.evaluation.evaluate import EvalSettings, live_rows
+
+    rows = [{"input_ids": p, "category": "c"} for p in mixed_prompts([6, 9], seed=0, repeats=4)]  # flaky one last
+    settings = EvalSettings(ks=(3,), k_max=4, live_prompts=None, max_new_tokens=12, price_per_hour=1.0,
+                            confidence_grid=(0.5,), live_policies=("ar", "static-k3"), speed_probe_every=0)
+    chosen = {"best_static": {"drafter": "flaky", "k": 3}, "confidence_threshold": 0.5}
+    live = live_rows(settings, chosen, None, {}, SimpleNamespace(model=tiny_target.model, eos_token_ids=[]),
+                     [FlakyNgram(name="flaky")], rows, progress=False)
+    by = {r["name"]: r for r in live}
+    assert by["static-k3"]["dropped_drafters"] == {"flaky": 1} and by["ar"]["dropped_drafters"] == {}
+    assert _row("ar", "simulated", 1, 0.01)["dropped_drafters"] == {}  # every row has the count
+    add_speedups(live)
+    write_eval(tmp_path, live, {})
+    assert json.loads((tmp_path / "eval.json").read_text())["rows"][1]["dropped_drafters"] == {"flaky": 1}
+    md = (tmp_path / "eval.md").read_text()
+    assert "| static-k3 † | live |" in md and "| ar | live |" in md
+    assert "† drafters dropped (they raised; those requests were decoded and timed without them" in md
+    assert "static-k3 (live): flaky in 1 of 3 requests" in md

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import types
 
 import huggingface_hub.constants
@@ -409,3 +410,51 @@ def test_a_prefix_tokenizer_passes_only_when_asked_and_only_when_its_ids_agree()
         check_tokenizers_compatible(target, _StubTokenizer(["<unk>", "<eos>", "foo", "bar"], "<eos>"), prefix=True)
     with pytest.raises(TokenizerMismatchError, match="vocab size"):  # a larger draft tokenizer is no prefix
         check_tokenizers_compatible(prefix, target, prefix=True)
+
+
+def test_a_truncated_safetensors_in_a_model_directory_is_named_with_the_fix(tiny_target, tmp_path):
+    """A model directory a user points the loader at (a download cut short): the error names the weights file, says
+    it is truncated and how to fix it, instead of safetensors' "incomplete metadata"; a trimmed draft's vocab map
+    too. The whole files load."""
+    from safetensors.torch import save_file
+
+    from sacpolicy.build import VOCAB_MAP_FILE, load_vocab_map
+
+    model_dir = tmp_path / "model"
+    tiny_target.model.save_pretrained(model_dir)
+    tiny_target.tokenizer.save_pretrained(model_dir)
+    save_file({"d2t": torch.arange(16)}, str(model_dir / VOCAB_MAP_FILE))
+    assert load_model(str(model_dir), device="cpu").model.config.num_hidden_layers == 4
+    assert load_vocab_map(model_dir).tolist() == list(range(16))
+    for name in ("model.safetensors", VOCAB_MAP_FILE):
+        data = (model_dir / name).read_bytes()
+        (model_dir / name).write_bytes(data[: len(data) * 2 // 3])
+    fix = r"is truncated: its tensors take \d+ bytes after the header, but the file holds \d+ \(\d+%\).*download or copy"
+    with pytest.raises(ModelSpecError, match=re.escape(str(model_dir / "model.safetensors")) + " " + fix) as info:
+        load_model(str(model_dir), device="cpu")
+    assert "incomplete metadata" not in str(info.value)
+    with pytest.raises(ModelSpecError, match=re.escape(str(model_dir / VOCAB_MAP_FILE)) + " " + fix):
+        load_vocab_map(model_dir)
+
+
+def test_safetensors_damage_tells_truncated_from_corrupt_from_whole(tmp_path):
+    from safetensors.torch import save_file
+
+    from sacpolicy.io import safetensors_damage
+
+    whole = tmp_path / "whole.safetensors"
+    save_file({"a": torch.zeros(8, 8), "b": torch.ones(3)}, str(whole))
+    data = whole.read_bytes()
+    assert safetensors_damage(whole) is None
+    cases = {"short": (data[:5], "is truncated: it holds 5 bytes"),
+             "header cut": (data[:20], "is truncated: its header is"),
+             "tensors cut": (data[:-4], "is truncated: its tensors take"),
+             "extra": (data + b"\0" * 7, "is corrupt: it holds 7 bytes past its last tensor"),
+             "lfs": (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n", "is corrupt: its first 8 bytes give a header of"),
+             "not json": (len(b"{nope").to_bytes(8, "little") + b"{nope", "is corrupt: its header is not")}
+    for name, (content, why) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        damage = safetensors_damage(path)
+        assert damage is not None and damage.startswith(f"{path} {why}") and "download or copy it again" in damage, name
+    assert "Git LFS pointer?" in safetensors_damage(tmp_path / "lfs.safetensors")

@@ -1,8 +1,9 @@
 """The README's examples run as written: every ```python block, in order and in one namespace (a block may use what an
 earlier one defined), on the tiny target instead of the embedded one. Two substitutions only: ``load_model()``
 returns the tiny target, and the run's policy path (``outputs/<date>/<time>/policies/mlp``) names a real policy
-artifact saved here. The scripts the README's commands name exist, its train.py commands compose the Hydra config
-and its export.py commands pass the script's argument check, and the README stays a guide (<= 250 lines)."""
+artifact saved here. The scripts the README's commands name exist, every Hydra command it shows (in a code block or in
+its prose) composes the config, its export.py commands pass the script's argument check, and the README stays a
+guide (<= 250 lines)."""
 
 import re
 from pathlib import Path
@@ -52,32 +53,80 @@ def test_the_scripts_the_readme_names_exist_and_it_stays_a_guide():
     assert len(README.splitlines()) <= 250, "README.md is a user guide of at most 250 lines; figures go to docs/"
 
 
+def hydra_scripts() -> dict[str, str]:
+    """{script: config name} of every ``scripts/*.py`` that is a Hydra app (``@hydra.main(..., config_name=...)``)."""
+    apps = {p.name: re.search(r"@hydra\.main\([^)]*config_name=\"(\w+)\"", p.read_text())
+            for p in (ROOT / "scripts").glob("*.py")}
+    return {name: m.group(1) for name, m in apps.items() if m}
+
+
+def readme_commands() -> list[str]:
+    """Every ``python scripts/...`` command the README shows: the lines of its bash blocks (continuation lines joined)
+    and the inline code spans of its prose (a span may wrap across lines), a placeholder such as ``<run>`` filled in
+    as the reader would."""
+    bash = "\n".join(blocks("bash")).replace("\\\n", " ")
+    lines = [line.strip() for line in bash.splitlines() if line.strip().startswith("python scripts/")]
+    prose = re.sub(r"^```.*?^```", "", README, flags=re.DOTALL | re.MULTILINE)
+    spans = [" ".join(span.split()) for span in re.findall(r"`(python scripts/[^`]+)`", prose)]
+    return [re.sub(r"<[\w ]+>", "run1", c) for c in lines + spans]
+
+
 def commands(script: str) -> list[list[str]]:
-    """The arguments of every ``python scripts/<script>`` command in the README's bash blocks (continuation lines
-    joined, comments dropped, a placeholder such as ``<run>`` filled in as the reader would)."""
+    """The arguments of every ``python scripts/<script>`` command of the README (``readme_commands``), comments
+    dropped."""
     import shlex
 
-    lines = re.sub(r"<[\w ]+>", "run1", "\n".join(blocks("bash")).replace("\\\n", " ")).splitlines()
-    return [shlex.split(line, comments=True)[2:] for line in lines if line.startswith(f"python scripts/{script}")]
+    return [shlex.split(c, comments=True)[2:] for c in readme_commands() if c.startswith(f"python scripts/{script} ")]
 
 
-def test_the_readmes_pipeline_and_export_commands_parse():
-    """Every train.py command composes the Hydra config (options and keys that exist); every export.py command passes
-    the script's own argument check. Sweeps (``-m``) and Hydra's own settings are left to Hydra."""
+def hydra_runs(args: list[str]) -> list[list[str]]:
+    """The override lists Hydra runs for a command's arguments: Hydra's own flags (``--cfg job``) dropped, a sweep
+    (``-m``) expanded into its runs as Hydra's basic sweeper expands it."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    flags = {"--cfg", "-c", "--package", "-p"}  # each takes a value
+    overrides = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in flags)]
+    if "-m" not in args and "--multirun" not in args:
+        return [overrides]
+    return [run for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+            for run in batch]
+
+
+def test_every_hydra_command_of_the_readme_composes():
+    """Every command of a Hydra script (train.py, evaluate.py) the README shows, in a code block or in its prose,
+    composes that script's config with ``hydra.compose`` (options, keys and values that exist; each run of a sweep),
+    as the script would before it runs anything."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from toys import load_script
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     import sacpolicy.pipeline  # noqa: F401  (registers the structured config nodes)
 
-    train = commands("train.py")
-    assert len(train) >= 8
-    for args in train:
-        if "-m" in args or "--cfg" in args:
-            continue
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            compose("train", overrides=[a for a in args if not a.startswith("hydra.")])
+    apps = hydra_scripts()
+    assert {"train.py", "evaluate.py"} <= set(apps)
+    found = {script: commands(script) for script in apps}
+    for script in apps:  # the extraction misses none: a command in a new shape fails here, not silently
+        assert len(found[script]) == README.count(f"python scripts/{script} "), script
+    assert len(found["train.py"]) >= 10
+    assert any("trainer.strategy=ddp" in args for args in found["train.py"])  # the multi-GPU line, in prose
+    for script, config in apps.items():
+        for args in found[script]:
+            for overrides in hydra_runs(args):
+                GlobalHydra.instance().clear()
+                with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                    try:
+                        compose(config, overrides=overrides, return_hydra_config=True)
+                    except (HydraException, OmegaConfBaseException) as e:
+                        pytest.fail(f"README: python scripts/{script} {' '.join(args)} does not compose "
+                                    f"({type(e).__name__}: {e})")
+
+
+def test_the_readmes_export_commands_parse():
+    """Every export.py command passes the script's own argument check."""
+    from toys import load_script
+
     export = commands("export.py")
     assert len(export) >= 5
     for args in export:

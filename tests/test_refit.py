@@ -63,8 +63,10 @@ def make_run(tmp_path, rule, *overrides, drafters=NGRAM) -> tuple:
 
 
 def refit(out, run, logs, *overrides):
+    """Stage refit of ``logs`` against ``run``; these tests' logs hold tens of requests, so a split may hold as few as
+    3 (``refit.min_requests`` is 30 by default; ``overrides`` come after and win)."""
     return pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", f"refit.logs={logs}", "predictor=[logreg]",
-                                "fit.k_max=6", *overrides, tmp_path=out))
+                                "fit.k_max=6", "refit.min_requests=3", *overrides, tmp_path=out))
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,23 @@ def test_refit_splits_by_request_compares_on_held_out_requests_only_and_deploys_
     assert md.startswith("# Refit: accepted") and "candidate / current" in md and r["deployed"]["version"] in md
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("refit/candidate_vs_current_lo" in m for m in logged)
+
+
+def test_by_default_a_tie_is_not_promoted_and_a_small_log_decides_nothing(served, tmp_path):
+    """The defaults guard what serves: a candidate no better than the current policy (the same fit: a ratio of
+    exactly 1) is rejected at refit.threshold's default (1.02), though a threshold of 1 would promote it; and a log of
+    30 requests (13 / 10 / 7 by split) is refused at refit.min_requests' default (30 per split)."""
+    _, logs = served
+    run, _ = make_run(tmp_path, weak_rule())
+    first = refit(tmp_path / "first", run, logs, "refit.threshold=1.0")["refit"]
+    same = first["candidate"]["path"]  # the candidate a second refit of the same log fits again, exactly
+    tie = refit(tmp_path / "tie", run, logs, f"refit.policy={same}", "refit.threshold=1.0")["refit"]
+    assert tie["ratios"]["candidate_vs_current"]["ci"] == pytest.approx([1.0, 1.0]) and tie["accepted"]
+    default = refit(tmp_path / "default", run, logs, f"refit.policy={same}")["refit"]
+    assert default["threshold"] == 1.02 and not default["accepted"] and default["decision"].startswith("rejected")
+    with pytest.raises(pipeline.PipelineError, match=r"30 complete requests .*refit.min_requests=30 in each"):
+        pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", f"refit.logs={logs}", "predictor=[logreg]",
+                             "fit.k_max=6", tmp_path=tmp_path / "small"))
 
 
 def test_a_candidate_worse_than_the_serving_policy_is_rejected_and_not_deployed(served, tmp_path):
@@ -255,6 +274,32 @@ def test_live_arms_decode_the_held_out_requests_in_our_decoder(tmp_path, monkeyp
     ratio = live["ratios"]["candidate_vs_current"]
     assert ratio["ci"][0] <= ratio["ratio"] <= ratio["ci"][1]
     assert "ratio (live)" in (out / "refit.md").read_text()
+
+
+def test_live_arms_count_the_requests_that_dropped_a_drafter(tmp_path, monkeypatch):
+    """A served drafter that raises in our decoder is dropped for the request and the arm decodes on without it: the
+    live arms count, per arm and drafter, the requests it happened to (refit.json and refit.md), so a live ratio
+    timed without the drafter does not pass for one with it."""
+    import sacpolicy.build
+    from sacpolicy.decoding import NgramDrafter
+
+    class Down(NgramDrafter):
+        def propose(self, rows):
+            raise RuntimeError("draft server went away")
+
+    monkeypatch.setattr(sacpolicy.build, "build_drafters", lambda specs, target: [Down(name=s.name) for s in specs])
+    tiny = "tiny:llama-4l"
+    logs = serve(tmp_path, monkeypatch, 30, seed=7, target=tiny)
+    run, _ = make_run(tmp_path, weak_rule(), "target=tiny")
+    out = tmp_path / "refit"
+    refit(out, run, logs, "target=tiny", "refit.live_requests=3", "refit.live_repeats=1")
+    live = json.loads((out / "refit.json").read_text())["live"]
+    assert live["dropped_drafters"]["best-static"] == {"ngram": 3}  # a static k drafts at every step: it raised
+    assert set(live["dropped_drafters"]) == {"candidate", "current", "best-static"}
+    assert all(d in ({}, {"ngram": 3}) for d in live["dropped_drafters"].values())
+    lines = "; ".join(f"{arm}: ngram in 3 of 3 requests" for arm, d in live["dropped_drafters"].items() if d)
+    assert ("Drafters dropped in the live arms (they raised; those requests were decoded and timed without them): "
+            f"{lines}\n") in (out / "refit.md").read_text()
 
 
 def test_a_log_of_both_lookup_drafters_refits_a_rule_over_both_and_decodes_them_live(tmp_path, monkeypatch):

@@ -502,3 +502,36 @@ def test_under_tensor_parallelism_one_rank_reports(tmp_path, monkeypatch):
         proposer = PolicyNgramProposer(cfg, policy)
         assert (proposer.stats_path is not None) == first
         assert _step(proposer, [np.tile(np.arange(5), 8)])[0]  # every rank drafts the same
+
+
+def test_serve_logged_exits_non_zero_and_says_why_when_a_request_failed_or_differs(capsys):
+    """scripts/serve_logged.py's exit status from its check (``compare_with_vllm`` of a hand-made log against vLLM's
+    per-request arrays): 0 only when every request was served and its logged steps equal vLLM's; a failed request, a
+    request whose steps differ and a run that served nothing each exit 1 with the reason on stderr."""
+    from sacpolicy.traces.vllm_compare import compare_with_vllm
+
+    cli = load_script("serve_logged")
+    logged = {"a": {"prompt_len": 2, "tokens": [1, 2, 3, 4, 5], "steps": [
+                  {"drafted": 2, "accepted": 1, "unseen": 0, "committed": [3, 4]},
+                  {"drafted": 1, "accepted": 0, "unseen": 0, "committed": [5]}]},
+              "b": {"prompt_len": 2, "tokens": [7, 8, 9], "steps": [
+                  {"drafted": 2, "accepted": 0, "unseen": 0, "committed": [9]}]}}
+    arrays = {"a": {"per_step_drafted": [2, 1], "per_step_accepted": [1, 0]},
+              "b": {"per_step_drafted": [2], "per_step_accepted": [0]}}
+
+    def check(spec_b=arrays["b"], failed=()):
+        out = compare_with_vllm(logged, [([1, 2], [3, 4, 5], arrays["a"]), ([7, 8], [9], spec_b)])
+        return out | {"failed": list(failed)}
+
+    good = check()
+    assert good["mismatched"] == [] and cli.problems(good) == []
+    assert cli.exit_status(good) == 0 and capsys.readouterr().err == ""
+    differs = check(spec_b={"per_step_drafted": [2], "per_step_accepted": [1]})  # vLLM accepted what the log did not
+    assert differs["mismatched"] == [1] and cli.exit_status(differs) == 1
+    assert "FAILED: 1 of 2 served requests differ from vLLM's per-step arrays" in capsys.readouterr().err
+    failed = check(failed=[0])
+    assert cli.exit_status(failed) == 1 and "1 of 2 requests failed (indices 0)" in capsys.readouterr().err
+    nothing = compare_with_vllm(logged, []) | {"failed": []}
+    assert cli.exit_status(nothing) == 1 and "no request was served" in capsys.readouterr().err
+    both = cli.problems(check(spec_b=None, failed=[1]))  # a failed request has no arrays: it differs too
+    assert len(both) == 2 and "requests failed" in both[0] and "differ" in both[1]

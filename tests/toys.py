@@ -12,7 +12,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.linear_model import LogisticRegression
 from transformers import LlamaConfig
 
-from sacpolicy.decoding import DraftRow, PolicyRow, SamplingConfig
+from sacpolicy.decoding import DraftRow, NgramDrafter, PolicyRow, SamplingConfig
 from sacpolicy.runtime import FEATURE_NAMES
 from sacpolicy.runtime.cost import CostModel, PiecewiseLinear
 from sacpolicy.runtime.features import feature_spec
@@ -55,6 +55,16 @@ def mixed_prompts(lengths, seed: int, repeats: int) -> list[list[int]]:
     8] ``repeats`` times, that the n-gram drafter finds long accepted blocks in: the batch tests' mixed workload."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in lengths] + [[5, 6, 7, 8] * repeats]
+
+
+class FlakyNgram(NgramDrafter):
+    """An n-gram drafter that raises on the rows of ``mixed_prompts``' repetitive prompt (their context starts 5, 6, 7,
+    8): the decoder drops it for that request and decodes on without it (``GenerationResult.dropped_drafters``)."""
+
+    def propose(self, rows):
+        if any(row.context[:4].tolist() == [5, 6, 7, 8] for row in rows):
+            raise RuntimeError("draft server went away")
+        return super().propose(rows)
 
 
 def markov_pair(v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

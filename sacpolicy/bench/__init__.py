@@ -1,6 +1,7 @@
 """What the benchmark scripts (``scripts/bench_*.py``, ``scripts/profile_vllm.py``) share: their common options, the
-target and held-out prompts they load, the order in which they alternate the configurations they time, live tokens/s
-of static k against autoregressive decoding, teacher-forced acceptance rows, Markdown tables and the JSON they write.
+target and held-out prompts they load, the order in which they alternate the configurations they time, the check that
+a timed request kept every drafter (``check_drafters_kept``), live tokens/s of static k against autoregressive
+decoding, teacher-forced acceptance rows, Markdown tables and the JSON they write.
 ``bench.serve``: the tables of ``scripts/bench_serve.py`` (vLLM's server under load).
 
 The top layer of the package: it may import any other room, and nothing in the package imports it. What only some
@@ -11,12 +12,20 @@ scripts do.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from sacpolicy.io import write_json
 from sacpolicy.models import EMBEDDED_TARGET, load_model
+
+logger = logging.getLogger(__name__)
+ALLOW_DROPPED = "--allow-dropped-drafters"
+
+
+class DroppedDrafterError(RuntimeError):
+    """A timed request decoded without a drafter its configuration has (it raised and the decoder dropped it)."""
 
 
 # ---------------------------------------------------------------------- command line
@@ -51,6 +60,13 @@ def add_prompt_set(ap: argparse.ArgumentParser, *, split: str, prompts: int, max
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
 
 
+def add_allow_dropped(ap: argparse.ArgumentParser) -> None:
+    """``--allow-dropped-drafters``: time a configuration even when a request dropped one of its drafters
+    (``check_drafters_kept``)."""
+    ap.add_argument(ALLOW_DROPPED, action="store_true",
+                    help="time a run even where a request dropped a drafter that raised (off: such a run is refused)")
+
+
 def int_list(text: str) -> list[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]``; empty items are skipped (``""`` -> ``[]``)."""
     return [int(x) for x in text.split(",") if x.strip()]
@@ -70,6 +86,28 @@ def held_out_prompts(source: str, tokenizer, *, split: str = "test", n: int | No
 
 
 # ---------------------------------------------------------------------- timing
+def check_drafters_kept(config: str, dropped: Sequence[Sequence[str]], *, requests: Sequence | None = None,
+                        allow: bool = False) -> dict[str, int]:
+    """{drafter: requests that dropped it} of a timed configuration, from each timed request's dropped drafters
+    (``GenerationResult.dropped_drafters``) and the requests' names (``requests``, their indices by default). The
+    decoder drops a drafter that raises for the rest of its request and decodes on, so the time measured is not the
+    configuration's (a learned row timed without its head): refused with ``DroppedDrafterError`` naming the drafter,
+    the request and the fix, unless ``allow`` (then a warning)."""
+    from sacpolicy.evaluation.metrics import dropped_counts
+
+    requests = range(len(dropped)) if requests is None else requests
+    lost = [(req, names) for req, names in zip(requests, dropped) if names]
+    if lost:
+        names = "; ".join(f"request {req}: {', '.join(d)}" for req, d in lost)
+        msg = (f"{config}: {len(lost)} of {len(dropped)} timed requests dropped a drafter that raised ({names}); "
+               "they were decoded without it, so this timing is not the configuration's. Fix: see the decoder's "
+               f"warning for the drafter's error and fix the drafter, or pass {ALLOW_DROPPED} to time it anyway")
+        if not allow:
+            raise DroppedDrafterError(msg)
+        logger.warning(msg)
+    return dropped_counts(d for _, d in lost)
+
+
 def alternating(names: Sequence, repeats: int) -> Iterator[tuple[int, object]]:
     """(repeat, name) for every name in every repeat, the order reversed every other repeat (ABC CBA ABC ...): a
     machine that drifts during the runs moves every configuration alike, not the last one most."""
@@ -78,10 +116,12 @@ def alternating(names: Sequence, repeats: int) -> Iterator[tuple[int, object]]:
             yield rep, name
 
 
-def live_static_k(target, drafter, prompts: list, ks: Sequence[int], n_new: int) -> dict:
+def live_static_k(target, drafter, prompts: list, ks: Sequence[int], n_new: int, *,
+                  allow_dropped: bool = False) -> dict:
     """tokens/s of autoregressive decoding and of static k for each k with ``drafter``, the configurations
     interleaved prompt by prompt after one warm-up generation each: AR's tokens/s, the fastest k, its tokens/s and
-    speedup over AR, and every k's speedup (``per_k``, keyed ``k<k>``)."""
+    speedup over AR, and every k's speedup (``per_k``, keyed ``k<k>``). A prompt whose decoding dropped the drafter
+    is refused (``check_drafters_kept``) unless ``allow_dropped``."""
     from sacpolicy.decoding import SpeculativeDecoder
     from sacpolicy.policy import Autoregressive, Static
 
@@ -91,9 +131,10 @@ def live_static_k(target, drafter, prompts: list, ks: Sequence[int], n_new: int)
     tokens, secs = dict.fromkeys(decs, 0), dict.fromkeys(decs, 0.0)
     for dec in decs.values():
         dec.generate(prompts[0], 8)  # warm-up
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         for name, dec in decs.items():
             r = dec.generate(ids, n_new)
+            check_drafters_kept(name, [r.dropped_drafters], requests=[i], allow=allow_dropped)
             tokens[name], secs[name] = tokens[name] + len(r.tokens), secs[name] + r.total_s
     tps = {n: tokens[n] / secs[n] for n in decs}
     best = max((n for n in tps if n != "ar"), key=tps.get)

@@ -68,6 +68,9 @@ def row_from_results(name: str, mode: str, results: list[tuple[str | None, Gener
         "k_hist": _hist(s.k if s.drafter is not None else 0 for s in steps),
         "accept_hist": _hist(s.accepted for s in drafting),
         "per_category": dict(sorted(per_category.items())),
+        # {drafter: requests that dropped it}: it raised, and the decoder decoded the rest of the request without it,
+        # so those requests' tokens and seconds are not the policy's as configured (a learned row without its head)
+        "dropped_drafters": dropped_counts(r.dropped_drafters for _, r in results),
         # in the order given: what bootstrap intervals resample (``evaluation.intervals``)
         "per_prompt": {"category": [c or "other" for c, _ in results], "tokens": [len(r.tokens) for _, r in results],
                        "seconds": [r.total_s for _, r in results]},
@@ -76,6 +79,18 @@ def row_from_results(name: str, mode: str, results: list[tuple[str | None, Gener
     if clash:
         raise ValueError(f"extra keys {sorted(clash)} would overwrite metrics of row {name!r}; rename them")
     return row | (extra or {})
+
+
+def dropped_counts(dropped) -> dict[str, int]:
+    """{drafter: requests that dropped it}, from each request's dropped drafters (``GenerationResult.dropped_drafters``,
+    or the union over a request's repeats), drafters in name order: how evaluation rows, refit's live arms and the
+    benchmarks count the requests decoded without a drafter they were configured with."""
+    return dict(sorted(Counter(d for names in dropped for d in set(names)).items()))
+
+
+def dropped_text(counts: dict[str, int], requests: int) -> str:
+    """``dropped_counts``' {drafter: requests} as the reports write it: "feature in 2 of 48 requests, ..."."""
+    return ", ".join(f"{d} in {n} of {requests} requests" for d, n in counts.items())
 
 
 def add_speedups(rows: list[dict], baseline: str = "ar") -> None:

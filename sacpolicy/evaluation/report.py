@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 
 from sacpolicy.evaluation.intervals import MIN_PROMPTS
-from sacpolicy.evaluation.metrics import ARTEFACT, gain_captured
+from sacpolicy.evaluation.metrics import ARTEFACT, dropped_text, gain_captured
 from sacpolicy.io import write_json, write_text
 
 MARK = "⚠"  # beside the name of a row that beats AR with nothing accepted (footnoted)
+DROPPED = "†"  # beside the name of a row some of whose requests dropped a drafter (footnoted)
 _COLUMNS = [  # (header, row key, format); a ratio column shows its 95% interval beside it
     ("name", "name", "{}"), ("mode", "mode", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
     ("speedup vs AR [95% CI]", "speedup_vs_ar", "ratio"), ("vs best static [95% CI]", "speedup_vs_best_static", "ratio"),
@@ -32,9 +33,18 @@ def markdown_table(rows: list[dict]) -> str:
     and per-token latency ('-' where missing); a row that beats AR with nothing accepted is marked."""
     body = [[_cell(r, key, fmt) for _, key, fmt in _COLUMNS] for r in rows]
     for line, r in zip(body, rows):
-        if r.get("beats_ar_nothing_accepted"):
-            line[0] = f"{r['name']} {MARK}"
+        marks = [MARK] * bool(r.get("beats_ar_nothing_accepted")) + [DROPPED] * bool(r.get("dropped_drafters"))
+        line[0] = " ".join([r["name"], *marks])
     return _table([h for h, _, _ in _COLUMNS], body)
+
+
+def dropped_note(rows: list[dict]) -> str | None:
+    """The footnote of the rows some of whose requests dropped a drafter (it raised): which drafter, in how many of
+    the row's requests; None when no row did."""
+    parts = [f"{r['name']} ({r['mode']}): {dropped_text(r['dropped_drafters'], len(r['per_prompt']['tokens']))}"
+             for r in rows if r.get("dropped_drafters")]
+    return (f"{DROPPED} drafters dropped (they raised; those requests were decoded and timed without them, so the row "
+            f"is not the policy as configured): {'; '.join(parts)}.") if parts else None
 
 
 def category_table(rows: list[dict], key: str = "speedup_vs_ar") -> str:
@@ -88,6 +98,8 @@ def _eval_markdown(eval: dict) -> str:
                  "prompts.")
     if any(r.get("beats_ar_nothing_accepted") for r in rows):
         notes.append(f"{MARK} {ARTEFACT}.")
+    if dropped_note(rows):
+        notes.append(dropped_note(rows))
     parts = [f"## Setup\n\n{setup}"] if setup else []
     parts.append(f"## Results\n\n{markdown_table(rows)}\n\n" + "\n".join(f"- {n}" for n in notes))
     if meta.get("simulated_vs_live"):

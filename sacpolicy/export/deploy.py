@@ -138,8 +138,27 @@ def flip(root, name: str, version: str) -> None:
 
 
 def history(root) -> list[dict]:
+    """The flips recorded in ``root/history.json`` (``[{"action", "version", "at"}, ...]``, oldest first; none
+    without the file). A file that is not that list (cut short, edited by hand) is an error naming it and the fix, never
+    a parse error: rollback reads it, and a deploy appends to it."""
     path = Path(root) / HISTORY_FILE
-    return json.loads(path.read_text()) if path.is_file() else []
+    if not path.is_file():
+        return []
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem = f"is not valid JSON ({e})"
+    else:
+        if isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("action"), str)
+                                             and isinstance(e.get("version"), str) for e in entries):
+            return entries
+        problem = 'is not a list of {"action", "version", "at"} entries'
+    live = current_version(root)
+    raise ArtifactError(
+        f"{path} {problem}: the record of the deploy root's flips is damaged, so no earlier version can be found from "
+        f"it (current serves {live or 'no version'} meanwhile). Fix: restore it from a backup, or move it aside (mv "
+        f"{path} {path}.damaged) and the next flip starts a new history; to roll back without it, list the versions "
+        f"(python scripts/deploy.py --root {root} --list) and point current at one (--to <version>)")
 
 
 def _record(root, action: str, version: str) -> None:

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from sacpolicy.data.assets import AssetError, package_file
+from sacpolicy.io import safetensors_damage
 from sacpolicy.models.cache import (  # noqa: F401 (part of this module's API)
     EMBEDDED_TARGET,
     ModelSpecError,
@@ -306,9 +307,14 @@ def _build_tiny(preset: str, seed: int) -> PreTrainedModel:
 
 
 def _from_dir(auto_cls, model_dir: pathlib.Path, **kwargs):
+    """``from_pretrained`` of a local directory; when it fails, an error naming the fix: a truncated or corrupt weights
+    file by name (a download or copy cut short; transformers passes on safetensors' own "incomplete metadata")."""
     try:
         return auto_cls.from_pretrained(model_dir, **kwargs)
     except Exception as e:
+        damaged = [d for f in sorted(model_dir.glob("*.safetensors")) if (d := safetensors_damage(f)) is not None]
+        if damaged:
+            raise ModelSpecError(f"Could not load {auto_cls.__name__} from {model_dir}: " + "; ".join(damaged)) from e
         raise ModelSpecError(
             f"Could not load {auto_cls.__name__} from {model_dir}: {e}. Fix: check the directory is a complete "
             "Hugging Face model (config.json, weights, tokenizer files); if it is a sacpolicy cache dir, delete it "

@@ -98,7 +98,9 @@ class RefitSettings:
     policy: str | None = None
     # Requests split by their log id (hash, like prompts: sacpolicy.data.splits): fit, tune the rule on, compare on
     fractions: dict[str, float] = field(default_factory=lambda: {"train": 0.6, "val": 0.2, "test": 0.2})
-    min_requests: int = 3  # fewer requests than this in a split: refused (too few to fit, tune or compare on)
+    # Fewer requests than this in a split: refused. A paired bootstrap over a handful of held-out requests cannot
+    # tell a few-percent gain from noise, so a small log must not decide what serves
+    min_requests: int = 30
     include_run_traces: bool = False  # add from_run's train-split traces (the served drafter's) to the fit examples
     # Run the target over the logged sequences (one teacher-forced pass per request): the collector's own beta and
     # p_target at each request's sampling settings. Sampled logs need it; greedy ones are exact without it
@@ -109,7 +111,9 @@ class RefitSettings:
     # Leave out step-log shards that cannot be read or whose metadata is damaged (each named in a warning, counted in
     # refit.json's requests.corrupt_shards) instead of refusing the log; their requests are then incomplete
     skip_corrupt: bool = False
-    threshold: float = 1.0  # accept when the lower end of the candidate/current interval is at least this
+    # Accept when the lower end of the candidate/current interval is at least this: a clear gain, not a tie (1.0
+    # would redeploy a candidate no better than what serves)
+    threshold: float = 1.02
     level: float = 0.95  # the interval's confidence level
     resamples: int = 2000  # paired bootstrap resamples over held-out requests
     # Held-out requests also decoded live in our decoder by each arm (candidate, current, best static), to the length

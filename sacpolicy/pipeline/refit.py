@@ -291,11 +291,13 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
     one warm-up generation each; wall seconds per request, the fastest of ``repeats`` (a shared machine's stalls hit
     one repeat, not all). Greedy: every arm must emit the same tokens (lossless;
     otherwise an error), and ``agreement`` counts the requests whose tokens equal what the server logged (vLLM's
-    kernels may round differently: reported, not required)."""
+    kernels may round differently: reported, not required) and, per arm, the requests that dropped a drafter (it
+    raised, and the arm decoded on without it: ``dropped_drafters``, {arm: {drafter: requests}})."""
     import time
 
     from sacpolicy.build import build_drafters
     from sacpolicy.decoding import DecoderConfig, SpeculativeDecoder
+    from sacpolicy.evaluation.metrics import dropped_counts
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
@@ -322,11 +324,12 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
     for dec in decoders.values():  # first calls pay for lazy initialisation
         dec.generate(first["tokens"][: first["prompt_len"]], 8)
     per = {arm: {"tokens": [], "seconds": []} for arm in arms}
+    lost = {arm: [] for arm in arms}  # per request, the drafters it dropped in any repeat
     same_as_logged = 0
     for rid in ids:
         req = reqs[rid]
         prompt, served = req["tokens"][: req["prompt_len"]], req["tokens"][req["prompt_len"]:]
-        outs, best = {}, dict.fromkeys(decoders, float("inf"))
+        outs, best, dropped = {}, dict.fromkeys(decoders, float("inf")), {arm: set() for arm in decoders}
         before = {arm: _learned(dec) for arm, dec in decoders.items()}
         for r in range(repeats):  # arms in turn, the order reversed every repeat (ABC CBA ...)
             for arm in (list(decoders) if r % 2 == 0 else list(decoders)[::-1]):
@@ -336,14 +339,17 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
                 res = decoders[arm].generate(prompt, len(served))
                 best[arm] = min(best[arm], time.perf_counter() - t0)
                 outs[arm] = res.tokens
+                dropped[arm].update(res.dropped_drafters)
         for arm in decoders:
             per[arm]["seconds"].append(best[arm])
             per[arm]["tokens"].append(len(outs[arm]))
+            lost[arm].append(dropped[arm])
         if len({tuple(t) for t in outs.values()}) != 1:
             raise PipelineError(f"request {rid}: the arms decoded different tokens greedily ({outs}); speculation "
                                 "must not change the output: this is a decoder bug")
         same_as_logged += outs["candidate"] == served[: len(outs["candidate"])]
-    return per, {"identical_across_arms": len(ids), "same_as_logged": int(same_as_logged)}
+    return per, {"identical_across_arms": len(ids), "same_as_logged": int(same_as_logged),
+                 "dropped_drafters": {arm: dropped_counts(lost[arm]) for arm in arms}}
 
 
 def _learned(decoder) -> dict:
@@ -406,6 +412,8 @@ def deploy_candidate(rs, candidate: Path) -> dict | None:
 
 
 def write_report(path: Path, s: dict) -> Path:
+    from sacpolicy.evaluation.metrics import dropped_text
+
     req, split, held, best = s["requests"], s["split"], s["held_out"], s["best_static"]
     lines = [
         f"# Refit: {s['decision'].split(':')[0]}", "",
@@ -428,6 +436,10 @@ def write_report(path: Path, s: dict) -> Path:
                   "| ratio (live) | value | interval |", "|---|---:|---|"]
         for key, r in live["ratios"].items():
             lines.append(f"| {key.replace('_vs_', ' / ')} | {r['ratio']:.3f} | [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] |")
+        dropped = [f"{arm}: {dropped_text(d, live['requests'])}" for arm, d in live["dropped_drafters"].items() if d]
+        if dropped:
+            lines += ["", ("Drafters dropped in the live arms (they raised; those requests were decoded and timed "
+                           f"without them): {'; '.join(dropped)}")]
     lines += ["", f"Decision: {s['decision']} (threshold {s['threshold']}).", ""]
     if s["deployed"]:
         d = s["deployed"]

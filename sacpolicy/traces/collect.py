@@ -71,7 +71,7 @@ def teacher_forced_rows(target, drafters: Sequence, row: dict, generated: list[i
                         target_logits: torch.Tensor | None = None,
                         sampling: SamplingConfig | None = None) -> list[dict]:
     """Per generated position and drafter: the draft's proposal given the target's own prefix (each drafter
-    teacher-forced by ``decoding.types.teacher_force``) and the accepted run from there.
+    teacher-forced by ``decoding.teacher.teacher_force``) and the accepted run from there.
 
     ``target_logits`` ([G, V]): the target's logits behind each generated token, as kept by the decode that produced
     them (``generate(keep_logits=True)``); without them the target runs one teacher-forced pass to recompute them.

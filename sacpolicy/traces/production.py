@@ -11,7 +11,7 @@ Writes two trace directories (``meta.source = "vllm"``):
 - ``live``: one row per logged step whose outcome is known (the block's accepted tokens are read from the next
   step's committed tokens; the block drafted after a request's last step is never verified and has no row);
 - ``tf``: ``teacher_forced`` rows rebuilt from each request's token sequence (the context on first sight, then the
-  tokens committed each step) with the served drafters' token-only teacher forcing (``types.teacher_force``; a
+  tokens committed each step) with the served drafters' token-only teacher forcing (``teacher.teacher_force``; a
   suffix drafter's in the order the server indexed every request, ``served_teacher_forcing``). For
   greedy serving they are exact: a drafted token is accepted when it equals the target's, so ``run_len`` and
   ``beta`` (1 where the first drafted token matches, else 0) need no target pass; ``p_target`` is unknown (NaN).
