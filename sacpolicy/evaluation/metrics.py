@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # only for annotations: importing sacpolicy.decoding pulls in torch
-    from sacpolicy.decoding.records import GenerationResult
+    from sacpolicy.decoding.types import GenerationResult
 
 MODES = ("live", "simulated")
 
