@@ -454,3 +454,32 @@ def test_a_request_keeps_its_canary_arm_across_steps_vllm_ran_without_the_propos
     assert trial.arms[False].tokens[0] - credited[False] == sum(not a[1] for a in arms)
     assert trial.arms[True].tokens[0] - credited[True] == sum(a[1] for a in arms)
     assert trial.arms[True].seconds[0] == trial.arms[True].tokens[0]  # every credited step was timed
+
+
+def test_shards_after_a_reload_describe_the_policy_that_made_their_steps(tmp_path, monkeypatch):
+    """A hot reload to a version with another drafter set: the log's shards name every policy that planned steps
+    (``served_policies``, by policy id), so production traces teacher-force the drafters the new version served too."""
+    from sacpolicy.export.vllm import LOG_ENV
+    from sacpolicy.traces.steplog_read import logged_drafters, read_step_log
+
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
+    root = tmp_path / "root"
+    va = deploy(_policy(tmp_path, "a", ngram_rule("k")), root).name
+    proposer = _proposer(root)
+    engine = FakeEngine(proposer, 4)
+    for _ in range(3):
+        engine.step()
+    lookups = save_policy(tmp_path / "b", lookup_rule("k"), drafters=LOOKUP_DRAFTERS,
+                          provenance={"target": EMBEDDED_TARGET}, metrics={})
+    vb = deploy(lookups, root).name
+    for _ in range(3):
+        engine.step()
+    assert proposer.policy_id == vb
+    proposer.steplog.close()
+    records, log = read_step_log(tmp_path / "log")
+    assert {r["policy"] for r in records} == {va, vb}
+    assert set(log["served_policies"]) == {va, vb}
+    assert list(log["served_policies"][va]["drafters"]) == ["ngram"]
+    assert list(log["served_policies"][vb]["drafters"]) == ["ngram", "suffix"]
+    assert list(logged_drafters(log)) == ["ngram", "suffix"]  # what the traces teacher-force

@@ -496,7 +496,7 @@ def test_under_tensor_parallelism_one_rank_reports(tmp_path, monkeypatch):
     for rank, first in ((0, True), (1, False), (2, True), (3, False)):
         cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8),
                               model_config=SimpleNamespace(max_model_len=256),
-                              parallel_config=SimpleNamespace(rank=rank, world_size=2))
+                              parallel_config=SimpleNamespace(rank=rank, tensor_parallel_size=2))
         assert is_first_rank(cfg) == first
         policy = save_policy(tmp_path / f"p{rank}", ngram_rule("k"), drafters=NGRAM, provenance={}, metrics={})
         proposer = PolicyNgramProposer(cfg, policy)

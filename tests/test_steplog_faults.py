@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_production import TARGET, logged_requests, proposer, vllm_config, workload
 
-from sacpolicy.export import steplog, steplog_writer
+from sacpolicy.export import steplog, steplog_writer, vllm_adapter
 from sacpolicy.runtime.features import RowContext
 from sacpolicy.traces.logformat import META_KEY, StepLogError
 from sacpolicy.traces.production import build_production_traces
@@ -257,8 +257,8 @@ def test_a_tensor_parallel_engine_logs_each_request_once_from_its_first_rank(tmp
 def test_the_writer_is_the_first_proposer_worker_of_each_engine(rank, tp, pcp, place):
     """vLLM's ranks: tensor-parallel innermost, then prefill-context-parallel, then pipeline stages (the proposer runs
     on the last); external data-parallel engines stack whole engines on top."""
-    assert steplog.engine_rank(tp_config(rank, tp, pcp)) == (place, tp * pcp)
-    assert steplog.engine_rank(vllm_config()) == (0, 1)  # not in vLLM, no process group: the one writer
+    assert vllm_adapter.engine_rank(tp_config(rank, tp, pcp)) == (place, tp * pcp)
+    assert vllm_adapter.engine_rank(vllm_config()) == (0, 1)  # not in vLLM, no process group: the one writer
 
 
 @pytest.mark.slow
@@ -266,4 +266,4 @@ def test_vllms_parallel_config_holds_what_the_writer_reads():
     config = pytest.importorskip("vllm.config")
     pc = config.ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
     pc.rank = 3  # what vLLM's worker sets: the last stage's second tensor-parallel rank
-    assert steplog.engine_rank(SimpleNamespace(parallel_config=pc)) == (1, 2)
+    assert vllm_adapter.engine_rank(SimpleNamespace(parallel_config=pc)) == (1, 2)

@@ -123,10 +123,22 @@ class ServedPolicy:
     controller: Controller
     load_aware: bool
     policy_id: str
+    path: str  # the artifact directory it was loaded from
 
     @property
     def primary(self) -> str:
         return next(iter(self.lookups))
+
+    def describe(self) -> dict:
+        """What the step log records of the policy that planned a step (``export.steplog``: each shard's
+        ``served_policies``, by policy id): its directory, its drafters and how it prices a step."""
+        spec = self.specs[self.primary]
+        return {"policy_dir": self.path,
+                "drafter": {"name": self.primary, "kind": spec.kind, "max_ngram": spec.max_ngram,
+                            "min_ngram": spec.min_ngram},
+                # every lookup drafter served, the primary first: what production traces teacher-force
+                "drafters": {n: s.to_dict() for n, s in self.specs.items()},
+                "load_aware": self.load_aware, "rule_drafters": list(self.rule.drafters)}
 
     def request(self) -> PolicyRow:
         """A new served request's policy row: the rule's drafters, nothing else known of it (vLLM's hook passes
@@ -153,7 +165,7 @@ def served_policy(art: PolicyArtifact, drafter: str | None, policy_id: str, *, k
     view = ServedView(tuple(art.rule.drafters), k_cap, max_model_len, load_aware)
     config = DecoderConfig(k_max=max(art.rule.k_max, k_cap), view=view)
     controller = Controller(policy, lookups, config, time.perf_counter, view)
-    return ServedPolicy(art.rule, lookups, specs, policy, controller, load_aware, policy_id)
+    return ServedPolicy(art.rule, lookups, specs, policy, controller, load_aware, policy_id, str(art.path))
 
 
 def ratio_interval(a: tuple[int, float, float], b: tuple[int, float, float], z: float = 1.96):

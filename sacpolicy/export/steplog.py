@@ -59,6 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from sacpolicy.export.steplog_writer import FLUSH_S, SHARD_ROWS, ShardWriter
+from sacpolicy.export.vllm_adapter import engine_rank
 from sacpolicy.policy.features import row_context
 from sacpolicy.runtime.features import accepted_prefix
 from sacpolicy.traces.logformat import LOG_FORMAT, check_rate
@@ -76,24 +77,6 @@ def target_provenance(vllm_config, art) -> dict:
     vocab = getattr(mc, "get_vocab_size", None)
     return {"target": (art.provenance or {}).get("target"), "model": getattr(mc, "model", None),
             "tokenizer": getattr(mc, "tokenizer", None), "vocab_size": vocab() if callable(vocab) else None}
-
-
-def engine_rank(vllm_config) -> tuple[int, int]:
-    """(this worker's place among the workers of its engine that run the proposer, how many run it). vLLM builds the
-    proposer on every worker of the last pipeline stage: each tensor-parallel (and prefill-context-parallel) rank,
-    each seeing the same rows and drafting the same blocks. From ``vllm_config.parallel_config``: ``rank``, which
-    vLLM's worker sets to its global rank, tensor-parallel ranks innermost, then prefill-context-parallel ones, so
-    ``rank`` modulo their product is the place; without a parallel config (not in vLLM), torch.distributed's rank
-    and world size when a process group is initialised, else (0, 1)."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    if pc is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-    peers = int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "prefill_context_parallel_size", 1))
-    return int(getattr(pc, "rank", 0)) % peers, peers
 
 
 class StepLogger:
@@ -132,18 +115,23 @@ class StepLogger:
             logger.info("the step log of this engine is written by its first proposer worker; this one (%d of %d) "
                         "logs nothing", rank, peers)
             return None
-        spec = art.drafters[proposer.drafter]
-        meta = {"target": target_provenance(vllm_config, art), "policy_dir": str(art.path),
-                "drafter": {"name": proposer.drafter, "kind": spec.kind, "max_ngram": spec.max_ngram,
-                            "min_ngram": spec.min_ngram},
-                # every lookup drafter served, the primary first: what production traces teacher-force
-                "drafters": {n: s.to_dict() for n, s in proposer.lookup_specs.items()},
+        served = proposer.served
+        meta = {"target": target_provenance(vllm_config, art), **served.describe(),  # the policy it started with
                 "k_cap": int(proposer.k_cap), "max_model_len": int(proposer.max_model_len),
-                "load_aware": bool(proposer.load_aware), "rule_drafters": list(proposer.rule.drafters),
-                "proposer_workers": peers}  # the engine's workers that ran the proposer (this one alone logs)
+                "proposer_workers": peers,  # the engine's workers that ran the proposer (this one alone logs)
+                "served_policies": {served.policy_id: served.describe()}}
         return cls(out_dir, meta, proposer.history._key, rate=float(os.environ.get(RATE_ENV, "1")),
                    capacity=proposer.history.capacity, queue_size=QUEUE_SIZE,
                    flush_s=float(os.environ.get(FLUSH_ENV, FLUSH_S)))
+
+    def describe(self, served) -> None:
+        """Record a policy that plans steps (a hot reload's, a canary's: ``reload.ServedPolicy``) in the metadata of
+        every shard written from now on (``served_policies``, by policy id), so shards after a swap describe the
+        policy that made their steps. Copy on write: the writer thread reads the metadata it was handed whole."""
+        known = self.writer.meta.get("served_policies", {})
+        if served.policy_id not in known:
+            self.writer.meta = {**self.writer.meta,
+                                "served_policies": {**known, served.policy_id: served.describe()}}
 
     # ------------------------------------------------------------------ the engine thread
     def _sampled(self, context: np.ndarray) -> bool:

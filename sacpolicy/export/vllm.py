@@ -357,7 +357,7 @@ class PolicyProposer:
         self.stats_path = os.environ.get(STATS_ENV) if first else None
         self.gc = gc_clock() if self.stats_path else None
         self.batch_sizes: dict[int, int] = {}  # steps per live batch size
-        self.steplog = self._open_steplog(vllm_config, art) if first else None
+        self.steplog = self._open_steplog(vllm_config, art)  # None unless logging, and on every worker but the first
         self._logged, self._unsampled = None, False
 
     # the policy serving now (read-only views of ``slot.current``: a swap is the slot's one assignment)
@@ -418,7 +418,7 @@ class PolicyProposer:
             live.append((i, context, memo, seconds))
         batch = len(sampled_token_ids)  # the requests this engine step verifies together
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
-        seen = [] if self.steplog is not None else None  # the step log's: each row's state, k and policy id
+        seen = [] if self.steplog is not None else None  # the step log's: each row's state, k and policy
         # hot reload and canary (sacpolicy.export.reload): each request planned by its arm's policy
         blocks = self.slot.blocks([(c, m, len(sampled_token_ids[i]), t) for i, c, m, t in live], self.blocks, batch,
                                   seen=seen)
@@ -446,7 +446,8 @@ class PolicyProposer:
 
     # ------------------------------------------------------------------ the step log (sacpolicy.export.steplog)
     def _open_steplog(self, vllm_config, art):
-        """The step log when ``SACPOLICY_PROPOSER_LOG`` names a directory, else None (no cost per step)."""
+        """The step log when ``SACPOLICY_PROPOSER_LOG`` names a directory, else None (no cost per step); None too on
+        every worker but its engine's first (``StepLogger.for_proposer``)."""
         if not os.environ.get(LOG_ENV):
             return None
         from sacpolicy.export.steplog import StepLogger
@@ -465,8 +466,10 @@ class PolicyProposer:
                            "exposes no input_batch to the proposer hook); the log records none, and production traces "
                            "take them from build_production_traces(sampling=...)")
         rows, blocks, seen, batch = step
-        self.steplog.step([(c, s, state, k, b, pid, None if sampling is None else sampling(i), name)
-                           for (c, s, i), b, (state, k, pid, name) in zip(rows, blocks, seen)], batch, seconds,
+        for served in {id(x[2]): x[2] for x in seen}.values():  # the policies that planned this step
+            self.steplog.describe(served)
+        self.steplog.step([(c, s, state, k, b, served.policy_id, None if sampling is None else sampling(i), name)
+                           for (c, s, i), b, (state, k, served, name) in zip(rows, blocks, seen)], batch, seconds,
                           self.drafter)
 
     def block(self, context: np.ndarray, history=None) -> list[int]:
@@ -482,7 +485,7 @@ class PolicyProposer:
         (drafter, k) within the row's room, the chosen drafter drafts under the stop rule. ``batch``: the engine
         step's live size (where the policy is load-aware its rows are planned together at that size; else each
         alone). A ``Served`` memory gets its new block (``last``). ``seen``: a list that gets each row's (state
-        decided on, k chosen, the planning policy's id, the drafter or None)."""
+        decided on, k chosen, the planning ``ServedPolicy``, the drafter or None)."""
         served = served or self.served
         memos = []
         for context, memo in rows:
@@ -501,7 +504,7 @@ class PolicyProposer:
             name = drafted.drafter if drafted.block.k else None
             memo.last = (controller, plan, drafted) if name is not None else None
             if seen is not None:
-                seen.append((plan.row.state, plan.k if name else 0, served.policy_id, name))
+                seen.append((plan.row.state, plan.k if name else 0, served, name))
             out.append(drafted.block.tokens.tolist())
         return out
 

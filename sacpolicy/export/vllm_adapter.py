@@ -6,9 +6,10 @@ token arrays only, no request ids and no sampling settings. Everything else the 
 
 - the engine's limits from the ``VllmConfig`` it is built with (``engine_limits``): ``speculative_config.
   num_speculative_tokens`` (the k cap), ``model_config.max_model_len``, ``scheduler_config.max_num_seqs``;
-- whether this process is the first rank of its engine (``is_first_rank``: ``parallel_config.rank``, which vLLM's
-  ``WorkerBase`` sets before the model runner builds the proposer, modulo ``parallel_config.world_size``, the
-  engine's tensor x pipeline ranks): under tensor parallelism every rank builds a proposer, and one of them reports;
+- where this worker stands among its engine's workers that run the proposer (``engine_rank``, ``is_first_rank``:
+  ``parallel_config.rank``, which vLLM's ``WorkerBase`` sets before the model runner builds the proposer, modulo
+  the tensor x prefill-context-parallel ranks): under tensor parallelism every rank builds a proposer, and one of
+  them reports and logs;
 - each row's sampling settings from the caller's frame (``engine_sampling``: the model runner's ``input_batch``,
   whose rows are the hook's rows).
 
@@ -31,11 +32,28 @@ def engine_limits(vllm_config) -> tuple[int, int, int]:
             int(seqs))
 
 
+def engine_rank(vllm_config) -> tuple[int, int]:
+    """(this worker's place among the workers of its engine that run the proposer, how many run it). vLLM builds the
+    proposer on every worker of the last pipeline stage: each tensor-parallel (and prefill-context-parallel) rank,
+    each seeing the same rows and drafting the same blocks. From ``vllm_config.parallel_config``: ``rank``, which
+    vLLM's worker sets to its global rank, tensor-parallel ranks innermost, then prefill-context-parallel ones, so
+    ``rank`` modulo their product is the place; without a parallel config (not in vLLM), torch.distributed's rank
+    and world size when a process group is initialised, else (0, 1)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    peers = int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "prefill_context_parallel_size", 1))
+    return int(getattr(pc, "rank", 0)) % peers, peers
+
+
 def is_first_rank(vllm_config) -> bool:
-    """Whether this worker is its engine's first rank (True where the config names no parallel setup)."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    rank, world = getattr(parallel, "rank", 0) or 0, getattr(parallel, "world_size", 1) or 1
-    return int(rank) % int(world) == 0
+    """Whether this worker is the first of its engine's workers that run the proposer (``engine_rank``): the one that
+    reports (stats file) and logs (step log)."""
+    return engine_rank(vllm_config)[0] == 0
 
 
 def engine_sampling(caller):

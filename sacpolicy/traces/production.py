@@ -100,8 +100,9 @@ def build_production_traces(log_dir, out_dir, *, target=None, tokenizer: str | N
             "log": {"dir": str(Path(log_dir).resolve()), "requests": len(reqs), "incomplete": incomplete,
                     "dropped": log["dropped"], "bad_records": log["bad_records"], "shards": log["shards"],
                     "corrupt_shards": log["corrupt_shards"], "k_cap": k_max,
-                    "max_model_len": log["max_model_len"], "load_aware": log["load_aware"],
-                    "rule_drafters": log["rule_drafters"], "sampling": counts,
+                    "max_model_len": log["max_model_len"], "load_aware": log["load_aware"] or any(
+                        p["load_aware"] for p in log["served_policies"].values()),
+                    "rule_drafters": log["rule_drafters"], "served_policies": log["served_policies"], "sampling": counts,
                     "policies": sorted({s["policy"] for r in reqs.values() for s in r["steps"]}),
                     # each request's prompt, hashed: what splits requests (identical prompts land in one split)
                     "prompts": {rid: prompt_key(r["tokens"][: r["prompt_len"]]) for rid, r in reqs.items()}}}

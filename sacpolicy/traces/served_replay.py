@@ -38,7 +38,7 @@ def replay_logged(trace_dir, policy) -> dict:
                            "exactly replayable logs")
     art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
     grouped = group_traces(load_traces(trace_dir / "tf"), meta)
-    config = as_served(art.rule, log["k_cap"], log["max_model_len"], tuple(log["rule_drafters"]))
+    config = as_served(art.rule, log["k_cap"], log["max_model_len"])
     sim = simulate(LearnedPolicy(art.rule), grouped, art.rule.cost,
                    vocab_size=int(meta["vocab_size"] or 0) or _vocab(grouped), config=config)
     logged: dict = {}

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None = None,
                   skip_corrupt: bool = False) -> tuple[list[dict], dict]:
-    """Every record of the log at ``log_dir`` and its provenance (the first shard's metadata; what each writer lost,
+    """Every record of the log at ``log_dir`` and its provenance (the first shard's metadata; every policy that planned
+    steps, by policy id, from all shards: ``served_policies``, a hot reload's and a canary's too; what each writer lost,
     summed over server runs: ``dropped`` and ``bad_records`` records, ``write_failures`` shards; ``shards`` read and
     ``corrupt_shards`` skipped). Refuses shards of different targets or server settings, a shard of another log
     format, and (when given) a log of another ``target`` (sacpolicy model spec) or ``tokenizer``, each with the file
@@ -34,7 +35,7 @@ def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None =
     if not files:
         raise StepLogError(f"{log_dir} holds no step-log shards ({SHARD_PREFIX}*.parquet); serve with "
                            "scripts/serve.py --log-steps DIR (SACPOLICY_PROPOSER_LOG) and send requests first")
-    records, meta, first_path, corrupt = [], None, None, 0
+    records, meta, first_path, corrupt, served = [], None, None, 0, {}
     lost: dict[str, dict] = {"dropped": {}, "bad_records": {}, "write_failures": {}}
     for path in files:
         try:
@@ -50,12 +51,13 @@ def read_step_log(log_dir, *, target: str | None = None, tokenizer: str | None =
         _check_provenance(path, m, meta, first_path, target, tokenizer)
         for key, runs in lost.items():  # a writer's counts grow from shard to shard: its last shard's
             runs[m["run_id"]] = max(runs.get(m["run_id"], 0), int(m.get(key, 0)))
+        served |= m.get("served_policies") or {}
         records += table.to_pylist()
     if meta is None:
         raise StepLogError(f"{log_dir}: none of its {len(files)} step-log shards can be read (each damaged, warned "
                            "above); copy the log again from the server, or serve and log anew")
     return records, {**meta, **{key: sum(runs.values()) for key, runs in lost.items()},
-                     "shards": len(files) - corrupt, "corrupt_shards": corrupt}
+                     "shards": len(files) - corrupt, "corrupt_shards": corrupt, "served_policies": served}
 
 
 def _read_shard(path):
@@ -120,13 +122,21 @@ def _sequence(steps: list[dict]) -> list[int] | None:
 
 
 def logged_drafters(log: dict) -> dict:
-    """{name: ``DrafterSpec``} of the lookup drafters a step log's server ran, its primary first (``log``: the log's
-    meta, ``read_step_log``'s; a log written before servers named them all: its one n-gram drafter)."""
+    """{name: ``DrafterSpec``} of the lookup drafters a step log's server ran, the first policy's primary first, then
+    those of every policy that planned steps after it (a hot reload's, a canary's: ``served_policies``) (``log``: the
+    log's meta, ``read_step_log``'s; a log written before servers named them all: its one n-gram drafter)."""
     from sacpolicy.runtime.spec import DrafterSpec
 
     spec = log["drafter"]
-    specs = log.get("drafters") or {spec["name"]: {"kind": "ngram", "max_ngram": spec["max_ngram"],
-                                                   "min_ngram": spec["min_ngram"]}}
+    specs = dict(log.get("drafters") or {spec["name"]: {"kind": "ngram", "max_ngram": spec["max_ngram"],
+                                                        "min_ngram": spec["min_ngram"]}})
+    for served in (log.get("served_policies") or {}).values():
+        for name, d in served["drafters"].items():
+            if name in specs and specs[name] != d:
+                raise StepLogError(f"the log's policies serve two drafters named {name!r} ({specs[name]} and {d}); "
+                                   "their traces cannot share one column. Keep the drafters' names unique across the "
+                                   "versions a server reloads, or split the log at the reload")
+            specs.setdefault(name, d)
     return {name: DrafterSpec.from_dict(name, d) for name, d in specs.items()}
 
 
