@@ -535,3 +535,28 @@ def test_serve_logged_exits_non_zero_and_says_why_when_a_request_failed_or_diffe
     assert cli.exit_status(nothing) == 1 and "no request was served" in capsys.readouterr().err
     both = cli.problems(check(spec_b=None, failed=[1]))  # a failed request has no arrays: it differs too
     assert len(both) == 2 and "requests failed" in both[0] and "differ" in both[1]
+
+
+def test_a_prompt_sent_again_after_its_twin_finished_starts_anew(tmp_path):
+    """The proposer's one request table finds a request only from the engine step just before: a finished request's
+    last memory never passes to a later request that reaches the same context (the same prompt sent again)."""
+    proposer = _proposer(tmp_path, ngram_rule("k"))
+    x = np.tile(np.arange(5), 8)
+    u, v = np.array([7]), np.array([9])
+
+    def step(*contexts):
+        return _step(proposer, list(contexts))
+
+    def memo(context):
+        return proposer.history.entries[proposer.history._key(context)][-1]
+
+    step(x)  # request A, first seen
+    step(np.concatenate([x, u]))  # A: its block rejected, the target's u committed; then A finishes
+    a = memo(np.concatenate([x, u]))
+    step(np.arange(100, 140))  # another request's step
+    step(x)  # B: the same prompt
+    step(np.concatenate([x, u]))
+    b = memo(np.concatenate([x, u]))
+    assert b is not a
+    step(np.concatenate([x, u, v]))
+    assert memo(np.concatenate([x, u, v])) is b  # B continues its own memory, not A's

@@ -77,7 +77,8 @@ def test_an_engine_step_the_log_cannot_read_never_reaches_the_engine(tmp_path, m
     records, counted; ``step`` returns and the next steps are logged."""
     prop = proposer(tmp_path, monkeypatch)
     log = prop.steplog
-    log.step([(np.arange(5), 1, object(), 2, [1, 2], "p", None, "ngram")], 1, 0.01, "ngram")  # raises inside
+    memo = SimpleNamespace(log=None)  # a request's memory, where the log keeps its entry
+    log.step([(np.arange(5), 1, object(), 2, [1, 2], "p", None, "ngram", memo)], 1, 0.01, "ngram")  # raises inside
     engine = workload(n=4, seed=2)
     engine.run(prop)
     log.close()
@@ -88,7 +89,7 @@ def test_an_engine_step_the_log_cannot_read_never_reaches_the_engine(tmp_path, m
 
 def test_close_returns_at_once_when_the_writer_is_gone_or_idle(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(steplog_writer.ShardWriter, "_run", lambda self: None)  # a writer that ended ...
-    gone = steplog.StepLogger(tmp_path / "gone", {}, bytes, queue_size=2)
+    gone = steplog.StepLogger(tmp_path / "gone", {}, queue_size=2)
     gone.writer.thread.join(5)
     for _ in range(2):  # ... and left a full queue: a put would wait its whole timeout
         gone.writer.put((time.time(), 0.0, 1, []))
@@ -97,7 +98,7 @@ def test_close_returns_at_once_when_the_writer_is_gone_or_idle(tmp_path, monkeyp
     assert time.perf_counter() - t0 < 0.5
     assert "writer thread is not running; the 2 engine steps queued" in caplog.text
     monkeypatch.undo()
-    idle = steplog.StepLogger(tmp_path / "idle", {}, bytes, flush_s=3600.0)
+    idle = steplog.StepLogger(tmp_path / "idle", {}, flush_s=3600.0)
     t0 = time.perf_counter()
     idle.close()
     assert time.perf_counter() - t0 < 0.5 and not idle.writer.thread.is_alive()

@@ -52,7 +52,6 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
 from multiprocessing import util as mp_util
 from pathlib import Path
 
@@ -81,21 +80,16 @@ def target_provenance(vllm_config, art) -> dict:
 
 class StepLogger:
     """The step log of one proposer (see the module docstring). ``step`` runs on the engine thread; ``writer`` (a
-    ``ShardWriter``: a daemon thread) writes. ``meta``: the shard metadata (``for_proposer``); ``key``: a context's
-    key (the proposer's ``_History``'s)."""
+    ``ShardWriter``: a daemon thread) writes. ``meta``: the shard metadata (``for_proposer``). The log keeps no
+    request table of its own: each row brings the request's memory from the proposer's one table (``_History``),
+    where the log keeps its entry (``memo.log``)."""
 
-    def __init__(self, out_dir, meta: dict, key, *, rate: float = 1.0, capacity: int = 1024,
-                 queue_size: int = QUEUE_SIZE, shard_rows: int = SHARD_ROWS, flush_s: float = FLUSH_S):
-        self.key = key
+    def __init__(self, out_dir, meta: dict, *, rate: float = 1.0, queue_size: int = QUEUE_SIZE,
+                 shard_rows: int = SHARD_ROWS, flush_s: float = FLUSH_S):
         self.out_dir, self.rate = Path(out_dir), check_rate(rate, RATE_ENV)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:8]
         self.meta = {"format": LOG_FORMAT, "run_id": self.run_id, "rate": self.rate, **meta}
-        self.capacity = capacity
-        # key of a request's context -> [entry]; entry = [log id (None: not sampled), step, drafted, prompt length,
-        # the engine step it was last seen at, its last block's tokens, the context length it was last seen at]
-        self.requests: OrderedDict = OrderedDict()
-        self._last: list = []  # (key, entry) of the rows of the step before
         self._ids = self._steps = 0
         self.engine_s = 0.0  # the log's own cost on the engine thread (the writer counts its CPU seconds)
         self.writer = ShardWriter(self.out_dir, self.meta, queue_size=queue_size, shard_rows=shard_rows,
@@ -107,7 +101,7 @@ class StepLogger:
 
     @classmethod
     def for_proposer(cls, vllm_config, art, proposer, out_dir) -> StepLogger | None:
-        """The log of ``proposer`` (a ``PolicyNgramProposer``, its artifact ``art``) in ``out_dir``; None on a worker
+        """The log of ``proposer`` (a ``PolicyProposer``, its artifact ``art``) in ``out_dir``; None on a worker
         that is not its engine's writer (``engine_rank``: one writer per engine, the first of the workers that run
         the proposer; the others see the same rows and would log every request again)."""
         rank, peers = engine_rank(vllm_config)
@@ -120,8 +114,7 @@ class StepLogger:
                 "k_cap": int(proposer.k_cap), "max_model_len": int(proposer.max_model_len),
                 "proposer_workers": peers,  # the engine's workers that ran the proposer (this one alone logs)
                 "served_policies": {served.policy_id: served.describe()}}
-        return cls(out_dir, meta, proposer.history._key, rate=float(os.environ.get(RATE_ENV, "1")),
-                   capacity=proposer.history.capacity, queue_size=QUEUE_SIZE,
+        return cls(out_dir, meta, rate=float(os.environ.get(RATE_ENV, "1")), queue_size=QUEUE_SIZE,
                    flush_s=float(os.environ.get(FLUSH_ENV, FLUSH_S)))
 
     def describe(self, served) -> None:
@@ -142,22 +135,17 @@ class StepLogger:
 
     def step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
-        k chosen, the drafted block's tokens, the planning policy's id: ``PolicyNgramProposer.policy_id``, a canary's
-        own; optionally the request's sampling settings (temperature, top_p, top_k) or None, and the drafter that
-        drafted the block, None for none; ``drafter``: the primary one, whose feature row a step without a block
-        keeps). Finds each request (all
-        lookups before any new entry, so a request one step behind an identical one never takes its entry), queues
-        the sampled ones' records; never blocks.
+        k chosen, the drafted block's tokens, the planning policy's id: ``ServedPolicy.policy_id``, a canary's own,
+        the request's sampling settings (temperature, top_p, top_k) or None, the drafter that drafted the block or
+        None, and the request's memory, found again by the proposer's one request table (``_History``, which also
+        finds a request after engine steps vLLM ran without the hook); ``drafter``: the primary one, whose feature
+        row a step without a block keeps). Queues the sampled requests' records; never blocks.
 
-        A request is found again only from the step just before: vLLM proposes for every running request each step,
-        so an entry older than that is a finished request's, and a later request reaching the same context (the
-        same prompt sent again) starts its own log instead of continuing that one. Except where vLLM skips the
-        proposer: while any request of the batch is within ``num_speculative_tokens`` of the context limit, vLLM
-        drafts for no request of it and does not call the hook (``_input_fits_in_drafter``), so the rows come back
-        several tokens on. A row found under no entry is then matched to one of the step before whose context is a
-        prefix of its own; the tokens since are its ``committed``, the last block's accepted tokens are those equal to
-        the block (a rejected draft token is never the one committed in its place), and the tokens committed in the
-        steps the proposer did not see are the record's ``unseen``."""
+        Where vLLM skipped the proposer (while any request of the batch is within ``num_speculative_tokens`` of the
+        context limit, vLLM drafts for no request of it and does not call the hook: ``_input_fits_in_drafter``), the
+        rows come back several tokens on: the tokens since the last record are its ``committed``, the last block's
+        accepted tokens are those equal to the block (a rejected draft token is never the one committed in its
+        place), and the tokens committed in the steps the proposer did not see are the record's ``unseen``."""
         t0 = time.perf_counter()
         try:
             self._step(rows, batch, seconds, drafter)
@@ -167,30 +155,16 @@ class StepLogger:
             self.engine_s += time.perf_counter() - t0
 
     def _step(self, rows, batch: int, seconds: float, drafter: str) -> None:
-        entries, out = [], []
+        out = []
         self._steps += 1
-        last, self._last = self._last, []
-        for context, committed, *_ in rows:
-            key = self.key(context[: len(context) - committed])
-            found = self.requests.get(key)
-            if found is not None:
-                found[:] = [e for e in found if e[4] == self._steps - 1]  # finished requests' entries go
-                if not found:
-                    del self.requests[key]
-            entries.append(found.pop(0) if found else None)
-        for j, (context, *_) in enumerate(rows):
-            if entries[j] is None and last:
-                entries[j] = self._after_unseen_steps(context, last)
-        for entry, (context, committed, state, k, block, policy, *rest) in zip(entries, rows):
-            sampling, name = (rest + [None, None])[:2]
-            first = entry is None
-            if first:
+        for context, committed, state, k, block, policy, sampling, name, memo in rows:
+            entry, first = memo.log, memo.log is None
+            if first:  # [log id (None: not sampled), step, drafted, prompt length, last block, context length seen]
                 self._ids += 1
                 entry = [f"{self.run_id}-{self._ids:08d}" if self._sampled(context) else None, -1, 0,
-                         len(context) - committed, 0, [], len(context) - committed]
-            seen = entry[6]  # the context length the request was last seen at
-            new = context[seen:]
-            accepted = accepted_prefix(entry[5], new) if len(new) != committed else committed - 1
+                         len(context) - committed, [], len(context) - committed]
+            new = context[entry[5]:]
+            accepted = accepted_prefix(entry[4], new) if len(new) != committed else committed - 1
             entry[1] += 1
             if entry[0] is not None:
                 out.append((entry[0], entry[1], entry[3], context.copy() if first else None,
@@ -198,29 +172,10 @@ class StepLogger:
                             0 if first else len(new) - accepted - 1, k, len(block),
                             row_context(state, name or drafter), len(context), policy,
                             sampling if first else None, name if block else None))
-            entry[2], entry[4], entry[5], entry[6] = len(block), self._steps, list(block), len(context)
-            key = self.key(context)
-            self.requests.setdefault(key, []).append(entry)
-            self._last.append((key, entry))
-        while len(self.requests) > self.capacity:  # finished requests are never looked up again
-            self.requests.popitem(last=False)
+            entry[2], entry[4], entry[5] = len(block), list(block), len(context)
+            memo.log = entry
         if out:
             self.writer.put((time.time(), seconds, batch, out))
-
-    def _after_unseen_steps(self, context: np.ndarray, last: list) -> list | None:
-        """The entry of the step before whose context is a proper prefix of ``context`` and that no row took yet
-        (taken out of ``requests``), None if there is none."""
-        for key, entry in last:
-            n = entry[6]
-            if n >= len(context) or entry[4] != self._steps - 1:
-                continue
-            waiting = self.requests.get(key)
-            if waiting and any(e is entry for e in waiting) and self.key(context[:n]) == key:
-                waiting[:] = [e for e in waiting if e is not entry]  # by identity: unsampled twins compare equal
-                if not waiting:
-                    del self.requests[key]
-                return entry
-        return None
 
     @property
     def dropped(self) -> int:

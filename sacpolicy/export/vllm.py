@@ -229,13 +229,16 @@ class Served(Track):
     """A served request's memory across vLLM steps: the controller's ``Track`` of it (the policy's row, with the
     request's acceptance history per drafter, and each lookup drafter's row state: a suffix drafter's index of the
     request), its context this step, its last plan and draft with the controller that made them (until the next step
-    tells how much was accepted), its canary arm and when the proposer last saw it (``time.perf_counter``)."""
+    tells how much was accepted), its canary arm, when the proposer last saw it (``time.perf_counter``) and its step
+    log entry: what history, canary and log know of a request, in one place."""
 
     context: torch.Tensor | None = None
     states: dict = field(default_factory=dict)  # drafter object -> the request's row state of it
     last: tuple | None = None  # (controller, Planned, Drafted) of the block drafted at the last step
     arm: tuple[int, bool] | None = None  # (trial number, on the candidate): ``reload.PolicySlot``
     seen_s: float | None = None
+    log: list | None = None  # the step log's entry of the request (``export.steplog``), None until logged
+    recorded: int = -1  # the engine step (``_History.steps``) it was last recorded at
 
     def serve(self, served: ServedPolicy) -> None:
         """Hand the request the drafters of the policy that plans it now (a reload or a canary arm may change them):
@@ -268,10 +271,14 @@ class _History:
     entry under it, taken in turn: exact for greedy decoding (equal contexts saw equal blocks) and a close estimate
     when sampling. Where vLLM ran steps without calling the hook (a request of the batch near the context limit: it
     verifies dummy drafts, not ours), a row is found as the step before's request whose context is its prefix, and its
-    block's accepted tokens are those equal to the block (as ``steplog`` finds them); the dummy drafts do not count."""
+    block's accepted tokens are those equal to the block; the dummy drafts do not count. A request is found again
+    only from the engine step just before: vLLM proposes for every running request each step, so an entry older than
+    that is a finished request's, and a later request reaching the same context (the same prompt sent again) starts
+    anew instead of continuing it."""
 
     def __init__(self, capacity: int):
         self.capacity, self.entries = capacity, OrderedDict()
+        self.steps = 0  # engine steps begun
         self._last: list = []  # keys recorded at the step before
         self._now: list = []  # keys recorded at this step
 
@@ -282,16 +289,17 @@ class _History:
     def begin_step(self) -> None:
         """A new engine step: what was recorded so far is the step before's."""
         self._last, self._now = self._now, []
+        self.steps += 1
 
     def advance(self, context: np.ndarray, committed: int) -> tuple[Served, int] | None:
         """The request's memory now that its last step committed ``committed`` tokens, and how many of its last block
         the target accepted (None: a new request)."""
         key = self._key(context[: len(context) - committed])
-        found, accepted = self.entries.get(key), committed - 1
+        found, accepted = self._current(key), committed - 1
         if not found:  # steps vLLM ran without the hook: the step before's request whose context is a prefix
-            key = next((k for k in self._last if k[0] < len(context) and self.entries.get(k)
+            key = next((k for k in self._last if k[0] < len(context) and self._current(k)
                         and self._key(context[: k[0]]) == k), None)
-            found = self.entries.get(key) if key is not None else None
+            found = self._current(key) if key is not None else None
             if not found:
                 return None
             last = found[0].last
@@ -301,8 +309,18 @@ class _History:
             del self.entries[key]
         return memo, accepted
 
+    def _current(self, key) -> list | None:
+        """The memories under ``key`` recorded at the step before (older ones, finished requests', are dropped)."""
+        found = self.entries.get(key)
+        if found:
+            found[:] = [m for m in found if m.recorded == self.steps - 1]
+            if not found:
+                del self.entries[key]
+        return found
+
     def record(self, context: np.ndarray, memo: Served) -> None:
         """The request's memory, its new block (``memo.last``) drafted on ``context``."""
+        memo.recorded = self.steps
         key = self._key(context)
         self.entries.setdefault(key, []).append(memo)
         self._now.append(key)
@@ -427,7 +445,7 @@ class PolicyProposer:
             self.history.record(context, memo)
             out[i] = block
         if seen is not None:
-            self._logged = ([(c, len(sampled_token_ids[i]), i) for i, c, *_ in live], blocks, seen, batch)
+            self._logged = ([(c, len(sampled_token_ids[i]), i, m) for i, c, m, _ in live], blocks, seen, batch)
         return out
 
     def _advance(self, context: np.ndarray, committed: int, now: float) -> tuple[Served, float | None]:
@@ -468,8 +486,8 @@ class PolicyProposer:
         rows, blocks, seen, batch = step
         for served in {id(x[2]): x[2] for x in seen}.values():  # the policies that planned this step
             self.steplog.describe(served)
-        self.steplog.step([(c, s, state, k, b, served.policy_id, None if sampling is None else sampling(i), name)
-                           for (c, s, i), b, (state, k, served, name) in zip(rows, blocks, seen)], batch, seconds,
+        self.steplog.step([(c, s, state, k, b, served.policy_id, None if sampling is None else sampling(i), name, m)
+                           for (c, s, i, m), b, (state, k, served, name) in zip(rows, blocks, seen)], batch, seconds,
                           self.drafter)
 
     def block(self, context: np.ndarray, history=None) -> list[int]:
