@@ -15,6 +15,7 @@ MOVED_MODULES: dict[str, str] = {
     "sacpolicy.sharegpt": "sacpolicy.data.sharegpt",
     "sacpolicy.cost_fit": "sacpolicy.profiling.fit",
     "sacpolicy.tracking": "sacpolicy.pipeline.tracking",
+    "sacpolicy.policy.rules": "sacpolicy.policy.baselines",  # hand-made rules (runtime.rule is the learned one's)
 }
 
 

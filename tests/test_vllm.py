@@ -25,7 +25,7 @@ from sacpolicy.export.vllm import PolicyNgramProposer, learned_config, speculati
 from sacpolicy.export.vllm_run import run_engine, vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, model_dir
 from sacpolicy.policy.learned import LearnedPolicy
-from sacpolicy.policy.rules import Static
+from sacpolicy.policy.baselines import Static
 from sacpolicy.runtime import PiecewiseLinear, save_policy
 
 pytestmark = pytest.mark.slow

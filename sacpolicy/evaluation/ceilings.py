@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sacpolicy.policy.rules import Static
+from sacpolicy.policy.baselines import Static
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,7 @@
 """Speculation policies: which drafter, how many tokens, when to stop drafting."""
 
-from sacpolicy.policy.base import Decision, DecodeState, DraftToken, Policy, PolicyRow, RequestInfo
-from sacpolicy.policy.rules import (
-    Autoregressive,
+from sacpolicy.policy.base import Autoregressive, Decision, DecodeState, DraftToken, Policy, PolicyRow, RequestInfo
+from sacpolicy.policy.baselines import (
     Bandit,
     Confidence,
     Heuristic,

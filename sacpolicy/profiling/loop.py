@@ -32,7 +32,7 @@ def decoder_steps(target, named: dict, cost: CostModel, sampling: SamplingConfig
     beyond them)]}), the loop's own time outside the timed phases spread evenly over each request's steps. Every
     (drafter, k) decodes ``new_tokens`` from ``loop_prompt`` once a round, each round starting one cell later."""
     from sacpolicy.decoding.decoder import DecoderConfig, SpeculativeDecoder
-    from sacpolicy.policy.rules import Static
+    from sacpolicy.policy.baselines import Static
 
     prompt = loop_prompt(target.config.vocab_size, context_len, gen).to(next(target.parameters()).device)
     cells = [(None, 0)] + [(name, k) for name in named for k in sorted(set(ks)) if k > 0]

@@ -24,7 +24,7 @@ import numpy as np
 from sacpolicy.data import assign_split
 from sacpolicy.policy.base import Decision, DraftToken, PolicyRow
 from sacpolicy.policy.features import feature_spec, token_features
-from sacpolicy.policy.rules import Static
+from sacpolicy.policy.baselines import Static
 from sacpolicy.runtime.features import FEATURE_NAMES
 from sacpolicy.runtime.predictors import Predictor, PredictorError
 from sacpolicy.traces.simulate import confidence

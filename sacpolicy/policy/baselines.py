@@ -1,11 +1,11 @@
-"""Hand-made speculation policies: the baselines every learned policy has to beat."""
+"""Hand-made speculation policies: the baselines every learned policy has to beat (the learned policy's decision rule
+is ``runtime.rule``; its policy ``policy.learned``)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from sacpolicy.policy.base import Autoregressive  # noqa: F401 (a rule like the others)
 from sacpolicy.policy.base import (
     Decision,
     DecodeState,
