@@ -14,7 +14,7 @@ import torch
 
 from sacpolicy.decoding.drafters import LayerSkipDrafter, ModelDrafter, trim_lm_head
 from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
-from sacpolicy.io import read_safetensors
+from sacpolicy.runtime.weights import read_safetensors
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
 from sacpolicy.runtime.spec import DrafterSpec
 

@@ -440,7 +440,7 @@ def test_a_truncated_safetensors_in_a_model_directory_is_named_with_the_fix(tiny
 def test_safetensors_damage_tells_truncated_from_corrupt_from_whole(tmp_path):
     from safetensors.torch import save_file
 
-    from sacpolicy.io import safetensors_damage
+    from sacpolicy.runtime.weights import safetensors_damage
 
     whole = tmp_path / "whole.safetensors"
     save_file({"a": torch.zeros(8, 8), "b": torch.ones(3)}, str(whole))

@@ -134,7 +134,7 @@ def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     the latter through ``torch.load(weights_only=True)``, which refuses anything but tensors and plain containers."""
     from safetensors.torch import load_file
 
-    from sacpolicy.io import read_safetensors  # a truncated download: an error naming the file and the fix
+    from sacpolicy.runtime.weights import read_safetensors  # a truncated download: an error naming the file and the fix
 
     for name, load in ((WEIGHTS_FILE, lambda f: read_safetensors(f, load_file, HeadFormatError)),
                        (BIN_FILE, _load_bin)):

@@ -51,9 +51,13 @@ def in_sample_rules(grouped: dict, cost, spec: InSample, *, vocab_size: int, k_m
     """({predictor name: DecisionRule}, {predictor name: why it has none}): each predictor fitted on ``grouped``
     (train), calibrated on it (val) and tuned on it, with its own hindsight best static as the fallback. Predictors
     that cannot be fitted on these traces alone (too few examples, one label only) go to the second dict."""
-    from sacpolicy.runtime.predictors import PredictorError
     from sacpolicy.traces.simulate import best_static
-    from sacpolicy.training.predictor import acceptance_examples, fit_predictor, tune_rule
+    from sacpolicy.training.predictor import (  # PredictorError: what fitting raises on traces it cannot fit
+        PredictorError,
+        acceptance_examples,
+        fit_predictor,
+        tune_rule,
+    )
 
     ex = acceptance_examples(grouped, cost, vocab_size=vocab_size, k=spec.k, soft=spec.soft)
     ex = _concat(*(dataclasses.replace(ex, split=np.full(len(ex), s)) for s in ("train", "val", "test")))

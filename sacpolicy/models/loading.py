@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from sacpolicy.data.assets import AssetError, package_file
-from sacpolicy.io import safetensors_damage
+from sacpolicy.runtime.weights import safetensors_damage
 from sacpolicy.models.cache import (  # noqa: F401 (part of this module's API)
     EMBEDDED_TARGET,
     ModelSpecError,
