@@ -8,8 +8,17 @@ from sacpolicy.policy.baselines import (
     SeedRule,
     Static,
 )
+from sacpolicy.policy.peers import (
+    AdaEDL,
+    LlamaCppPMin,
+    SglangAdaptive,
+    TrtllmAdaptive,
+    VllmAdaptiveVerification,
+    VllmBatchSchedule,
+)
 
 __all__ = [
-    "Autoregressive", "Bandit", "Confidence", "DecodeState", "Decision", "DraftToken", "Heuristic", "Policy",
-    "PolicyRow", "RequestInfo", "SeedRule", "Static",
+    "AdaEDL", "Autoregressive", "Bandit", "Confidence", "Decision", "DecodeState", "DraftToken", "Heuristic",
+    "LlamaCppPMin", "Policy", "PolicyRow", "RequestInfo", "SeedRule", "SglangAdaptive", "Static", "TrtllmAdaptive",
+    "VllmAdaptiveVerification", "VllmBatchSchedule",
 ]
