@@ -18,7 +18,7 @@ from toys import LOOKUP_DRAFTERS, load_script, lookup_rule, ngram_rule
 
 from sacpolicy.export.deploy import HISTORY_FILE, deploy, flip, promote, rollback, versions
 from sacpolicy.export.reload import CANDIDATE, CURRENT, RELOAD_ENV, VERSIONS, read_link
-from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV, PolicyNgramProposer
+from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV, PolicyProposer
 from sacpolicy.export.vllm_serve import serve_config
 from sacpolicy.models import EMBEDDED_TARGET
 from sacpolicy.runtime import ArtifactError, save_policy
@@ -43,7 +43,7 @@ def _silent_rule():
 def _proposer(root):
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=CAP),
                           model_config=SimpleNamespace(max_model_len=4096))
-    return PolicyNgramProposer(cfg, str(root))
+    return PolicyProposer(cfg, str(root))
 
 
 def _name(link):

@@ -37,7 +37,7 @@ from sacpolicy.export import (
 )
 from sacpolicy.export.hf import export_generation_config, generate_with_policy
 from sacpolicy.export.vllm import (
-    PolicyNgramProposer,
+    PolicyProposer,
     learned_config,
     speculative_config,
     write_vllm_config,
@@ -465,9 +465,9 @@ def test_vllm_proposer_applies_the_rule_per_request(fitted, monkeypatch, mode):
                                   model_config=SimpleNamespace(max_model_len=64))
     monkeypatch.delenv("SACPOLICY_POLICY_DIR", raising=False)
     with pytest.raises(ArtifactError, match="SACPOLICY_POLICY_DIR"):
-        PolicyNgramProposer(vllm_config)
+        PolicyProposer(vllm_config)
     monkeypatch.setenv("SACPOLICY_POLICY_DIR", str(path))
-    proposer = PolicyNgramProposer(vllm_config)
+    proposer = PolicyProposer(vllm_config)
     proposer.rule.mode = proposer.policy.rule.mode = mode
     proposer.policy.needs_token_feedback = mode == "stop"
     rule = proposer.rule

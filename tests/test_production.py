@@ -1,7 +1,7 @@
 """The production loop's first half: the served proposer's step log (sacpolicy.export.steplog) and the traces rebuilt
 from it (sacpolicy.traces: logformat, steplog_read, production, vllm_compare, served_replay).
 
-Fast: a fake engine drives ``PolicyNgramProposer.propose`` as vLLM does (rows reorder, join and leave between steps;
+Fast: a fake engine drives ``PolicyProposer.propose`` as vLLM does (rows reorder, join and leave between steps;
 each step verifies the previous step's drafts against a deterministic greedy "target" and hands the proposer the
 tokens it committed), and the log must equal that engine's truth: every request's token sequence, its drafted and
 accepted tokens per step, the live batch size and the feature row the policy read. The engine thread never waits on
@@ -27,7 +27,7 @@ import torch
 from toys import LOOKUP_DRAFTERS, load_script, lookup_rule, ngram_rule
 
 from sacpolicy.export import steplog, steplog_writer
-from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
+from sacpolicy.export.vllm import LOG_ENV, PolicyProposer
 from sacpolicy.runtime import save_policy
 from sacpolicy.runtime.features import RowContext, accept_rate, feature_row, next_accept_history
 from sacpolicy.traces.logformat import StepLogError
@@ -61,7 +61,7 @@ def proposer(tmp_path, monkeypatch, mode="stop", log="log", tokenizer="toy-token
     monkeypatch.setenv(LOG_ENV, str(tmp_path / log))
     policy = save_policy(tmp_path / f"policy-{mode}", ngram_rule(mode), drafters={"ngram": {"kind": "ngram",
                          "max_ngram": 3}}, provenance={"target": target}, metrics={})
-    return PolicyNgramProposer(vllm_config(tokenizer, vocab), str(policy))
+    return PolicyProposer(vllm_config(tokenizer, vocab), str(policy))
 
 
 class FakeEngine:
@@ -324,7 +324,7 @@ def test_serve_turns_the_step_log_on_for_the_learned_proposer_only(tmp_path, mon
 
     serve = load_script("serve")
     monkeypatch.delenv(LOG_ENV, raising=False)  # logging off: the proposer holds no log
-    assert PolicyNgramProposer(vllm_config(), str(save_policy(tmp_path / "q", ngram_rule("k"), drafters={
+    assert PolicyProposer(vllm_config(), str(save_policy(tmp_path / "q", ngram_rule("k"), drafters={
         "ngram": {"kind": "ngram", "max_ngram": 3}}, provenance={}, metrics={}))).steplog is None
     policy = save_policy(tmp_path / "p", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
                          provenance={"target": EMBEDDED_TARGET}, metrics={})
@@ -559,7 +559,7 @@ def test_foreign_files_and_shards_of_another_server_setting_are_refused_with_the
     monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
     cfg = vllm_config()
     cfg.speculative_config.num_speculative_tokens = K - 2
-    narrow = PolicyNgramProposer(cfg, str(tmp_path / "policy-stop"))
+    narrow = PolicyProposer(cfg, str(tmp_path / "policy-stop"))
     workload(n=4, seed=9).run(narrow)
     narrow.steplog.close()
     with pytest.raises(StepLogError, match=f"steps-.*parquet was logged by a server of drafter .* with k cap "
@@ -596,7 +596,7 @@ def test_the_reload_drill_swaps_the_served_policy_mid_run_and_counts_each_ids_st
     monkeypatch.setenv(STATS_ENV, str(stats))
     config = vllm_config()
     config.speculative_config.num_speculative_tokens = 8  # the deploy root's k cap (the policies' k_max)
-    prop = PolicyNgramProposer(config, str(drill.root))  # what a version's vllm.env names
+    prop = PolicyProposer(config, str(drill.root))  # what a version's vllm.env names
     first = prop.policy_id
 
     def on_step(t):
@@ -626,7 +626,7 @@ def _log_and_end(policy, log, how):
     from sacpolicy.export.steplog import FLUSH_ENV
 
     os.environ.update({LOG_ENV: str(log), FLUSH_ENV: "3600"})
-    workload(n=4).run(PolicyNgramProposer(vllm_config(), str(policy)))
+    workload(n=4).run(PolicyProposer(vllm_config(), str(policy)))
     if how == "exit":
         sys.exit(0)
 
@@ -653,7 +653,7 @@ def lookup_proposer(tmp_path, monkeypatch, log="log"):
     monkeypatch.setenv(LOG_ENV, str(tmp_path / log))
     policy = save_policy(tmp_path / "policy-lookup", lookup_rule("stop"), drafters=LOOKUP_DRAFTERS,
                          provenance={"target": TARGET}, metrics={})
-    return PolicyNgramProposer(vllm_config(), str(policy)), policy
+    return PolicyProposer(vllm_config(), str(policy)), policy
 
 
 def test_both_lookup_drafters_are_served_and_their_log_replays_in_the_order_the_server_saw_it(tmp_path, monkeypatch):

@@ -309,13 +309,13 @@ def test_a_log_of_both_lookup_drafters_refits_a_rule_over_both_and_decodes_them_
     """A server that ran the rule's n-gram and suffix drafters: its production traces hold both (the suffix drafter's
     in served order), the candidate is fitted over both, and the live arms decode with both (each repeat of a request
     from the suffix index as it stood before the request: the arms agree, and no repeat reads its own answer)."""
-    from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
+    from sacpolicy.export.vllm import LOG_ENV, PolicyProposer
 
     tiny = "tiny:llama-4l"
     monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
     served = save_policy(tmp_path / "served", lookup_rule("stop"), drafters=LOOKUP_DRAFTERS,
                          provenance={"target": tiny}, metrics={})
-    prop = PolicyNgramProposer(vllm_config(), str(served))
+    prop = PolicyProposer(vllm_config(), str(served))
     workload(n=30, seed=7).run(prop)
     prop.steplog.close()
     run, _ = make_run(tmp_path, weak_rule(lookup_rule("k")), "target=tiny", drafters=LOOKUP_DRAFTERS)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from toys import load_script, ngram_batch_rule, ngram_rule
 
-from sacpolicy.export.vllm import STATS_ENV, PolicyNgramProposer, export_vllm, speculative_config
+from sacpolicy.export.vllm import STATS_ENV, PolicyProposer, export_vllm, speculative_config
 from sacpolicy.export.vllm_serve import (
     ServeError,
     VllmServer,
@@ -178,7 +178,7 @@ def _proposer(tmp_path, rule, k=8):
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                           model_config=SimpleNamespace(max_model_len=256))
     policy = save_policy(tmp_path / "p", rule, drafters=NGRAM, provenance={}, metrics={})
-    return PolicyNgramProposer(cfg, policy)
+    return PolicyProposer(cfg, policy)
 
 
 def _step(proposer, rows):
@@ -499,7 +499,7 @@ def test_under_tensor_parallelism_one_rank_reports(tmp_path, monkeypatch):
                               parallel_config=SimpleNamespace(rank=rank, tensor_parallel_size=2))
         assert is_first_rank(cfg) == first
         policy = save_policy(tmp_path / f"p{rank}", ngram_rule("k"), drafters=NGRAM, provenance={}, metrics={})
-        proposer = PolicyNgramProposer(cfg, policy)
+        proposer = PolicyProposer(cfg, policy)
         assert (proposer.stats_path is not None) == first
         assert _step(proposer, [np.tile(np.arange(5), 8)])[0]  # every rank drafts the same
 

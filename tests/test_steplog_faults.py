@@ -236,13 +236,13 @@ class TensorParallel:
 def test_a_tensor_parallel_engine_logs_each_request_once_from_its_first_rank(tmp_path, monkeypatch):
     from toys import ngram_rule
 
-    from sacpolicy.export.vllm import LOG_ENV, PolicyNgramProposer
+    from sacpolicy.export.vllm import LOG_ENV, PolicyProposer
     from sacpolicy.runtime import save_policy
 
     monkeypatch.setenv(LOG_ENV, str(tmp_path / "log"))
     policy = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram",
                          "max_ngram": 3}}, provenance={"target": TARGET}, metrics={})
-    ranks = [PolicyNgramProposer(tp_config(r), str(policy)) for r in (0, 1)]
+    ranks = [PolicyProposer(tp_config(r), str(policy)) for r in (0, 1)]
     assert ranks[0].steplog is not None and ranks[1].steplog is None  # rank 1 holds no log: one `if` per step
     engine = workload(n=6, seed=3)
     engine.run(TensorParallel(ranks))

@@ -21,7 +21,7 @@ from toys import load_script, ngram_batch_rule, ngram_rule
 
 from sacpolicy.data import assign_split, load_prompt_mix
 from sacpolicy.decoding import NgramDrafter, SpeculativeDecoder
-from sacpolicy.export.vllm import PolicyNgramProposer, learned_config, speculative_config
+from sacpolicy.export.vllm import PolicyProposer, learned_config, speculative_config
 from sacpolicy.export.vllm_run import run_engine, vllm_status
 from sacpolicy.models import EMBEDDED_TARGET, model_dir
 from sacpolicy.policy.learned import LearnedPolicy
@@ -181,7 +181,7 @@ def test_proposer_tracks_each_requests_history_without_request_ids(tmp_path):
                           model_config=SimpleNamespace(max_model_len=128))
     policy_dir = save_policy(tmp_path / "policy", ngram_rule("stop"), drafters={"ngram": {"kind": "ngram", "max_ngram": 3}},
                              provenance={}, metrics={})
-    proposer = PolicyNgramProposer(cfg, policy_dir)
+    proposer = PolicyProposer(cfg, policy_dir)
     rng = np.random.default_rng(0)
     a, b = np.tile(rng.integers(0, 40, 5), 8)[:30], np.tile(rng.integers(40, 80, 3), 12)[:25]
     table = np.zeros((2, 128), dtype=np.int32)

@@ -1,4 +1,4 @@
-"""The served proposer's step log: what ``PolicyNgramProposer`` saw, chose and got, per request and step, in vLLM.
+"""The served proposer's step log: what ``PolicyProposer`` saw, chose and got, per request and step, in vLLM.
 
 Opt-in: ``SACPOLICY_PROPOSER_LOG=<dir>`` (``scripts/serve.py --log-steps DIR``) turns it on, and
 ``SACPOLICY_PROPOSER_LOG_RATE`` (``--log-rate``, default 1) samples requests by a hash of the context they are first
@@ -11,11 +11,11 @@ requests are found again by their committed tokens, as ``_History`` finds them),
 read (``runtime.features.feature_row`` of the state the policy decided on for the drafter it chose, the primary
 drafter's when it chose none, position 0 of the block; the plan's other positions differ only in
 ``position``/``log_context_len``), the drafter, the k chosen, the tokens drafted, the live batch size,
-the id of the policy that planned it (``PolicyNgramProposer.policy_id``: a deploy's version, a canary's own), the
+the id of the policy that planned it (``PolicyProposer.policy_id``: a deploy's version, a canary's own), the
 proposer's seconds for the whole engine step, and the tokens: the whole context on first sight (the prompt plus the
 prefill's token), then the tokens committed since the previous step, whose count minus one is the previous block's
 accepted tokens. On first sight also the request's sampling settings (temperature, top_p, top_k), read from vLLM's
-input batch (``PolicyNgramProposer`` finds it on the model runner that calls its hook, which passes token arrays
+input batch (``PolicyProposer`` finds it on the model runner that calls its hook, which passes token arrays
 only; the temperature rounded to 6 decimals, as vLLM holds it in float32): null where it could not be read.
 Penalties (repetition, frequency, presence) are not logged; traces take the logged settings as all there was.
 ``traces.steplog_read`` rebuilds every request's token sequence from these alone and ``traces.production`` turns the
@@ -28,7 +28,7 @@ them as Parquet shards every ``SACPOLICY_PROPOSER_LOG_FLUSH_S`` seconds and on `
 and when a multiprocessing child that holds the log ends normally), leaving out and counting a record it cannot
 build or store (``bad_records``) and going on. What the log costs is counted where it is spent (``cost``): the engine
 thread's seconds in ``step`` and the writer thread's CPU seconds (building records and shards), which
-``PolicyNgramProposer``'s stats file reports and ``bench_serve`` sets against the served run's time. A request is found
+``PolicyProposer``'s stats file reports and ``bench_serve`` sets against the served run's time. A request is found
 again only from the engine step just before (vLLM proposes for every running request each step), so a later request
 with the same prompt starts its own log, and a request vLLM preempted and resumed later is logged as a new one whose
 first context holds its tokens so far. vLLM force-kills its worker process when the server shuts down, so the records

@@ -17,8 +17,8 @@ only when it is no worse.
    The candidate is the predictor with the lowest validation log-loss (``policies/<predictor>``).
 3. The candidate, the current policy (``refit.policy``, else the deploy root's ``current``, else from_run's headline)
    and the best static (drafter, k) of the val requests are replayed over the held-out test requests as the server
-   ran them (``traces.served_replay.as_served``; ``traces.simulate``, as evaluation replays): simulated seconds of the
-   cost model, per request. The paired bootstrap over those requests (``evaluation.intervals``) gives each ratio's
+   ran them (``traces.served_replay.served_config``; ``traces.simulate``, as evaluation replays): simulated seconds of
+   the cost model, per request. The paired bootstrap over those requests (``evaluation.intervals``) gives each ratio's
    interval; the candidate passes when the lower end of its interval against the current policy is at least
    ``refit.threshold``. The oracle over the served drafters (``traces.simulate.Oracle``) is replayed beside them:
    its ratio to the best static is the headroom any refit has on that workload.
@@ -262,13 +262,13 @@ def run_traces(ctx: RunContext, drafters: list[str], taken: set, sampling: dict)
 # ---------------------------------------------------------------------- the comparison
 def replay(ctx: RunContext, policy, test: dict, log: dict, drafters: list[str]) -> dict:
     """{"tokens", "seconds"} per held-out request (``test``'s order) of ``policy`` (a policy directory, replayed as
-    the server runs it: ``as_served``; a best-static {"drafter", "k"}; or "oracle": ``traces.simulate.Oracle`` over
+    the server runs it: ``served_config``; a best-static {"drafter", "k"}; or "oracle": ``traces.simulate.Oracle`` over
     the served drafters, the ceiling any policy reaches on them), seconds from the run's cost model."""
     from sacpolicy.decoding import DecoderConfig
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
-    from sacpolicy.traces.served_replay import as_served
+    from sacpolicy.traces.served_replay import served_config
     from sacpolicy.traces.simulate import Oracle, simulate
 
     k_cap = int(log["k_cap"])
@@ -278,7 +278,7 @@ def replay(ctx: RunContext, policy, test: dict, log: dict, drafters: list[str]) 
         pol, config = Oracle(ctx.cost, k_max=k_cap), DecoderConfig(k_max=k_cap)
     else:
         rule = load_artifact(policy).rule
-        pol, config = LearnedPolicy(rule), as_served(rule, k_cap, int(log["max_model_len"]))
+        pol, config = LearnedPolicy(rule), served_config(rule, k_cap, int(log["max_model_len"]))
     sim = simulate(pol, test, ctx.cost, vocab_size=ctx.vocab_size, config=config, drafters=drafters)
     return {"tokens": [len(out.tokens) for _, out in sim.results],
             "seconds": [float(out.total_s) for _, out in sim.results]}
@@ -316,17 +316,17 @@ def decode_live(ctx: RunContext, arms: dict, ids: list, specs: list, k_cap: int,
     from sacpolicy.policy import Static
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import load_artifact
-    from sacpolicy.traces.served_replay import as_served
+    from sacpolicy.traces.served_replay import served_config
 
     reqs = logged_requests(ctx)
     target = ctx.target
 
-    def decoder(policy):  # each arm as the server runs it (as_served: the server's k cap and room), as replay does
+    def decoder(policy):  # each arm as the server runs it (served_config: the server's k cap and room), as replay does
         if isinstance(policy, dict):
             pol, config = Static(int(policy["k"]), policy["drafter"]), DecoderConfig(k_max=k_cap)
         else:
             rule = load_artifact(policy).rule
-            pol, config = LearnedPolicy(rule), as_served(rule, k_cap, int(max_model_len))
+            pol, config = LearnedPolicy(rule), served_config(rule, k_cap, int(max_model_len))
         return SpeculativeDecoder(target.model, build_drafters(specs, target), pol, config=config,
                                   stop_token_ids=target.eos_token_ids)
 

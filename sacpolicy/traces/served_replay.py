@@ -1,7 +1,7 @@
 """The logged policy replayed over production traces as the served proposer ran it (``replay_logged``): its accepted
 tokens per step set beside the logged ones, so a log proves the policy it names, and a refit replays its arms as the
-server would run them (``as_served``: the decoder planning through the proposer's ``ServedView``, so the replay and
-the server run one controller and cannot drift apart).
+server would run them (``served_config``: the decoder planning through the proposer's ``ServedView``, so the replay
+and the server run one controller and cannot drift apart).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from sacpolicy.traces.logformat import StepLogError
 
 def replay_logged(trace_dir, policy) -> dict:
     """Replay ``policy`` (the logged one: an artifact path or ``PolicyArtifact``) over ``trace_dir/tf`` as the
-    served proposer saw each request (``as_served``) and set its accepted tokens per step beside the logged ones in
+    served proposer saw each request (``served_config``) and set its accepted tokens per step beside the logged ones in
     ``trace_dir/live``: {"replayed": {id: [...]}, "logged": {id: [...]}, "mismatched": [ids]}. Exact for greedy logs
     of a proposer that planned each row alone; sampled logs (replayed in expectation only) are refused, and so is a
     load-aware proposer's (``SACPOLICY_PROPOSER_LOAD``), which planned a step's rows together, as a replay of one
@@ -38,7 +38,7 @@ def replay_logged(trace_dir, policy) -> dict:
                            "exactly replayable logs")
     art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
     grouped = group_traces(load_traces(trace_dir / "tf"), meta)
-    config = as_served(art.rule, log["k_cap"], log["max_model_len"])
+    config = served_config(art.rule, log["k_cap"], log["max_model_len"])
     sim = simulate(LearnedPolicy(art.rule), grouped, art.rule.cost,
                    vocab_size=int(meta["vocab_size"] or 0) or _vocab(grouped), config=config)
     logged: dict = {}
@@ -49,7 +49,7 @@ def replay_logged(trace_dir, policy) -> dict:
             "mismatched": sorted(p for p in replayed if replayed[p] != logged.get(p, []))}
 
 
-def as_served(rule, k_cap: int, max_model_len: int, drafters: tuple[str, ...] | None = None) -> DecoderConfig:
+def served_config(rule, k_cap: int, max_model_len: int, drafters: tuple[str, ...] | None = None) -> DecoderConfig:
     """The decoder settings that run ``rule``'s policy as the served proposer ran it (a replay of its log, a refit's
     arms): through the same ``ServedView`` the proposer's controller plans with (the rule's ``drafters`` on offer, no
     category, each row priced alone, room for at most ``k_cap`` tokens before ``max_model_len``: the proposer cannot
