@@ -78,7 +78,7 @@ def test_an_engine_step_the_log_cannot_read_never_reaches_the_engine(tmp_path, m
     prop = proposer(tmp_path, monkeypatch)
     log = prop.steplog
     memo = SimpleNamespace(log=None)  # a request's memory, where the log keeps its entry
-    log.step([(np.arange(5), 1, object(), 2, [1, 2], "p", None, "ngram", memo)], 1, 0.01, "ngram")  # raises inside
+    log.step([(np.arange(5), 1, object(), 2, [1, 2], "p", None, "ngram", memo, False)], 1, 0.01, "ngram")  # raises inside
     engine = workload(n=4, seed=2)
     engine.run(prop)
     log.close()

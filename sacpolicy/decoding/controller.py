@@ -262,7 +262,7 @@ class Controller:
         rec = StepRecord(step=state.step, drafter=drafted.drafter, k=plan.decision.k, drafted=drafted.block.k,
                          accepted=accepted, emitted=emitted, context_len=state.context_len,
                          draft_s=drafted.seconds, verify_s=verify_s, cooldown=plan.cooldown, batch_size=batch_size,
-                         tree=plan.tree if drafted.block.tree is not None else 0)
+                         tree=plan.tree if drafted.block.tree is not None else 0, guard=plan.decision.guard)
         if stats is not None:
             rec.top1, rec.entropy, rec.margin, rec.q, rec.p, rec.beta = (list(c) for c in zip(*stats))
         state.step += 1

@@ -78,6 +78,9 @@ class Decision:
     # a token tree of at most this many nodes (depth <= k; ``DraftsTrees`` drafters only), 0 a chain of k; None: the
     # drafter's own default (``DraftsTrees.tree_budget``, 0 for drafters that draft chains only)
     tree: int | None = None
+    # the policy's guard chose this block in place of its own plan (a learning policy fallen back to the static block
+    # its shadow accounting found better: ``runtime.online.ShadowGuard``); the step's record and log say so
+    guard: bool = False
 
     @classmethod
     def autoregressive(cls) -> Decision:
@@ -118,6 +121,7 @@ class StepRecord:
     cooldown: bool = False  # the decoder overrode the policy with an autoregressive step (low moving acceptance)
     batch_size: int = 1  # rows verified in the same target pass (verify_s is that whole pass)
     tree: int = 0  # a token tree's node budget (``drafted`` its nodes, ``accepted`` its accepted path); 0: a chain
+    guard: bool = False  # the policy's guard decided the step (``Decision.guard``)
     top1: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
     margin: list[float] = field(default_factory=list)

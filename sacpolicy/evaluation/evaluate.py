@@ -149,6 +149,10 @@ def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *,
     for name, rule in rules.items():  # a copy of the rule per policy: fallback counts stay per row
         make[f"learned-{name}"] = lambda rule=rule, name=name: LearnedPolicy(replace(rule, fallbacks=0),
                                                                              name=f"learned-{name}")
+        # the same predictor the other way: fitted only where the rule learns while serving, learning where not
+        other = f"learned-{name}-" + ("offline" if rule is not None and rule.online is not None else "online")
+        make[other] = lambda rule=rule, other=other: LearnedPolicy(replace(rule, fallbacks=0), name=other,
+                                                                   online=rule.online is None)
     return make
 
 

@@ -333,9 +333,9 @@ class PolicyProposer:
         rows, blocks, seen, batch = step
         for served in {id(x[2]): x[2] for x in seen}.values():  # the policies that planned this step
             self.steplog.describe(served)
-        self.steplog.step([(c, s, state, k, b, served.policy_id, None if sampling is None else sampling(i), name, m)
-                           for (c, s, i, m), b, (state, k, served, name) in zip(rows, blocks, seen)], batch, seconds,
-                          self.drafter)
+        self.steplog.step([(c, s, state, k, b, served.policy_id, None if sampling is None else sampling(i), name, m,
+                            guard) for (c, s, i, m), b, (state, k, served, name, guard) in zip(rows, blocks, seen)],
+                          batch, seconds, self.drafter)
 
     def block(self, context: np.ndarray, history=None) -> list[int]:
         """The tokens the decoder would draft on ``context`` alone (``history``: the request's memory, see
@@ -350,7 +350,7 @@ class PolicyProposer:
         (drafter, k) within the row's room, the chosen drafter drafts under the stop rule. ``batch``: the engine
         step's live size (where the policy is load-aware its rows are planned together at that size; else each
         alone). A ``Served`` memory gets its new block (``last``). ``seen``: a list that gets each row's (state
-        decided on, k chosen, the planning ``ServedPolicy``, the drafter or None)."""
+        decided on, k chosen, the planning ``ServedPolicy``, the drafter or None, whether the policy's guard decided)."""
         served = served or self.served
         memos = []
         for context, memo in rows:
@@ -367,9 +367,9 @@ class PolicyProposer:
         out = []
         for memo, plan, drafted in zip(memos, plans, drafts):
             name = drafted.drafter if drafted.block.k else None
-            memo.last = (controller, plan, drafted) if name is not None else None
+            memo.last = (controller, plan, drafted)  # observed at the next step, drafted or not (as the decoder does)
             if seen is not None:
-                seen.append((plan.row.state, plan.k if name else 0, served, name))
+                seen.append((plan.row.state, plan.k if name else 0, served, name, plan.decision.guard))
             out.append(drafted.block.tokens.tolist())
         return out
 

@@ -137,7 +137,8 @@ class StepLogger:
         """One engine step's rows: (context, tokens committed since the last step, the state the policy decided on,
         k chosen, the drafted block's tokens, the planning policy's id: ``ServedPolicy.policy_id``, a canary's own,
         the request's sampling settings (temperature, top_p, top_k) or None, the drafter that drafted the block or
-        None, and the request's memory, found again by the proposer's one request table (``_History``, which also
+        None, the request's memory and whether the policy's guard decided the step (``Decision.guard``); the memory
+        is found again by the proposer's one request table (``_History``, which also
         finds a request after engine steps vLLM ran without the hook); ``drafter``: the primary one, whose feature
         row a step without a block keeps). Queues the sampled requests' records; never blocks.
 
@@ -157,7 +158,7 @@ class StepLogger:
     def _step(self, rows, batch: int, seconds: float, drafter: str) -> None:
         out = []
         self._steps += 1
-        for context, committed, state, k, block, policy, sampling, name, memo in rows:
+        for context, committed, state, k, block, policy, sampling, name, memo, guard in rows:
             entry, first = memo.log, memo.log is None
             if first:  # [log id (None: not sampled), step, drafted, prompt length, last block, context length seen]
                 self._ids += 1
@@ -171,7 +172,7 @@ class StepLogger:
                             None if first else new.copy(), -1 if first else entry[2], -1 if first else accepted,
                             0 if first else len(new) - accepted - 1, k, len(block),
                             row_context(state, name or drafter), len(context), policy,
-                            sampling if first else None, name if block else None))
+                            sampling if first else None, name if block else None, bool(guard)))
             entry[2], entry[4], entry[5] = len(block), list(block), len(context)
             memo.log = entry
         if out:

@@ -225,13 +225,13 @@ def _records(item) -> tuple[list[dict], list[Exception]]:
 def _record(row, unix_s: float, seconds: float, batch: int) -> dict:
     """One queued row (``StepLogger._step``'s tuple) as a ``STEP_SCHEMA`` record."""
     rid, step, prompt_len, ctx, new, prev_drafted, prev_accepted, unseen, k, drafted, rowctx, n, policy, sampling, \
-        drafter = row
+        drafter, guard = row
     return {"request": rid, "step": step, "unix_s": unix_s, "policy": policy, "prompt_len": prompt_len,
             "context_len": n, "context": None if ctx is None else ctx.tolist(),
             "committed": None if new is None else new.tolist(), "prev_drafted": prev_drafted,
             "prev_accepted": prev_accepted, "unseen": unseen, "k": k, "drafted": drafted,
             "features": feature_row(rowctx, 0), "batch_size": batch, "proposer_s": seconds, **_sampling(sampling),
-            "drafter": drafter}
+            "drafter": drafter, "guard": guard}
 
 
 def _fits(record: dict) -> bool:

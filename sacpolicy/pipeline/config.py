@@ -75,6 +75,11 @@ class FitSettings:
     # acceptances from the recorded beta (sacpolicy.traces.draws). null: that module's DRAWS. Replays cost this many
     # times a greedy replay's; the Monte-Carlo error of a rate falls as 1 / sqrt(draws)
     draws: int | None = None
+    # Learning while serving (sacpolicy.runtime.online: a calibration of the predictor from every verify step's labels
+    # and a guard against the static blocks the same steps price). The fitted rule learns with these settings (its
+    # artifact carries them to every host) when that replays faster on the val traces than it does fitted only.
+    # {}: the defaults of OnlineSettings (lr, shrink, window, margin, hold, min_steps, guard); null: never
+    online: dict | None = field(default_factory=dict)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import time
 from hydra.utils import instantiate
 
 from sacpolicy.pipeline.context import SPLITS, PipelineError, RunContext, command
+from sacpolicy.runtime.online import OnlineSettings
 
 
 def run(ctx: RunContext) -> dict:
@@ -48,6 +49,7 @@ def fit_policy(ctx: RunContext, name: str, ex, static: dict, specs: dict, proven
     track_calibration(ctx.tracker, name, pred, ex.of("test", "known"), ctx.out_dir / "plots", soft=ctx.soft_labels)
     ctx.tracker.log({f"{name}_{split}_{k}": v for split, m in metrics.items() for k, v in m.items()}, "fit")
     return {"metrics": metrics, "mode": rule.mode, "optimism": rule.optimism, "fallback": list(rule.fallback),
+            "online": None if rule.online is None else rule.online.to_dict(),
             "fit_s": time.perf_counter() - t0, "tuning_replay": tuning["replay"],
             "fitted_sampling": {k: pred.meta[f"fitted_{k}"] for k in ("temperature", "top_p")},
             "val_tokens_per_s": max((r["val_tokens_per_s"] for r in tuning["grid"]), default=None)}
@@ -97,6 +99,8 @@ def decision_rule(ctx: RunContext, name: str, pred, static: dict):
     val, k_max = ctx.traces.by_split["val"], ctx.cfg.fit.k_max
     if not val:
         raise PipelineError("no validation traces to choose the decision rule on; collect traces over val prompts")
+    online = ctx.cfg.fit.get("online")
     rule, table = tune_rule(pred, ctx.cost, val, static, vocab_size=ctx.vocab_size, k_max=k_max,
-                            config=instantiate(ctx.cfg.decoder))
+                            config=instantiate(ctx.cfg.decoder),
+                            online=None if online is None else OnlineSettings.of(dict(online)))
     return rule, {**table, "replay": replay_kind(val)}

@@ -1,13 +1,15 @@
 """The learned policy: features from the shared feature function, decisions from the runtime's ``DecisionRule``
 (predicted acceptance + the cost model). It adds nothing of its own but reading the decoder's state, so the exported
-runtime decides exactly as it does."""
+runtime decides exactly as it does. Where the rule learns while serving (``DecisionRule.online``), each instance keeps
+its own learned state (``runtime.online``: the calibration and the shadow guard) and feeds it every verified step
+through ``observe``, in whichever host runs it: the decoder, the replay, the vLLM proposer."""
 
 from __future__ import annotations
 
 import logging
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -22,6 +24,7 @@ from sacpolicy.policy.base import (
 )
 from sacpolicy.policy.features import row_context, token_features
 from sacpolicy.runtime.features import plan_rows
+from sacpolicy.runtime.online import OnlineCalibration, OnlineSettings, ShadowGuard, chain_labels
 from sacpolicy.runtime.rule import Block, DecisionRule
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,10 @@ class LearnedMemory:
     block: Block | None = None  # the block being drafted (the stop rule reads it)
     prev_top1: float | None = None  # the last drafted token's confidence
     request_drafter: str | None = None  # select="request": the drafter the request's first plan chose
+    # learning while serving: the feature rows of the block planned (before drafting) and of each drafted token
+    # (its confidence known, from the stop rule), by position: the rows its labels teach
+    rows: np.ndarray | None = None
+    drafted: dict = field(default_factory=dict)
 
 
 class LearnedPolicy(Policy):
@@ -61,11 +68,23 @@ class LearnedPolicy(Policy):
     longest block when their tokens do not pay for their draft time).
     (``sacpolicy.evaluation.evaluate.Timed`` measures the seconds it costs, as for any policy.)"""
 
-    def __init__(self, rule: DecisionRule, name: str = "learned", select: str = "step", per_row: bool = True):
+    def __init__(self, rule: DecisionRule, name: str = "learned", select: str = "step", per_row: bool = True,
+                 online: bool | OnlineSettings | dict | None = None):
+        """``online``: learn while serving with these settings (True: the rule's, else the defaults); False: never;
+        None: as the rule says (``DecisionRule.online``)."""
         if select not in ("step", "request"):
             raise ValueError(f"select must be 'step' or 'request', got {select!r}")
+        settings = (rule.online if online is None else None if online is False
+                    else (rule.online or OnlineSettings()) if online is True else OnlineSettings.of(online))
+        self.guard: ShadowGuard | None = None
+        if settings is not None:  # this instance's own learned state, fresh
+            rule = replace(rule, online=settings,
+                           calibration=OnlineCalibration(settings, len(rule.drafters), rule.k_max))
+            self.guard = ShadowGuard(settings, rule.cost, rule.drafters, rule.k_max)
+        else:
+            rule = replace(rule, online=None, calibration=None) if rule.calibration is not None else rule
         self.rule, self.name, self.select, self.per_row = rule, name, select, per_row
-        self.needs_token_feedback = rule.mode == "stop"
+        self.needs_token_feedback = rule.mode == "stop" or settings is not None
         self.uses_peeks = True  # a peekable drafter's proposal (its length, each token's confidence) is known first
         self.warned = False  # about decoding at sampling settings the rule was not fitted for (once per policy)
 
@@ -105,24 +124,65 @@ class LearnedPolicy(Policy):
         with one_blas_thread():
             plans, rate = self.rule.plan_batch(feats, [s.context_len for s in states], caps, per_row=self.per_row,
                                                batch=states[0].batch_size)
+        held = self.guard.held if self.guard is not None else None
         out, together = [], Counter(name for name, k in plans if name is not None and k > 0)
-        for row, state, (name, k) in zip(rows, states, plans):
+        for row, state, feat, cap, (name, k) in zip(rows, states, feats, caps, plans):
             mem = row.memory
+            if held is not None:  # the guard fell back: its static block where the row can draft it, else AR
+                name, k = (held[0], min(held[1], cap)) if held[0] in feat and held[1] > 0 else (None, 0)
+                name = name if k > 0 else None
             if self.select == "request" and name is not None:
                 mem.request_drafter = name
+            stops = self.rule.mode == "stop" and held is None
             mem.block = Block(name, state.context_len, k, batch=state.batch_size, rows=together[name],
-                              rate=rate if state.batch_size > 1 else None) if name is not None else None
+                              rate=rate if state.batch_size > 1 else None) if name is not None and stops else None
             mem.prev_top1 = None
-            out.append(Decision(name, k) if name is not None else Decision.autoregressive())
+            if self.guard is not None:
+                mem.rows, mem.drafted = (feat[name] if name is not None else None), {}
+            out.append(Decision(name, k, guard=held is not None) if name is not None
+                       else Decision(None, 0, guard=held is not None))
         return out
 
     def should_stop(self, row: PolicyRow, token: DraftToken) -> bool:
         mem = row.memory
         now = token_features(row.state, token, mem.prev_top1)
-        nxt = token_features(row.state, None, token.top1, position=token.position + 1)
         mem.prev_top1 = token.top1
+        if self.guard is not None:
+            mem.drafted[token.position] = now
+        if mem.block is None:  # a block the stop rule does not end (mode "k", the guard's static block)
+            return False
+        nxt = token_features(row.state, None, token.top1, position=token.position + 1)
         with one_blas_thread():
             return self.rule.stop(mem.block, np.array(now), np.array(nxt))
+
+    def observe(self, row: PolicyRow, record) -> None:
+        """Learning while serving: a chain's labels (``runtime.online.chain_labels``) teach the calibration, on the
+        rows the block was planned and drafted with, and the step goes to the shadow guard. Token trees teach
+        neither (a tree's accepted path is not a chain's prefix)."""
+        if self.guard is None or record.tree:
+            return
+        mem = row.memory
+        self.guard.observe(record.drafter, record.drafted, record.accepted, record.emitted, record.context_len,
+                           record.batch_size)
+        if not record.drafted or record.drafter is None or mem.rows is None:
+            return
+        labels = chain_labels(record.drafted, record.accepted)
+        X = [mem.drafted[j] if j in mem.drafted else (mem.rows[j] if j < len(mem.rows) else None)
+             for j in range(len(labels))]
+        n = next((j for j, x in enumerate(X) if x is None), len(X))
+        if n:
+            X = np.asarray(X[:n], dtype=np.float64)
+            with one_blas_thread():
+                self.rule.calibration.learn(X, self.rule.predictor.predict(X), np.asarray(labels[:n], float))
+        mem.rows, mem.drafted = None, {}
+
+    @property
+    def learning(self) -> dict | None:
+        """What the policy learned while serving (None: it does not learn): labelled tokens, the guard's state."""
+        if self.guard is None:
+            return None
+        cal = self.rule.calibration
+        return {"labels": cal.updates, "skipped": cal.skipped} | self.guard.state()
 
     @property
     def fallbacks(self) -> int:

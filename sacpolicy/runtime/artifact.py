@@ -233,7 +233,7 @@ def load_artifact(path) -> PolicyArtifact:
         rule = DecisionRule(Predictor(m["predictor"]["kind"], arrays, m["predictor"]["meta"]),
                             CostModel.from_dict(m["cost_model"], source=str(manifest_path)), tuple(r["drafters"]),
                             int(r["k_max"]), (r["fallback"]["drafter"], r["fallback"]["k"]), r["mode"],
-                            float(r["optimism"]))
+                            float(r["optimism"]), online=r.get("online"))
         drafters = {name: _spec(name, m["drafters"][name]) for name in rule.drafters}
     except ArtifactError:
         raise

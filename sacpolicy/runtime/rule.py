@@ -31,6 +31,7 @@ from sacpolicy.runtime.features import (
     PREV_TOP1,
     feature_spec,
 )
+from sacpolicy.runtime.online import OnlineCalibration, OnlineSettings
 from sacpolicy.runtime.predictors import Predictor
 
 MODES = ("stop", "k")
@@ -78,9 +79,14 @@ class DecisionRule:
     mode: str = "stop"
     optimism: float = 1.0
     fallbacks: int = field(default=0, compare=False)  # decisions that fell back on non-finite features
+    # learning while serving (``runtime.online``): the settings travel with the rule; the calibration is one policy's
+    # learned state (``LearnedPolicy`` gives each of its instances its own), None: the fitted predictor as it is
+    online: OnlineSettings | None = None
+    calibration: OnlineCalibration | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.drafters = tuple(self.drafters)
+        self.online = OnlineSettings.of(self.online)
         self.fallback = (self.fallback[0], int(self.fallback[1]))
         if self.mode not in MODES:
             raise RuleError(f"unknown decision mode {self.mode!r}; modes are {list(MODES)}")
@@ -124,6 +130,12 @@ class DecisionRule:
             raise RuleError(f"the policy was trained on drafters {list(self.drafters)}, not {name!r}; collect traces "
                             "with this drafter and refit, or remove it from the decoder")
 
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """Acceptance probabilities of feature rows ``X``: the fitted predictor's, through the online calibration
+        when the rule learns while serving."""
+        p = self.predictor.predict(X)
+        return p if self.calibration is None else self.calibration.adjust(np.asarray(X, dtype=np.float64), p)
+
     # ------------------------------------------------------------------ plan
     def plan(self, rows: dict[str, np.ndarray], context_len: int, k_cap: int | None = None) -> tuple[str | None, int]:
         """rows: {drafter: [n, F] feature rows of positions 0..n-1 before drafting (``runtime.features.plan_rows``;
@@ -159,7 +171,7 @@ class DecisionRule:
             blocks.append((i, list(r), cap, lens, X))
         if not blocks:
             return out, 0.0
-        probs = self.predictor.predict(np.concatenate([X for *_, X in blocks]))
+        probs = self.predict(np.concatenate([X for *_, X in blocks]))
         tables, at = [], 0
         for i, names, cap, lens, X in blocks:
             p = np.zeros((len(names), cap))
@@ -217,7 +229,7 @@ class DecisionRule:
         if not _finite(X):
             self.fallbacks += 1
             return block.n >= self.fallback[1]
-        a, a_next = self.predictor.predict(X).tolist()
+        a, a_next = self.predict(X).tolist()
         block.survive *= a
         block.expected += block.survive
         if batch:
@@ -232,4 +244,5 @@ class DecisionRule:
         """Everything but the predictor's arrays and the cost model, as JSON-ready data."""
         return {"drafters": list(self.drafters), "k_max": self.k_max, "mode": self.mode,
                 "optimism": self.optimism,
-                "fallback": {"drafter": self.fallback[0], "k": self.fallback[1]}}
+                "fallback": {"drafter": self.fallback[0], "k": self.fallback[1]}} | (
+            {"online": self.online.to_dict()} if self.online is not None else {})

@@ -38,9 +38,12 @@ STEP_SCHEMA = pa.schema([
     ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()),
     # the lookup drafter that drafted the block (null: none; logs written before this column: the primary drafter)
     ("drafter", pa.string()),
+    # the learning policy's guard decided the step (it fell back to a static block: ``Decision.guard``); null in
+    # logs written before this column
+    ("guard", pa.bool_()),
 ])
 # columns that logs of this format written before they existed lack (readers take them as null)
-LATER_COLUMNS = frozenset({"unseen", "temperature", "top_p", "top_k", "drafter"})
+LATER_COLUMNS = frozenset({"unseen", "temperature", "top_p", "top_k", "drafter", "guard"})
 # what every shard's metadata holds besides "format" (the counts are optional: older shards lack some)
 META_FIELDS = ("run_id", "target", "drafter", "k_cap", "max_model_len", "load_aware", "rule_drafters")
 # the fix for a damaged shard, in every error that names one

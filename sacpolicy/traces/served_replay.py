@@ -13,13 +13,15 @@ from sacpolicy.decoding.controller import ServedView
 from sacpolicy.traces.logformat import StepLogError
 
 
-def replay_logged(trace_dir, policy) -> dict:
+def replay_logged(trace_dir, policy, learn: bool = True) -> dict:
     """Replay ``policy`` (the logged one: an artifact path or ``PolicyArtifact``) over ``trace_dir/tf`` as the
     served proposer saw each request (``served_config``) and set its accepted tokens per step beside the logged ones in
     ``trace_dir/live``: {"replayed": {id: [...]}, "logged": {id: [...]}, "mismatched": [ids]}. Exact for greedy logs
     of a proposer that planned each row alone; sampled logs (replayed in expectation only) are refused, and so is a
     load-aware proposer's (``SACPOLICY_PROPOSER_LOAD``), which planned a step's rows together, as a replay of one
-    request cannot."""
+    request cannot. So is a policy that learned while serving (``DecisionRule.online``): the server taught it steps of
+    many requests interleaved, which a replay of one request after another cannot reproduce; ``learn=False`` replays
+    its fitted rule alone (then steps may differ where the served one had learned)."""
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.artifact import PolicyArtifact, load_artifact
     from sacpolicy.traces.schema import load_traces, read_meta
@@ -37,9 +39,14 @@ def replay_logged(trace_dir, policy) -> dict:
                            "replay of one request cannot reproduce that. Serve with SACPOLICY_PROPOSER_LOAD=0 for "
                            "exactly replayable logs")
     art = policy if isinstance(policy, PolicyArtifact) else load_artifact(policy)
+    if learn and art.rule.online is not None:
+        raise StepLogError(f"{art.path} learns while serving (its rule's online settings): the server taught it the "
+                           "steps of many requests interleaved, which a replay of one request after another cannot "
+                           "reproduce step for step. Replay its fitted rule with replay_logged(..., learn=False), or "
+                           "log a policy fitted without online learning (fit.online=null)")
     grouped = group_traces(load_traces(trace_dir / "tf"), meta)
     config = served_config(art.rule, log["k_cap"], log["max_model_len"])
-    sim = simulate(LearnedPolicy(art.rule), grouped, art.rule.cost,
+    sim = simulate(LearnedPolicy(art.rule, online=False if not learn else None), grouped, art.rule.cost,
                    vocab_size=int(meta["vocab_size"] or 0) or _vocab(grouped), config=config)
     logged: dict = {}
     for r in sorted(load_traces(trace_dir / "live"), key=lambda r: (r["prompt_id"], r["step"])):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -313,10 +313,13 @@ OPTIMISM_GRID = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
 def tune_rule(pred: Predictor, cost, val_grouped: dict, static: dict, *, vocab_size: int, k_max: int, config=None,
-              modes=("stop", "k"), optimism=OPTIMISM_GRID):
+              modes=("stop", "k"), optimism=OPTIMISM_GRID, online=None):
     """The decision rule for ``pred``: its fallback is ``static``, the best static (drafter, k) on the validation
     traces (``traces.simulate.best_static``), and its mode and stop-rule optimism are the ones the simulator finds
-    fastest on them. Returns (rule, tuning table)."""
+    fastest on them. ``online`` (``runtime.online.OnlineSettings`` or its mapping; None: never): the best rule learns
+    while serving with these settings when that replays faster on the validation traces than it does fitted only
+    (the learning policy's state carries from prompt to prompt, as it would serving them). Returns (rule, tuning
+    table)."""
     from sacpolicy.policy.learned import LearnedPolicy
     from sacpolicy.runtime.rule import DecisionRule
     from sacpolicy.traces.simulate import simulate
@@ -334,7 +337,14 @@ def tune_rule(pred: Predictor, cost, val_grouped: dict, static: dict, *, vocab_s
                 best = (tps, rule)
     rule = best[1]
     rule.fallbacks = 0
-    logger.info("decision rule for %s: mode=%s optimism=%s (%.1f tokens/s simulated on val; best static %s k=%d: "
-                "%.1f)", pred.meta.get("name"), rule.mode, rule.optimism, best[0], static["drafter"], static["k"],
-                static["tokens_per_s"])
+    if online is not None:
+        learning = replace(rule, online=online)
+        tps = simulate(LearnedPolicy(learning), val_grouped, cost, vocab_size=vocab_size, config=config).tokens_per_s
+        table.append({"mode": rule.mode, "optimism": rule.optimism, "online": learning.online.to_dict(),
+                      "val_tokens_per_s": tps})
+        if tps > best[0]:
+            best, rule = (tps, learning), learning
+    logger.info("decision rule for %s: mode=%s optimism=%s online=%s (%.1f tokens/s simulated on val; best static "
+                "%s k=%d: %.1f)", pred.meta.get("name"), rule.mode, rule.optimism, rule.online is not None, best[0],
+                static["drafter"], static["k"], static["tokens_per_s"])
     return rule, {"grid": table, "best_static_val": static}
