@@ -16,9 +16,8 @@ from sacpolicy.decoding.drafters import LayerSkipDrafter, ModelDrafter, trim_lm_
 from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
 from sacpolicy.runtime.weights import read_safetensors
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
-from sacpolicy.runtime.spec import DrafterSpec
+from sacpolicy.runtime.spec import VOCAB_MAP_FILE, DrafterSpec  # noqa: F401  (VOCAB_MAP_FILE: where it was)
 
-VOCAB_MAP_FILE = "vocab_map.safetensors"  # beside a draft's save_pretrained files when its vocabulary is trimmed
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HEAD_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin*"]
 

@@ -116,6 +116,17 @@ def vllm_status() -> tuple[bool, str]:
     return False, f"import vllm fails: {last}"
 
 
+def served_target(spec: str) -> str:
+    """What a vLLM engine loads for target ``spec`` (its directory or hub id: ``models.served_model``); a ``ValueError``
+    naming the target and why no engine can load it."""
+    from sacpolicy.models import ModelSpecError, served_model
+
+    try:
+        return served_model(spec)
+    except ModelSpecError as e:
+        raise ValueError(str(e)) from e
+
+
 def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, speculative_config: dict | None = None,
                policy_dir=None, phases=("serial",), enforce_eager: bool | None = None, max_model_len: int = 2048,
                engine_args: dict | None = None, concurrency: int | None = None, timeout: float = 1200,

@@ -36,8 +36,7 @@ ARMS = ("candidate", "current")
 def prepare(spec: str, rs) -> str:
     """The served model directory of target ``spec``, or a refusal naming the fix: vLLM missing or broken
     (``vllm_status``), a target no engine can load, fewer than one round. Called before a refit fits anything."""
-    from sacpolicy.export.vllm_run import vllm_status
-    from sacpolicy.models import ModelSpecError, served_model
+    from sacpolicy.export.vllm_run import served_target, vllm_status
 
     off = "or set refit.served_check_requests=0 to let the simulated comparison decide alone"
     if rs.served_check_rounds < 1:
@@ -50,8 +49,8 @@ def prepare(spec: str, rs) -> str:
                             "only after serving held-out requests with it in a real vLLM engine, but vLLM cannot run "
                             f"here: {why}. Install it (`bash scripts/install.sh .venv --vllm`), {off}")
     try:
-        return served_model(spec)
-    except ModelSpecError as e:
+        return served_target(spec)
+    except ValueError as e:
         raise PipelineError(f"the served check needs a target a vLLM engine can load: {e}; {off}") from e
 
 

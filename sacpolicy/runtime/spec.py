@@ -10,6 +10,8 @@ from pathlib import Path
 from sacpolicy.runtime.ngram import MAX_NGRAM, MIN_NGRAM
 from sacpolicy.runtime.suffix import MAX_DEPTH, MAX_NODES, MAX_REQUESTS, MIN_TOKEN_PROB, SPEC_FACTOR
 
+# beside a "model" drafter's save_pretrained files when its vocabulary is trimmed (the draft-to-target token map, d2t)
+VOCAB_MAP_FILE = "vocab_map.safetensors"
 TREE_WIDTH = 4  # a feature head's token tree: nodes expanded per depth and children kept per node (EAGLE-2's top-k)
 
 # kind -> (required fields, optional fields) besides kind and name

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from sacpolicy.build import VOCAB_MAP_FILE
+from sacpolicy.runtime.spec import VOCAB_MAP_FILE
 from sacpolicy.decoding.drafters import trim_lm_head, truncated_view
 from sacpolicy.io import write_dir
 from sacpolicy.models import LoadedModel, check_tokenizers_compatible, load_model
