@@ -17,7 +17,9 @@ import pytest
 from toys import LOOKUP_DRAFTERS, load_script, lookup_rule, ngram_rule
 
 from sacpolicy.export.deploy import HISTORY_FILE, deploy, flip, promote, rollback, versions
+from sacpolicy.export import reload
 from sacpolicy.export.reload import CANDIDATE, CURRENT, RELOAD_ENV, VERSIONS, read_link
+from sacpolicy.export.request_key import key_position, request_key
 from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV, PolicyProposer
 from sacpolicy.export.vllm_serve import serve_config
 from sacpolicy.models import EMBEDDED_TARGET
@@ -213,6 +215,62 @@ def test_a_reload_keeps_what_the_suffix_drafter_learned_and_the_smoke_test_teach
     # the smoke test's context (1..8 repeated) is not in the served index; the rows kept their sequences
     assert suffix.index.sequences == learned[1] and suffix.index.num_nodes >= learned[0]
     assert suffix.index.count([6, 7, 8, 1]) == 0
+
+
+def test_a_reload_builds_the_served_policy_once_and_serves_the_value_its_smoke_test_planned(tmp_path, monkeypatch):
+    """Validating a version builds its ``ServedPolicy`` once: the value that serves after the swap is the one whose
+    policy planned the smoke test (on copies of its drafters), not a second build of the same artifact."""
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+    deploy(_policy(tmp_path, "a"), root)
+    proposer = _proposer(root)
+    _step(proposer, ROWS)
+    builds, planned = [], []
+    build = reload.served_policy
+    monkeypatch.setattr(reload, "served_policy", lambda *a, **kw: builds.append(build(*a, **kw)) or builds[-1])
+    plan = proposer.blocks
+
+    def spy(rows, batch=1, seen=None, served=None):
+        planned.append(served)
+        return plan(rows, batch, seen, served)
+
+    monkeypatch.setattr(proposer, "blocks", spy)
+    vb = deploy(_policy(tmp_path, "b", ngram_rule("k")), root).name
+    _step(proposer, [r[:-1] for r in ROWS])
+    assert proposer.policy_id == vb and proposer.slot.reloads == 1
+    assert len(builds) == 1 and builds[0] is proposer.served
+    smoke = planned[0]  # the smoke test plans before the step's own rows
+    assert smoke is not proposer.served and smoke.policy is proposer.served.policy
+    assert smoke.controller.config is proposer.served.controller.config and smoke.policy_id == vb
+
+
+def test_a_request_keeps_its_drafts_while_one_policy_plans_it_and_gets_the_new_policy_s_after_a_swap(tmp_path,
+                                                                                                   monkeypatch):
+    """A served request's drafter states (``Served.drafts``) are built when the policy that plans it changes, not every
+    step: the same dict stands while the same policy plans it. After a reload to a version that adds the suffix
+    drafter they are the new policy's: both drafters usable, each with the request's state of that drafter."""
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+    deploy(_policy(tmp_path, "a"), root)
+    proposer = _proposer(root)
+
+    def memos(n):
+        return [proposer.history.entries[proposer.history._key(r[:n])][0] for r in ROWS]
+
+    _step(proposer, [r[:20] for r in ROWS])
+    first = [m.drafts for m in memos(20)]
+    _step(proposer, [r[:21] for r in ROWS])
+    assert all(m.drafts is d for m, d in zip(memos(21), first)), "the drafts were rebuilt under the same policy"
+    assert all(list(m.drafts) == ["ngram"] and m.state.drafters == ("ngram",) for m in memos(21))
+    save_policy(tmp_path / "both", lookup_rule("k"), drafters=LOOKUP_DRAFTERS, provenance={"target": EMBEDDED_TARGET},
+                metrics={})
+    deploy(tmp_path / "both", root)
+    out = _step(proposer, [r[:22] for r in ROWS])
+    assert proposer.slot.reloads == 1 and proposer.rule.drafters == ("ngram", "suffix")
+    now = memos(22)
+    assert all(m.drafts is not d and list(m.drafts) == ["ngram", "suffix"] for m, d in zip(now, first))
+    assert all(m.state.drafters == ("ngram", "suffix") for m in now)
+    assert all(m.drafts[n] is m.states[d] for m in now for n, d in proposer.lookups.items()) and _valid(out)
 
 
 def _bad_version(tmp_path, root, kind, good):
@@ -454,6 +512,25 @@ def test_a_request_keeps_its_canary_arm_across_steps_vllm_ran_without_the_propos
     assert trial.arms[False].tokens[0] - credited[False] == sum(not a[1] for a in arms)
     assert trial.arms[True].tokens[0] - credited[True] == sum(a[1] for a in arms)
     assert trial.arms[True].seconds[0] == trial.arms[True].tokens[0]  # every credited step was timed
+
+
+def test_the_canary_draws_a_request_s_arm_from_the_key_its_request_table_files_it_under(tmp_path, monkeypatch):
+    """One request key (``export.request_key``) for the proposer's request table and the canary: each request is
+    filed under the key of the context it was drafted on, and on its first step its arm is that key's position
+    against the trial's fraction."""
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+    deploy(_policy(tmp_path, "a", ngram_rule("k")), root)
+    deploy(_policy(tmp_path, "b", ngram_rule("stop")), root, candidate=True, fraction=0.5, min_steps=1000)
+    proposer = _proposer(root)
+    engine = FakeEngine(proposer, 16)
+    engine.step()
+    keys = [request_key(f) for f in engine.first]
+    assert set(keys) <= set(proposer.history.entries)
+    arms = [proposer.history.entries[k][0].arm for k in keys]
+    assert [a[1] for a in arms] == [key_position(k) < 0.5 for k in keys] == [_on_candidate(f, 0.5)
+                                                                             for f in engine.first]
+    assert {a[1] for a in arms} == {False, True}
 
 
 def test_shards_after_a_reload_describe_the_policy_that_made_their_steps(tmp_path, monkeypatch):

@@ -279,6 +279,28 @@ def test_live_arms_decode_the_held_out_requests_in_our_decoder(tmp_path, monkeyp
     assert "ratio (live)" in (out / "refit.md").read_text()
 
 
+def test_the_stage_calls_its_parts_through_its_own_names(served, tmp_path, monkeypatch):
+    """Stage refit is split by job (``refit_inputs``, ``refit_arms``, ``refit_report``); ``run`` calls each part
+    through the stage module's name, so a patch of ``refit.decode_live`` reaches the stage: here stand-in live timings
+    of the first two held-out requests, reported as given."""
+    from sacpolicy.pipeline import refit as stage
+
+    _, logs = served
+    run, _ = make_run(tmp_path, weak_rule())
+    asked = []
+
+    def live(ctx, arms, ids, specs, k_cap, max_model_len, repeats=1):
+        asked.append(list(ids))
+        per = {arm: {"tokens": [10, 20], "seconds": [1.0, 2.0 * (i + 1)]} for i, arm in enumerate(arms)}
+        return per, {"identical_across_arms": len(ids), "same_as_logged": 0, "dropped_drafters": {a: {} for a in arms}}
+
+    monkeypatch.setattr(stage, "decode_live", live)
+    r = refit(tmp_path / "out", run, logs, "refit.live_requests=2")["refit"]
+    assert asked == [r["held_out"]["per_request"]["request"][:2]]
+    assert r["live"]["tokens_per_s"] == {"candidate": 10.0, "current": 6.0, "best-static": 30 / 7}
+    assert r["live"]["ratios"]["candidate_vs_current"]["ratio"] == pytest.approx(10 / 6)
+
+
 def test_live_arms_count_the_requests_that_dropped_a_drafter(tmp_path, monkeypatch):
     """A served drafter that raises in our decoder is dropped for the request and the arm decodes on without it: the
     live arms count, per arm and drafter, the requests it happened to (refit.json and refit.md), so a live ratio

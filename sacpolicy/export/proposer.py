@@ -11,7 +11,6 @@ internals is ``sacpolicy.export.vllm_adapter``; hot reload and canary, ``sacpoli
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import os
 import sys
@@ -25,6 +24,7 @@ import torch
 from sacpolicy.decoding import SamplingConfig
 from sacpolicy.decoding.controller import Track
 from sacpolicy.export.reload import PolicySlot, ServedPolicy, open_policy, served_policy
+from sacpolicy.export.request_key import request_key
 from sacpolicy.export.vllm_adapter import engine_limits, engine_sampling, is_first_rank
 from sacpolicy.io import write_json
 from sacpolicy.runtime.artifact import ArtifactError
@@ -81,6 +81,7 @@ class Served(Track):
 
     context: torch.Tensor | None = None
     states: dict = field(default_factory=dict)  # drafter object -> the request's row state of it
+    served_by: ServedPolicy | None = None  # the policy whose drafters ``drafts`` holds (``serve``)
     last: tuple | None = None  # (controller, Planned, Drafted) of the block drafted at the last step
     arm: tuple[int, bool] | None = None  # (trial number, on the candidate): ``reload.PolicySlot``
     seen_s: float | None = None
@@ -88,8 +89,14 @@ class Served(Track):
     recorded: int = -1  # the engine step (``_History.steps``) it was last recorded at
 
     def serve(self, served: ServedPolicy) -> None:
-        """Hand the request the drafters of the policy that plans it now (a reload or a canary arm may change them):
-        their row states (made on first use, kept per drafter object) and the names still usable."""
+        """Hand the request the drafters of the policy that plans it now: their row states (made on first use, kept
+        per drafter object, so a drafter a swap kept finds the request's state again) and the names still usable.
+        Built when the planning policy changes (a new request, a reload or a canary arm: another frozen value, whose
+        drafters may be others); while the same policy plans it, each step, they stand (a drafter dropped meanwhile
+        is out of ``state.drafters`` already: the controller's ``drop``)."""
+        if served is self.served_by:
+            return
+        self.served_by = served
         self.drafts = {}
         for name, d in served.lookups.items():
             st = self.states.get(d)
@@ -129,9 +136,7 @@ class _History:
         self._last: list = []  # keys recorded at the step before
         self._now: list = []  # keys recorded at this step
 
-    @staticmethod
-    def _key(context: np.ndarray) -> tuple[int, bytes]:
-        return len(context), hashlib.blake2b(context.tobytes(), digest_size=16).digest()
+    _key = staticmethod(request_key)  # the canary's too (``reload.PolicySlot``)
 
     def begin_step(self) -> None:
         """A new engine step: what was recorded so far is the step before's."""

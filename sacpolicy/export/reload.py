@@ -14,14 +14,15 @@ swaps the proposer's policy between two steps. A version that fails is refused o
 the fix, and counted (``reload_failures``); the old policy keeps serving. Speculation is lossless, so a swap changes
 speed, never outputs, and no request is dropped (the acceptance histories are kept).
 
-Canary: while ``candidate`` points at a version (validated the same way), requests whose first-seen context hashes
-below the fraction are planned by it for their whole life (the arm is kept in the request's memory, which the
-proposer's one request table finds again, also after steps vLLM ran without the proposer). The arms are judged by
-served time: per request step, the seconds since the proposer last saw the request over the tokens committed since
-(the proposer timestamps its calls), compared by the ratio of means with a normal interval on its log; tokens per step
-are reported beside it. The candidate is rolled back (its link removed, ``canary_rollbacks`` counted) when it serves
-slower (the interval lies above 1), or when it fails; a faster one stays on trial until the operator promotes it
-(``scripts/deploy.py --promote``): promotion is never automatic.
+Canary: while ``candidate`` points at a version (validated the same way), requests whose first-seen context's key
+(``request_key``, the key of the proposer's request table) falls below the fraction are planned by it for their whole
+life (the arm is kept in the request's memory, which the proposer's one request table finds again, also after steps
+vLLM ran without the proposer). The arms are judged by served time: per request step, the seconds since the proposer
+last saw the request over the tokens committed since (the proposer timestamps its calls), compared by the ratio of
+means with a normal interval on its log; tokens per step are reported beside it. The candidate is rolled back (its
+link removed, ``canary_rollbacks`` counted) when it serves slower (the interval lies above 1), or when it fails; a
+faster one stays on trial until the operator promotes it (``scripts/deploy.py --promote``): promotion is never
+automatic.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,9 @@ import numpy as np
 from sacpolicy.decoding import DecoderConfig, DecodeState, PolicyRow, RequestInfo
 from sacpolicy.decoding.controller import Controller, ServedView
 from sacpolicy.decoding.lookup import LOOKUP_KINDS, lookup_drafter
-from sacpolicy.decoding.protocols import Resettable
+from sacpolicy.decoding.protocols import Resettable, fresh_drafters
 from sacpolicy.export import pick_drafter
+from sacpolicy.export.request_key import key_position, request_key
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.runtime.artifact import ArtifactError, PolicyArtifact, load_artifact
 from sacpolicy.runtime.rule import DecisionRule
@@ -145,6 +147,14 @@ class ServedPolicy:
         token arrays only)."""
         request = RequestInfo(drafters=self.rule.drafters)
         return PolicyRow(DecodeState(request, drafters=tuple(self.lookups)), self.policy.start(request))
+
+    def isolated(self) -> ServedPolicy:
+        """This policy (its rule, ``LearnedPolicy`` and settings) over copies of its drafters that keep nothing of
+        earlier requests (``fresh_drafters``: a suffix drafter's global index new and its own): what plans the reload's
+        smoke test, so the value that serves is the one tested and the test teaches its drafters nothing."""
+        lookups = dict(zip(self.lookups, fresh_drafters(self.lookups.values())))
+        c = self.controller
+        return replace(self, lookups=lookups, controller=Controller(self.policy, lookups, c.config, c.now, c.view))
 
 
 def served_policy(art: PolicyArtifact, drafter: str | None, policy_id: str, *, k_cap: int, max_model_len: int,
@@ -297,9 +307,8 @@ class PolicySlot:
         keeps its arm) is planned by the candidate; credits its last step's committed tokens and seconds to the arm
         that planned it. A request keeps the arm it was given when first seen."""
         trial, prev = self.trial, memo.arm
-        if prev is None:  # first seen: hashed on its context, stable
-            key = hashlib.blake2b(context.tobytes(), digest_size=16).digest()[:8]
-            arm = (trial.number, int.from_bytes(key, "big") / 2**64 < trial.fraction) if trial else (0, False)
+        if prev is None:  # first seen: drawn from its context's key (the request table's), stable
+            arm = (trial.number, key_position(request_key(context)) < trial.fraction) if trial else (0, False)
         elif trial and prev[0] == trial.number:
             arm = prev
             trial.arms[prev[1]].credit(committed, seconds)
@@ -363,17 +372,17 @@ class PolicySlot:
             raise ArtifactError(f"{manifest} has k_max {art.rule.k_max}, but this server verifies at most "
                                 f"{self.k_cap} draft tokens a step (num_speculative_tokens); refit it with k_max <= "
                                 f"{self.k_cap}, or restart the server with {version / 'speculative_config.json'}")
-        fresh = served_policy(art, self.drafter, version.name, k_cap=self.k_cap, max_model_len=self.max_model_len,
-                              load=self.load)
-        # on the version's own drafters: the smoke test teaches the running ones nothing
-        got = plan([(_SMOKE, None), (_SMOKE[:20], (0.5, 1.0))], 2 if fresh.load_aware else 1, None, fresh)
+        served = served_policy(art, self.drafter, version.name, k_cap=self.k_cap, max_model_len=self.max_model_len,
+                               load=self.load, running=self.current)
+        # on copies of its drafters: the smoke test teaches the running ones (kept by ``served``) nothing
+        got = plan([(_SMOKE, None), (_SMOKE[:20], (0.5, 1.0))], 2 if served.load_aware else 1, None,
+                   served.isolated())
         ok = (isinstance(got, list) and len(got) == 2 and all(isinstance(b, list) and len(b) <= self.k_cap
                                                               and all(isinstance(t, int) for t in b) for b in got))
         if not ok:
             raise ArtifactError(f"{version} failed the smoke test (planned {got!r} on a synthetic context, not lists "
                                 f"of at most {self.k_cap} token ids); re-export it")
-        return served_policy(art, self.drafter, version.name, k_cap=self.k_cap, max_model_len=self.max_model_len,
-                             load=self.load, running=self.current)
+        return served
 
     def _refuse(self, name: str, link: str, e: Exception) -> None:
         self.refused.add((name, link))

@@ -12,7 +12,8 @@ Stages (``cfg.stages``, run in order; each reads and writes files in the run dir
 - ``export``: transformers and vLLM settings for each policy (``export/<predictor>``).
 - ``decode``: a quick live comparison of the configured policy with autoregressive decoding (``decode.json``).
 - ``refit``: on its own, with ``from_run`` and ``refit.logs``: a candidate fitted on a server's step log, compared with
-  the serving policy on held-out logged requests, deployed when no worse (``refit.json``, ``refit.md``; ``refit.py``).
+  the serving policy on held-out logged requests, deployed when no worse (``refit.json``, ``refit.md``; ``refit.py``,
+  its parts in ``refit_inputs.py``, ``refit_arms.py``, ``refit_report.py``).
 
 A finished stage leaves ``<stage>.json``; running again in the same directory (``hydra.run.dir=<run dir>``) skips
 finished stages and resumes unfinished ones (collection by chunk, distillation from its last checkpoint).
