@@ -35,6 +35,20 @@ writes JSON (``--out``, each run's per-request latencies included) and a plot of
 (``--plot``, default beside ``--out``). ``--rescore A.json[,B.json] --workdir A_WORK[,B_WORK]`` re-tables earlier
 runs from their raw results, starting no server; several runs of the same rates are pooled, their repeats joined.
 
+Capacity at a latency target (``--find-capacity``): instead of fixed rates, every configuration's server searches
+for the highest Poisson rate whose P90 TPOT and P99 TTFT stay within a target (``--tpot-target-ms``, or
+``--tpot-target-x 1.2``: a multiple of no speculation's unloaded median TPOT, measured first; ``--ttft-target-ms``):
+doubling or halving from ``--start-x`` times the capacity until the target is bracketed, then bisecting, at most
+``--max-probes`` rates of ``--repeats`` runs each (``sacpolicy.bench.capacity``). It reports requests/s and output
+tokens/s at that rate (95% intervals over repeats), cost per 1M output tokens at ``--price-per-hour`` and the
+capacity against no speculation's; the JSON is rewritten after every run, so a target no configuration meets, a
+search that hits its bound or a server that dies ends with a message and every measurement kept:
+
+    python scripts/bench_serve.py --find-capacity --tpot-target-x 1.2 --configs none,vllm-suffix,static,learned \
+        --export runs/deploy --repeats 2 --price-per-hour 2.0 --out runs/capacity.json
+
+``vllm-suffix`` is vLLM's own suffix method (arctic-inference, built by ``scripts/install.sh --vllm``).
+
 Hot-reload drill (``--reload-at S --reload-policy P``): the learned server follows a deploy root made from
 ``--export`` (``sacpolicy.export.deploy``; it checks the root every second and logs every step), and S seconds into
 each of its runs the other version (``P``, then ``--export`` again) is deployed and made current under load. The
@@ -127,8 +141,39 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="keep the servers' logs and raw results here")
     ap.add_argument("--rescore", default=None, help="earlier runs' JSON, comma-separated: re-table (and pool) them "
                     "from their raw results in --workdir (one per run), starting no server")
+    cap = ap.add_argument_group("capacity at a latency target (--find-capacity)")
+    cap.add_argument("--find-capacity", action="store_true",
+                     help="per configuration, search for the highest Poisson rate that meets the latency target "
+                          "(instead of the fixed --rates)")
+    cap.add_argument("--tpot-target-ms", type=float, default=None, help="P90 TPOT bound in ms")
+    cap.add_argument("--tpot-target-x", type=float, default=None,
+                     help="P90 TPOT bound as a multiple of no speculation's unloaded median TPOT (one request at a "
+                          "time, measured first in the same run)")
+    cap.add_argument("--ttft-target-ms", type=float, default=None, help="P99 TTFT bound in ms")
+    cap.add_argument("--start-x", type=float, default=0.5,
+                     help="the search's first rate, as a multiple of the capacity (all requests at once)")
+    cap.add_argument("--max-probes", type=int, default=8, help="the most rates probed per configuration")
+    cap.add_argument("--search-tol", type=float, default=0.1, help="stop when the lowest missed rate is within "
+                     "this fraction above the highest met one")
+    cap.add_argument("--price-per-hour", type=float, default=None, help="the machine's price in $/hour: cost per 1M "
+                     "output tokens at each capacity")
     bench.add_out(ap, "bench_serve.json")
     args = ap.parse_args(argv)
+    if args.find_capacity:
+        if args.tpot_target_ms is not None and args.tpot_target_x is not None:
+            ap.error("give the TPOT target once: --tpot-target-ms or --tpot-target-x")
+        if args.tpot_target_ms is None and args.tpot_target_x is None and args.ttft_target_ms is None:
+            ap.error("--find-capacity needs a latency target: --tpot-target-ms, --tpot-target-x and/or "
+                     "--ttft-target-ms")
+        for flag, v in (("--tpot-target-ms", args.tpot_target_ms), ("--tpot-target-x", args.tpot_target_x),
+                        ("--ttft-target-ms", args.ttft_target_ms), ("--start-x", args.start_x),
+                        ("--search-tol", args.search_tol), ("--price-per-hour", args.price_per_hour)):
+            if v is not None and not v > 0:
+                ap.error(f"{flag} must be > 0, got {v}")
+        if args.max_probes < 1 or args.repeats < 1:
+            ap.error(f"--max-probes and --repeats must be >= 1, got {args.max_probes} and {args.repeats}")
+        if args.reload_at is not None or args.kill_at is not None or args.rescore:
+            ap.error("--find-capacity runs alone: no --reload-at, --kill-at or --rescore")
     if (args.reload_at is None) != (args.reload_policy is None):
         ap.error("--reload-at and --reload-policy go together")
     if args.reload_at is not None and "learned" not in args.configs.split(","):
@@ -157,6 +202,8 @@ def main(argv=None) -> int:
             configs["learned"] = drill.config(served_model=str(target_dir))
         print(f"vLLM {why}; {len(prompts)} {args.source} held-out prompts, {args.max_tokens} tokens max, greedy; "
               f"configurations: {', '.join(configs)}", flush=True)
+        if args.find_capacity:
+            return find_capacities(args, configs, len(prompts), data, work, target_dir, why)
 
         def run(server, name, rate, tag) -> dict:
             if not server.alive() or not server.healthy():
@@ -256,6 +303,102 @@ def main(argv=None) -> int:
     lossless = all(r["identical"] == r["compared"] for n in results for k, rows in results[n].items()
                    if k not in NOT_RATES for r in rows)
     return 0 if lossless else 1
+
+
+def find_capacities(args, configs: dict, n_prompts: int, data: Path, work: Path, target_dir: Path, vllm: str) -> int:
+    """``--find-capacity``: no speculation's server first measures the reference (the capacity C: every request at
+    once, its outputs the reference; the unloaded TPOT: one request at a time), then every configuration's server runs
+    the rate search (``sacpolicy.bench.capacity``) from ``--start-x`` C, ``--repeats`` runs per rate. The JSON is
+    rewritten (atomically) after every run, so a server that dies keeps what was measured. Exit code: 0; 1 where an
+    output differed from the reference (or the reference could not be measured: a message naming why); 2 where no
+    configuration met the target."""
+    from sacpolicy.bench.capacity import MeasureError, Search, Target, find_capacity, markdown as capacity_table
+
+    payload: dict = {"mode": "capacity", "vllm": vllm, "source": args.source, "n_prompts": n_prompts, "results": {}}
+    save = lambda: bench.write_results(args.out, payload, args)  # noqa: E731
+    ref: dict = {}
+
+    def raw(server, rate: float, tag: str, **kw) -> dict:
+        if not server.alive() or not server.healthy():
+            raise MeasureError(f"the server at {server.url} does not answer; its log's last lines:\n"
+                               f"{server.log_tail(10)}")
+        try:
+            res = bench_serve(server.url, data, work / f"{tag}.json", num_prompts=n_prompts, rate=rate,
+                              max_tokens=args.max_tokens, model=str(target_dir), log=work / f"{tag}.log", **kw)
+        except ServeError as e:
+            raise MeasureError(str(e)) from None
+        if not res.get("completed"):
+            raise MeasureError(f"no request completed ({res.get('failed')} failed)")
+        return res
+
+    def reference(server) -> None:
+        full = raw(server, math.inf, "capacity")
+        solo = raw(server, math.inf, "unloaded", max_concurrency=1)
+        ref.update(texts=full["generated_texts"], capacity=summarize(full), unloaded=summarize(solo))
+        payload["reference"] = {k: ref[k] for k in ("capacity", "unloaded")}
+        print(f"capacity (no speculation, all {n_prompts} at once): {full['request_throughput']:.3f} requests/s; "
+              f"unloaded median TPOT {ref['unloaded']['p50_tpot_ms']:.2f} ms", flush=True)
+        tpot = args.tpot_target_ms
+        if args.tpot_target_x is not None:
+            tpot = args.tpot_target_x * ref["unloaded"]["p50_tpot_ms"]
+        ref["target"] = Target(tpot_p90_ms=tpot, ttft_p99_ms=args.ttft_target_ms)
+        payload["target"] = {**vars(ref["target"]), "tpot_target_x": args.tpot_target_x}
+        save()
+
+    def measure(server, name: str):
+        def one(rate: float, rep: int) -> dict:
+            res = raw(server, rate, f"{name}-cap-{rate:.5g}-{rep}")
+            row = {**summarize(res), "rate": rate, "repeat": rep}
+            row["identical"], row["compared"] = same_as(res["generated_texts"], res["errors"], ref["texts"])
+            return row
+        return one
+
+    def keep(name: str, state) -> None:
+        payload["results"][name] = state.to_dict(args.price_per_hour)
+        save()
+
+    try:
+        if "none" not in configs:  # a server of its own for the reference
+            with VllmServer(target_dir, serve_config("none"), log=work / "none-reference.log",
+                            max_num_seqs=args.max_num_seqs) as base:
+                completions(base.url, ["Hello"], max_tokens=4)  # warm-up
+                reference(base)
+        configs = {"none": configs["none"], **configs} if "none" in configs else configs
+        for name, config in configs.items():
+            try:
+                with VllmServer(target_dir, config, log=work / f"{name}-capacity.log",
+                                max_num_seqs=args.max_num_seqs) as server:
+                    completions(server.url, ["Hello"], max_tokens=4)  # warm-up
+                    if not ref:
+                        reference(server)
+                    search = Search(start=args.start_x * ref["capacity"]["request_throughput"], repeats=args.repeats,
+                                    max_probes=args.max_probes, tol=args.search_tol)
+                    got = find_capacity(measure(server, name), ref["target"], search,
+                                        on_probe=lambda state, name=name: keep(name, state))
+            except ServeError as e:  # the server did not come up: this configuration has no row, the others go on
+                if not ref:  # no speculation's own server: there is no reference to measure the others against
+                    raise
+                payload["results"][name] = {"status": "error", "message": str(e), "rate": None,
+                                            "bracket": [None, None], "probes": []}
+                save()
+                print(f"  {name}: {e}", flush=True)
+                continue
+            keep(name, got)
+            print(f"  {name}: {got.status}: {got.message}", flush=True)
+    except (MeasureError, ServeError) as e:  # the reference itself could not be measured
+        save()
+        raise SystemExit(f"bench_serve: no speculation's reference run failed: {e}; {args.out} keeps what was "
+                         "measured") from None
+    md = capacity_table(payload["results"], ref["target"], args.price_per_hour)
+    payload["markdown"] = md
+    print(md)
+    print(f"wrote {bench.write_results(args.out, payload, args)}")
+    if not any(r.get("rate") for r in payload["results"].values()):
+        print(f"bench_serve: no configuration met the target ({ref['target'].describe()}); loosen it "
+              "(--tpot-target-x, --ttft-target-ms) or see each configuration's probes in the JSON", file=sys.stderr)
+        return 2
+    runs = [x for r in payload["results"].values() for p in r["probes"] for x in p["runs"]]
+    return 0 if all(x["identical"] == x["compared"] for x in runs) else 1
 
 
 def rescore(paths: list[str], workdirs: list[str], out: Path) -> int:

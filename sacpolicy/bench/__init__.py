@@ -2,7 +2,8 @@
 target and held-out prompts they load, the order in which they alternate the configurations they time, the check that
 a timed request kept every drafter (``check_drafters_kept``), live tokens/s of static k against autoregressive
 decoding, teacher-forced acceptance rows, Markdown tables and the JSON they write.
-``bench.serve``: the tables of ``scripts/bench_serve.py`` (vLLM's server under load).
+``bench.serve``: the tables of ``scripts/bench_serve.py`` (vLLM's server under load); ``bench.capacity``: its
+search for the highest rate that meets a latency target.
 
 The top layer of the package: it may import any other room, and nothing in the package imports it. What only some
 scripts need (decoders, prompt sets, traces) is imported inside the functions that use it. Nothing here prints; the

@@ -13,6 +13,8 @@ Configurations (``CONFIGS``):
   ``custom_class`` speculation); ``spec-idle``, speculation on as the learned rule runs it with a proposer that never
   drafts (``vllm_cost.IdleProposer``): what vLLM's speculative path costs a step before any draft;
 - ``vllm-ngram``: vLLM's own n-gram lookup at its documented example (k = 5, ``prompt_lookup_max`` 4);
+- ``vllm-suffix``: vLLM's own suffix decoding (arctic-inference's suffix tree, up to 8 tokens), where arctic-inference
+  is importable;
 - ``learned``: the learned rule of an export (``scripts/export.py format=vllm``): ``speculative_config.json`` (our
   ``custom_class`` proposer) with ``vllm.env`` (the policy directory it reads);
 - ``learned-logged``: ``learned`` with the proposer's step log on for every request (``sacpolicy.export.steplog``,
@@ -34,6 +36,7 @@ the load client runs ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs) 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -56,10 +59,12 @@ from sacpolicy.export.vllm_run import cuda_available, engine_defaults, engine_en
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "learned", "learned-logged", "learned-ngram", "static",
-           "head", "learned-head", "candidate")
+CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "vllm-suffix", "learned", "learned-logged", "learned-ngram",
+           "static", "head", "learned-head", "candidate")
 LEARNED_RULE = ("learned", "learned-logged", "learned-ngram", "candidate")  # configs that serve an export's rule
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+# vLLM's own suffix decoding (arctic-inference's suffix tree; scripts/install.sh --vllm builds it): a peer row
+VLLM_SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 # the server's own environment on a CPU (the caller's settings win): 1 GiB of KV cache holds ~20k tokens of the
 # embedded target, far more than the benchmarks keep in flight
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -181,6 +186,12 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, candida
         return ServeConfig(name, idle_config())
     if name == "vllm-ngram":
         return ServeConfig(name, dict(VLLM_NGRAM_DOCS))
+    if name == "vllm-suffix":
+        if importlib.util.find_spec("arctic_inference") is None:
+            raise ServeError("configuration 'vllm-suffix' is vLLM's suffix method, which needs arctic-inference "
+                             "importable in this environment. Fix: bash scripts/install.sh <venv> --vllm (it builds "
+                             "arctic-inference==0.3.0 from source), or leave vllm-suffix out of --configs")
+        return ServeConfig(name, dict(VLLM_SUFFIX))
     if name == "head":
         if head is None:
             raise ServeError("configuration 'head' needs --head <dir>: an EAGLE-3 head in the speculators format "

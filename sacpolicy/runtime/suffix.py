@@ -21,6 +21,12 @@ estimate of the continuation distribution at its step with one escape count for 
 method A): top-1 = c1 / (n + 1), margin = (c1 - c2) / (n + 1), entropy over the children's c / (n + 1) and the escape
 1 / (n + 1), where n = total and c1 >= c2 the two largest child counts. One earlier occurrence gives top-1 1/2, nine
 that agree 9/10: the amount of evidence, not just its agreement, reaches the policy.
+
+Against arctic-inference 0.3.0's ``SuffixDecodingCache`` (``tests/test_arctic.py``, on a request's own tree): the
+same proposals, except that arctic divides a continuation's count by every occurrence of the matched string (the
+context's own, at the sequence's end, included: its estimates are lower, so it stops earlier at ``min_token_prob``),
+breaks ties between equally frequent continuations by its sibling-list order (here: the most recently seen), and
+matches only suffixes shorter than the context.
 """
 
 from __future__ import annotations
