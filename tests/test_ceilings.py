@@ -73,7 +73,7 @@ def _stub_target():
 def _evaluate(synth, **kw):
     split, cost, rule, static = synth
     settings = EvalSettings(ks=(1, 4), k_max=K_MAX, live_prompts=0, max_new_tokens=16, price_per_hour=1.0,
-                            confidence_grid=(0.3, 0.6), resamples=200)
+                            confidence_grid=(0.3, 0.6), resamples=200, peers=())  # peers: tests/test_peers.py
     return evaluate(target=_stub_target(), drafters=[SimpleNamespace(name="draft")], cost=cost,
                     val_grouped=split["val"], test_grouped=split["test"], test_prompts=[], rules={"logreg": rule},
                     settings=settings, best_static=static, progress=False, **kw)

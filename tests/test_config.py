@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_head_dir
+from test_traces import cost_model
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, InstantiationException
@@ -16,7 +17,7 @@ from sacpolicy import pipeline
 from sacpolicy.build import build_drafters
 from sacpolicy.pipeline import config
 from sacpolicy.decoding import Decision, DecoderConfig, DecodeState, PolicyRow, RequestInfo
-from sacpolicy.pipeline.context import RunContext, eval_settings
+from sacpolicy.pipeline.context import RunContext, build_policy, eval_settings, needs_cost
 from sacpolicy.training.predictor import fit_mlp, fit_sklearn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,12 +155,15 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
     cfg = cfg_for("experiment=smoke", tmp_path=tmp_path)
     state = DecodeState(RequestInfo(prompt_len=8, max_new_tokens=32, drafters=("ngram", "layerskip")), context_len=8,
                         remaining=32, drafters=("ngram", "layerskip"))
-    for opt in options("policy"):
-        policy = instantiate(cfg_for(f"policy={opt}").policy)
+    cost = cost_model(state.drafters)
+    for opt in options("policy"):  # built as the decode stage builds it: the cost model where the policy needs one
+        node = cfg_for(f"policy={opt}").policy
+        policy = build_policy(node, cost=cost)
+        assert needs_cost(node) == (opt == "vllm_adaptive") and (not needs_cost(node) or policy.cost is cost)
         policy.validate(state.drafters, 16)
         d = policy.decide([PolicyRow(state, policy.start(state.request))])[0]
         assert isinstance(d, Decision) and 0 <= d.k <= 16 and d.drafter in (None, *state.drafters)
-        if opt in ("ar", "static", "heuristic", "seed_rule", "confidence"):  # the bandit explores, k = 0 included
+        if opt != "bandit":  # the bandit explores, k = 0 included; every other policy drafts from its first step
             assert (d.k == 0) == (opt == "ar"), opt
     assert instantiate(cfg.decoder) == DecoderConfig()  # the dataclass is the one home of the decoder's defaults
     for opt in options("head"):
@@ -187,6 +191,24 @@ def test_every_policy_decoder_predictor_trainer_and_logger_option_instantiates(t
     for opt in options("logger"):
         logger = instantiate(cfg_for(f"logger={opt}", tmp_path=tmp_path).logger)
         assert type(logger).__name__ in {"CSVLogger", "WandbLogger"}
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["policy=adaedl", "policy.threshold=1.5"], r"AdaEDL: threshold must be a number in \[0, 1\], got 1.5"),
+    (["policy=sglang", "policy.config={1:{candidate_steps:[]}}"], r"\(batch 1\): candidate_steps must be a non-empty"),
+    (["policy=trtllm", "policy.acceptance_rate_window_size=0", "policy.acceptance_rate_threshold=0.5"],
+     r"acceptance_rate_window_size must be an integer >= 1, got 0"),
+    (["policy=trtllm", "policy.acceptance_rate_window_size=16"], "set acceptance_rate_window_size and "
+                                                                  "acceptance_rate_threshold together"),
+    (["policy=vllm_schedule", "policy.num_speculative_tokens_per_batch_size=[[1,4,2],[3,8,1]]"], "ranges overlap"),
+    (["policy=vllm_adaptive", "policy.num_speculative_tokens=0"], "num_speculative_tokens must be an integer >= 1"),
+    (["policy=llamacpp", "policy.draft_min=20"], r"draft_min \(--draft-min\) must be an integer in \[0, draft_max"),
+])
+def test_a_bad_peer_setting_is_refused_before_any_stage_naming_the_option_and_the_fix(overrides, match):
+    """peers.py refuses the setting; the config path (pipeline.validate, before any stage) hands its message on."""
+    with pytest.raises(pipeline.PipelineError, match=match) as err:
+        pipeline.validate(cfg_for("experiment=smoke", *overrides))
+    assert "Fix the setting in the policy option's YAML (conf/policy/) or override it" in str(err.value)
 
 
 @pytest.mark.slow  # every data option: generates the first answers its second turns quote

@@ -319,6 +319,37 @@ def test_rows_get_intervals_against_ar_and_best_static_overall_and_per_category(
         add_intervals(rows)
 
 
+def test_learned_against_each_peer_row_gets_its_paired_interval_and_eval_md_a_line(tmp_path):
+    """paired_ratios: the learned row over each peer row of the same mode, the interval add_intervals would give;
+    a pair with a row missing in that mode is left out. eval.md lists each peer's tuned setting, best-peer marked,
+    and "learned / best-peer" first."""
+    from sacpolicy.evaluation.intervals import paired_ratios
+
+    cats = ["code"] * 6
+    rows = [_prompts_row("learned-hgb", "live", 25, cats, 2), _prompts_row("best-peer", "live", 20, cats, 1),
+            _prompts_row("learned-hgb", "simulated", 25, cats, 2), _prompts_row("best-peer", "simulated", 20, cats, 1),
+            _prompts_row("peer-a", "simulated", 10, cats, 3)]
+    pairs = paired_ratios(rows, ["learned-hgb"], ["peer-a", "best-peer"], resamples=500)
+    assert [(p["mode"], p["ref"]) for p in pairs] == [("live", "best-peer"), ("simulated", "peer-a"),
+                                                       ("simulated", "best-peer")]  # no live peer-a row
+    live = pairs[0]
+    assert live["ratio"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]) and live["n_prompts"] == 6
+    as_static = [dict(rows[0]), rows[1] | {"name": "best-static"}]  # the peer as add_intervals' baseline: the same
+    add_intervals(as_static, resamples=500)
+    assert as_static[0]["speedup_vs_best_static_ci"] == live["ci"]
+    assert live["ci"][0] < live["ratio"] < live["ci"][1]
+    meta = {"peers": {"a": {"settings": {"k": 3}, "val_tokens_per_s": 9.5},
+                      "b": {"settings": {"p_min": 0.75}, "val_tokens_per_s": 19.5}},
+            "best_peer": "b", "learned_vs_peers": pairs}
+    write_eval(tmp_path, rows, meta)
+    md = (tmp_path / "eval.md").read_text()
+    assert "| peer-a | 9.5 | `{\"k\":3}` |" in md and "| peer-b (best-peer) | 19.5 | `{\"p_min\":0.75}` |" in md
+    lines = [line for line in md.splitlines() if line.startswith("- learned / ")]
+    assert lines[0] == (f"- learned / best-peer (live, learned-hgb vs peer-b, 6 prompts): {live['ratio']:.2f}x "
+                        f"[{live['ci'][0]:.2f}, {live['ci'][1]:.2f}]") and len(lines) == 3
+    assert "- peers:" not in md and json.loads((tmp_path / "eval.json").read_text())["meta"]["peers"]["b"]
+
+
 def test_flag_fires_only_for_beating_ar_with_nothing_accepted():
     rows = [_row("ar", "simulated", 1, 0.02), _row("cheap-k0", "simulated", 1, 0.01),  # 1 token/call, 2x AR
             _row("slow-k0", "simulated", 1, 0.03), _row("static-k3", "simulated", 4, 0.02)]

@@ -437,3 +437,44 @@ def test_a_learning_peer_replays_its_live_decisions_step_for_step(tiny_target, t
         assert steps(replayed) == steps(live), pid
         ks += [s.k for s in live.steps]
     assert len(set(ks)) > 1  # the peer's decisions moved with what it saw
+
+
+def test_evaluation_tunes_each_peer_on_validation_traces_replays_it_and_decodes_the_best_live(traced, monkeypatch):
+    """The evaluation (``evaluation.evaluate``): every peer tuned on the validation traces it is given and nothing else
+    (what the tuner received is recorded), replayed on the test traces as peer-<name>, the fastest on val decoded
+    live as best-peer (eval.live_policies names it), each tuned setting in the meta for the audit."""
+    from sacpolicy.evaluation.evaluate import EvalSettings, evaluate
+    from sacpolicy.traces import peer_tuning
+
+    target, prompts, drafters, grouped, _ = traced
+    val, test = ({p: grouped[p] for p in ids} for ids in (("p0", "p1"), ("p2", "p3")))
+    received, tune = {}, peer_tuning.tune_peer
+
+    def recording(name, grouped_val, *args, **kwargs):
+        received[name] = set(grouped_val)
+        return tune(name, grouped_val, *args, **kwargs)
+
+    monkeypatch.setattr(peer_tuning, "tune_peer", recording)
+    settings = EvalSettings(ks=(2,), k_max=4, live_prompts=2, max_new_tokens=N_NEW, price_per_hour=1.0,
+                            confidence_grid=(0.5,), live_policies=("ar", "best-peer"), ceilings=False,
+                            speed_probe_every=0, resamples=200)
+    held_out = [p for p in prompts if p["prompt_id"] in test]
+    rows, meta = evaluate(target=target, drafters=drafters, cost=cost_model([d.name for d in drafters]),
+                          val_grouped=val, test_grouped=test, test_prompts=held_out, rules={}, settings=settings,
+                          best_static={"drafter": "q", "k": 4}, progress=False)
+    assert list(received) == list(PEERS) and all(ids == {"p0", "p1"} for ids in received.values())  # val alone
+    by = {(r["name"], r["mode"]): r for r in rows}
+    for name, tuned in meta["peers"].items():
+        assert tuned["settings"] in peer_grid(name, 4) and ("peer-" + name, "simulated") in by
+        assert by["peer-" + name, "simulated"]["per_prompt"]["tokens"] == by["ar", "simulated"]["per_prompt"]["tokens"]
+    best = meta["best_peer"]
+    assert meta["peers"][best]["val_tokens_per_s"] == max(p["val_tokens_per_s"] for p in meta["peers"].values())
+    assert {n for n, m in by if m == "live"} == {"ar", "best-peer"} and by["best-peer", "live"]["speedup_vs_ar_ci"]
+    # the best peer live is the peer replayed: the same tokens drafted and accepted (greedy replay is exact)
+    assert by["best-peer", "simulated"]["tokens_per_call"] == by["peer-" + best, "simulated"]["tokens_per_call"]
+    assert by["best-peer", "live"]["tokens_per_call"] == pytest.approx(by["best-peer", "simulated"]["tokens_per_call"])
+    with pytest.raises(ValueError, match=r"eval.peers \['vllm'\] name no peer; peers are \['sglang'"):
+        evaluate(target=target, drafters=drafters, cost=cost_model([d.name for d in drafters]), val_grouped=val,
+                 test_grouped=test, test_prompts=[], rules={}, best_static={"drafter": "q", "k": 4}, progress=False,
+                 settings=EvalSettings(ks=(2,), k_max=4, live_prompts=0, max_new_tokens=N_NEW, price_per_hour=1.0,
+                                       confidence_grid=(0.5,), peers=("vllm",)))

@@ -14,6 +14,9 @@ from test_config import cfg_for
 from test_tracking import read_offline_run
 
 from sacpolicy import pipeline
+from sacpolicy.data import assign_split
+from sacpolicy.traces import peer_tuning
+from sacpolicy.traces.peer_tuning import PEERS, peer_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts/train.py")
@@ -44,6 +47,8 @@ def test_smoke_experiment_runs_every_stage_and_reports(smoke_run):
     assert {"ar", "best-static", "heuristic", "confidence-0.4", "confidence-tuned", "seed-rule", "bandit",
             "oracle", "learned-hgb", "learned-logreg", "learned-mlp"} <= names
     assert {"static-k1", "static-k2", "static-k4"} <= names
+    assert {f"peer-{n}" for n in PEERS} | {"best-peer"} <= names  # the engines' controllers, tuned on val traces
+    assert set(ev["meta"]["peers"]) == set(PEERS) and ev["meta"]["best_peer"] in PEERS
     for (name, mode), r in rows.items():
         assert r["tokens_per_s"] > 0 and r["mode"] in ("live", "simulated")
     assert ("learned-hgb", "live") in rows and ("oracle", "live") not in rows
@@ -151,6 +156,54 @@ def test_rerun_in_the_same_directory_skips_finished_stages_and_from_run_reuses_t
     chained = tmp_path / "chained"  # from_run follows the chain: this run reads the policies of the first one
     run_in_process(chained, f"from_run={tmp_path}", "stages=[export]")
     assert (chained / "export" / "hgb" / "vllm.json").is_file()
+
+
+def test_peers_are_tuned_on_validation_traces_replayed_on_test_and_the_best_decoded_live(smoke_run, tmp_path,
+                                                                                          monkeypatch):
+    """Each peer of eval.peers is tuned on the run's validation traces alone (what the tuner received is recorded),
+    replayed as a simulated peer-<name> row, and the fastest on val decodes live as best-peer, with the learned
+    policy's paired interval against it in eval.json and eval.md."""
+    out, _ = smoke_run
+    received, tune = {}, peer_tuning.tune_peer
+
+    def recording(name, grouped_val, *args, **kwargs):
+        received[name] = set(grouped_val)
+        return tune(name, grouped_val, *args, **kwargs)
+
+    monkeypatch.setattr(peer_tuning, "tune_peer", recording)
+    run_in_process(tmp_path, f"from_run={out}", "stages=[evaluate]", "eval.ceilings=false", "eval.live_prompts=2",
+                   "eval.peers=[sglang,vllm_adaptive,llamacpp]", "eval.live_policies=[ar,best-static,learned,best-peer]")
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    meta, rows = ev["meta"], {(r["name"], r["mode"]) for r in ev["rows"]}
+    peers = ["sglang", "vllm_adaptive", "llamacpp"]
+    assert list(received) == list(meta["peers"]) == peers
+    for name, ids in received.items():  # validation traces only: every prompt of the val split, none of test's
+        assert ids and {assign_split(pid) for pid in ids} == {"val"} and len(ids) == meta["val_prompts"]
+    for name, tuned in meta["peers"].items():  # the setting chosen, one of the peer's grid, for the audit
+        assert tuned["settings"] in peer_grid(name, 4) and tuned["val_tokens_per_s"] > 0
+        assert (f"peer-{name}", "simulated") in rows and (f"peer-{name}", "live") not in rows
+    best = meta["best_peer"]
+    assert meta["peers"][best]["val_tokens_per_s"] == max(p["val_tokens_per_s"] for p in meta["peers"].values())
+    learned = meta["learned_policy"]
+    assert {n for n, m in rows if m == "live"} == {"ar", "best-static", learned, "best-peer"}
+    by = {(r["name"], r["mode"]): r for r in ev["rows"]}
+    vs = next(p for p in meta["learned_vs_peers"] if p["ref"] == "best-peer" and p["mode"] == "live")
+    assert vs["row"] == learned and vs["n_prompts"] == 2
+    assert vs["ratio"] == pytest.approx(by[learned, "live"]["tokens_per_s"] / by["best-peer", "live"]["tokens_per_s"])
+    assert vs["ci"][0] <= vs["ratio"] <= vs["ci"][1] and meta[f"{learned}_vs_best_peer_live"] == vs["ratio"]
+    assert {p["ref"] for p in meta["learned_vs_peers"] if p["mode"] == "simulated"} == {
+        "best-peer", *(f"peer-{n}" for n in peers)}
+    md = (tmp_path / "eval.md").read_text()
+    assert f"| peer-{best} (best-peer) |" in md and f"- learned / best-peer (live, {learned} vs peer-{best}, 2" in md
+
+
+def test_a_peer_policy_option_composes_and_decodes_in_the_decode_stage(smoke_run, tmp_path):
+    """policy=vllm_adaptive: built with the run's cost model (its run-time parameter), decoded live against AR."""
+    out, _ = smoke_run
+    summary = run_in_process(tmp_path, f"from_run={out}", "stages=[decode]", "policy=vllm_adaptive",
+                             "policy.num_speculative_tokens=3")
+    policy = summary["decode"]["rows"]["policy"]
+    assert policy["policy"] == "VllmAdaptiveVerification(vllm-adaptive-verification)" and policy["tokens"] > 0
 
 
 def test_evaluate_script_runs_the_evaluate_stage(smoke_run, tmp_path):

@@ -1,11 +1,13 @@
 """Held-out evaluation of every policy, simulated over test traces and live on test prompts, side by side.
 
 Rows: ``ar``, ``static-k<N>``, ``best-static`` (drafter and k chosen on val traces), ``heuristic``,
-``confidence-0.4``, ``confidence-tuned`` (threshold chosen on val traces), ``seed-rule``, ``bandit``,
-``learned-<predictor>``, and the ceilings (simulated only, ``evaluation.ceilings``): ``per-prompt-static``,
-``learned-<predictor>-in-sample`` and ``oracle``. The one-drafter rules use the best static drafter. Live rows are
-measured prompt by prompt with every policy in turn, so machine noise hits them alike. Every ratio against AR and
-the best static carries a paired bootstrap interval over prompts (``evaluation.intervals``).
+``confidence-0.4``, ``confidence-tuned`` (threshold chosen on val traces), ``seed-rule``, ``bandit``, the serving
+engines' controllers ``peer-<name>`` (``policy.peers``, each tuned on val traces as its users would tune it:
+``traces.peer_tuning``) and ``best-peer`` (the peer fastest on val traces), ``learned-<predictor>``, and the ceilings
+(simulated only, ``evaluation.ceilings``): ``per-prompt-static``, ``learned-<predictor>-in-sample`` and ``oracle``.
+The one-drafter rules and the peers use the best static drafter. Live rows are measured prompt by prompt with every
+policy in turn, so machine noise hits them alike. Every ratio against AR and the best static carries a paired
+bootstrap interval over prompts (``evaluation.intervals``), and so does the learned policy's against each peer row.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from sacpolicy.decoding import RequestInfo
 from sacpolicy.evaluation.ceilings import InSample, in_sample_rules, per_prompt_static
-from sacpolicy.evaluation.intervals import add_intervals
+from sacpolicy.evaluation.intervals import add_intervals, paired_ratios
 from sacpolicy.evaluation.metrics import (
     add_speedups,
     flag_artefacts,
@@ -36,10 +38,12 @@ from sacpolicy.policy import (
 from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.profiling.drift import SpeedProbe
 from sacpolicy.progress import progress_iter
+from sacpolicy.traces import peer_tuning
 
 logger = logging.getLogger(__name__)
 
 HEADLINE = "learned"  # in eval.live_policies: the row of the predictor chosen on validation (headline_predictor)
+BEST_PEER = "best-peer"  # the row of the peer fastest on validation traces (choose_on_val)
 
 
 def headline_predictor(metrics: dict) -> str | None:
@@ -76,6 +80,9 @@ class EvalSettings:
     bootstrap_seed: int = 0
     speed_probe_every: int = 8  # live prompts between probes of the machine's speed against its profile's
     # (profiling.drift; also before the first and after the last); 0: no probe
+    # The engines' controllers (traces.peer_tuning.PEERS) tuned on val traces (a small grid each: peer_grid) and
+    # replayed as peer-<name> rows; the fastest on val is also best-peer. None: every peer; []: none
+    peers: tuple[str, ...] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -122,12 +129,40 @@ def tune_confidence(val_grouped, cost, drafter: str, k: int, grid, *, vocab_size
     return max(scores, key=scores.get)
 
 
-def choose_on_val(settings: EvalSettings, val_grouped, cost, best: dict, *, vocab_size: int, config=None) -> dict:
+def peer_names(settings: EvalSettings) -> list[str]:
+    """The peers ``settings.peers`` names (None: every one of ``traces.peer_tuning.PEERS``), or an error naming
+    them."""
+    known = list(peer_tuning.PEERS)
+    names = known if settings.peers is None else list(settings.peers)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"eval.peers {unknown} name no peer; peers are {known} (null: every one, []: none)")
+    return names
+
+
+def tune_peers(settings: EvalSettings, val_grouped, cost, drafter: str, *, vocab_size: int, config=None,
+               progress: bool = True) -> dict:
+    """{peer: {"settings", "val_tokens_per_s"}}: each peer of ``settings.peers`` tuned on the validation traces
+    alone (``tune_peer``: the fastest of its small grid in replay), drafting with ``drafter``."""
+    out = {}
+    for name in progress_iter(peer_names(settings), "peers tuned on val", unit="peer", enabled=progress):
+        _, chosen, tps = peer_tuning.tune_peer(name, val_grouped, cost, vocab_size=vocab_size, drafter=drafter,
+                                               k_max=settings.k_max, config=config)
+        out[name] = {"settings": chosen, "val_tokens_per_s": tps}
+    return out
+
+
+def choose_on_val(settings: EvalSettings, val_grouped, cost, best: dict, *, vocab_size: int, config=None,
+                  progress: bool = True) -> dict:
     """What the baselines take from validation traces: the best static (drafter, k), computed once per run and
-    passed in, and the tuned confidence threshold."""
+    passed in, the tuned confidence threshold, each peer's tuned setting and the best peer (fastest on val, ties to
+    the earlier; None without peers)."""
     threshold = tune_confidence(val_grouped, cost, best["drafter"], settings.k_max, settings.confidence_grid,
                                 vocab_size=vocab_size, config=config)
-    return {"best_static": best, "confidence_threshold": threshold}
+    peers = tune_peers(settings, val_grouped, cost, best["drafter"], vocab_size=vocab_size, config=config,
+                       progress=progress)
+    best_peer = max(peers, key=lambda n: peers[n]["val_tokens_per_s"]) if peers else None
+    return {"best_static": best, "confidence_threshold": threshold, "peers": peers, "best_peer": best_peer}
 
 
 def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *, live: bool) -> dict:
@@ -146,6 +181,11 @@ def policy_factories(settings: EvalSettings, chosen: dict, cost, rules: dict, *,
         # live steps are timed; replayed ones are priced by the cost model
         "bandit": lambda: Bandit(ks=tuple(k for k in settings.ks if k <= settings.k_max), cost=None if live else cost),
     }
+    peers = chosen.get("peers", {})
+    for name, tuned in peers.items():  # adaptive verification budgets with the cost model, live too (as vLLM does)
+        make[f"peer-{name}"] = lambda name=name, s=tuned["settings"]: peer_tuning.build_peer(name, s, cost, d)
+    if chosen.get("best_peer"):
+        make[BEST_PEER] = lambda n=chosen["best_peer"]: peer_tuning.build_peer(n, peers[n]["settings"], cost, d)
     for name, rule in rules.items():  # a copy of the rule per policy: fallback counts stay per row
         make[f"learned-{name}"] = lambda rule=rule, name=name: LearnedPolicy(replace(rule, fallbacks=0),
                                                                              name=f"learned-{name}")
@@ -167,7 +207,8 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
     from sacpolicy.traces.draws import replay_kind
 
     vocab = int(target.model.get_output_embeddings().out_features)
-    chosen = choose_on_val(settings, val_grouped, cost, best_static, vocab_size=vocab, config=decoder_config)
+    chosen = choose_on_val(settings, val_grouped, cost, best_static, vocab_size=vocab, config=decoder_config,
+                           progress=progress)
     rows, no_ceiling = simulated_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab,
                                       config=decoder_config, in_sample=in_sample, progress=progress)
     load = load_rows(settings, chosen, cost, rules, test_grouped, vocab_size=vocab, config=decoder_config)
@@ -178,6 +219,10 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
                           config=decoder_config, headline=headline, progress=progress, probe=probe)
     add_speedups(rows)
     add_intervals(rows, resamples=settings.resamples, seed=settings.bootstrap_seed)
+    learned = [f"learned-{headline}"] if headline else [f"learned-{n}" for n in rules]
+    vs_peers = paired_ratios(rows, learned, [n for n in dict.fromkeys(r["name"] for r in rows)
+                                             if n.startswith("peer-") or n == BEST_PEER],
+                             resamples=settings.resamples, seed=settings.bootstrap_seed)
     flag_artefacts(rows)
     meta = {"target": target.spec, "device": str(target.device), "dtype": str(target.dtype),
             "drafters": [d.name for d in drafters], "test_prompts_simulated": len(test_grouped),
@@ -187,6 +232,9 @@ def evaluate(*, target, drafters: list, cost, val_grouped: dict, test_grouped: d
             **targets(rows, list(rules)),
             **({"in_sample_skipped": no_ceiling} if no_ceiling else {}),
             **({"learned_policy": f"learned-{headline}"} if headline else {}), **settings.extra}
+    if vs_peers:  # the learned policy over each peer row, with its paired interval; the best peer's as a number too
+        meta["learned_vs_peers"] = vs_peers
+        meta |= {f"{p['row']}_vs_best_peer_{p['mode']}": p["ratio"] for p in vs_peers if p["ref"] == BEST_PEER}
     if probe is not None:
         meta["machine_speed"] = probe.summary()
     if n_live:
@@ -227,7 +275,9 @@ def simulated_rows(settings: EvalSettings, chosen: dict, cost, rules: dict, test
 
 def check_live_policies(settings: EvalSettings, predictors) -> None:
     """Refuse ``eval.live_policies`` patterns that match no row, before a run spends minutes reaching evaluation."""
-    chosen = {"best_static": {"drafter": None, "k": 1}, "confidence_threshold": 0.5}  # row names only: never built
+    names = peer_names(settings)  # row names only: never built
+    chosen = {"best_static": {"drafter": None, "k": 1}, "confidence_threshold": 0.5,
+              "peers": {n: {"settings": {}} for n in names}, "best_peer": names[0] if names else None}
     predictors = list(predictors)
     live_factories(settings, policy_factories(settings, chosen, None, dict.fromkeys(predictors), live=True),
                    headline=predictors[0] if predictors else None)  # any predictor may turn out the headline

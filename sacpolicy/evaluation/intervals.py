@@ -1,4 +1,5 @@
-"""Every ratio with its uncertainty: paired bootstrap intervals over prompts, and the rows whose speedup the cost
+"""Every ratio with its uncertainty: paired bootstrap intervals over prompts (against AR and the best static:
+``add_intervals``; the learned policy against each peer: ``paired_ratios``), and the rows whose speedup the cost
 model invented; for runs under load (``scripts/bench_serve.py``), a two-level paired bootstrap over repeated server
 runs and their requests (``nested_ratio_interval``).
 
@@ -77,12 +78,8 @@ def add_intervals(rows: list[dict], *, resamples: int = 2000, seed: int = 0, lev
                 ref = base.get(name)
                 if ref is None or "per_prompt" not in ref:
                     continue
-                _check_paired(row, ref)
+                row[key], row[f"{key}_ci"] = _paired(row, ref, resamples=resamples, seed=seed, level=level)
                 a, b = row["per_prompt"], ref["per_prompt"]
-                row[key] = row["tokens_per_s"] / ref["tokens_per_s"]
-                row[f"{key}_ci"] = list(paired_ratio_interval(
-                    a["tokens"], a["seconds"], b["tokens"], b["seconds"], level=level,
-                    idx=bootstrap_indices(len(cats), resamples=resamples, seed=seed)))
                 for c, cell in row["per_category"].items():
                     ref_cell = ref["per_category"].get(c, {})
                     cell[key] = (cell["tokens_per_s"] / ref_cell["tokens_per_s"]
@@ -93,6 +90,32 @@ def add_intervals(rows: list[dict], *, resamples: int = 2000, seed: int = 0, lev
                         cell[f"{key}_ci"] = list(paired_ratio_interval(
                             *(np.asarray(v)[m] for v in (a["tokens"], a["seconds"], b["tokens"], b["seconds"])),
                             idx=bootstrap_indices(int(m.sum()), resamples=resamples, seed=seed), level=level))
+
+
+def paired_ratios(rows: list[dict], names: list[str], refs: list[str], *, resamples: int = 2000, seed: int = 0,
+                  level: float = 0.95) -> list[dict]:
+    """Each row of ``names`` against each row of ``refs`` of the same mode (the learned policy against the peers):
+    ``{"row", "ref", "mode", "ratio", "ci", "n_prompts"}``, the ratio of tokens/s with its paired bootstrap interval
+    over prompts (as ``add_intervals``'). Pairs where either row is missing or has no per-prompt data are left out."""
+    by = {(r["name"], r["mode"]): r for r in rows if "per_prompt" in r}
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        for name in names:
+            for ref in refs:
+                if (name, mode) in by and (ref, mode) in by:
+                    ratio, ci = _paired(by[name, mode], by[ref, mode], resamples=resamples, seed=seed, level=level)
+                    out.append({"row": name, "ref": ref, "mode": mode, "ratio": ratio, "ci": ci,
+                                "n_prompts": len(by[name, mode]["per_prompt"]["tokens"])})
+    return out
+
+
+def _paired(row: dict, ref: dict, *, resamples: int, seed: int, level: float) -> tuple[float, list[float]]:
+    """(tokens/s of ``row`` over ``ref``'s, its paired bootstrap interval over the rows' prompts)."""
+    _check_paired(row, ref)
+    a, b = row["per_prompt"], ref["per_prompt"]
+    ci = paired_ratio_interval(a["tokens"], a["seconds"], b["tokens"], b["seconds"], level=level,
+                               idx=bootstrap_indices(len(a["tokens"]), resamples=resamples, seed=seed))
+    return row["tokens_per_s"] / ref["tokens_per_s"], list(ci)
 
 
 def _check_paired(row: dict, ref: dict) -> None:

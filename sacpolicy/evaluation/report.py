@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def load_table(rows: list[dict]) -> str:
 
 def _eval_markdown(eval: dict) -> str:
     meta, rows = eval.get("meta", {}), eval["rows"]
-    setup = "\n".join(f"- {k}: {v}" for k, v in meta.items() if k not in ("load", "simulated_vs_live"))
+    setup = "\n".join(f"- {k}: {v}" for k, v in meta.items()
+                      if k not in ("load", "simulated_vs_live", "peers", "learned_vs_peers"))
     notes = [meta["simulated_skipped"]] if meta.get("simulated_skipped") else []
     notes.append("Ratios compare tokens/s with the row of the same mode; [a, b]: 95% paired bootstrap interval over "
                  f"prompts ({meta.get('bootstrap_resamples', 2000)} resamples); no interval under {MIN_PROMPTS} "
@@ -104,6 +106,8 @@ def _eval_markdown(eval: dict) -> str:
     parts.append(f"## Results\n\n{markdown_table(rows)}\n\n" + "\n".join(f"- {n}" for n in notes))
     if meta.get("simulated_vs_live"):
         parts.append(f"## Simulated vs live\n\n{_sim_vs_live(meta['simulated_vs_live'], meta.get('machine_speed'))}")
+    if meta.get("peers"):
+        parts.append(f"## Peers (the engines' controllers, tuned on validation traces)\n\n{_peers(meta)}")
     ceilings = _ceilings(rows, meta.get("in_sample_skipped", {}))
     if ceilings:
         parts.append(f"## Ceilings (simulated on the test traces)\n\n{ceilings}")
@@ -132,6 +136,23 @@ def _sim_vs_live(errors: dict, speed: dict | None) -> str:
                        else "pass the cost model priced: an older profile has no probe")
                     + f", {1e3 * speed['reference_s']:.1f} ms). The simulated rows are priced at the profile's "
                     "speed; a spread or ratio far from 1 says how much of their error the machine alone can make.")
+
+
+def _peers(meta: dict) -> str:
+    """Each peer's setting chosen on validation traces (the row ``peer-<name>``; the fastest is also ``best-peer``),
+    then the learned policy against each peer row with its paired interval (``learned / best-peer`` first)."""
+    best = meta.get("best_peer")
+    body = [[f"peer-{n}" + (" (best-peer)" if n == best else ""), f"{p['val_tokens_per_s']:.1f}",
+             f"`{json.dumps(p['settings'], separators=(',', ':'))}`"] for n, p in meta["peers"].items()]
+    lines = [_table(["row", "val tokens/s (simulated)", "tuned setting"], body)]
+    pairs = sorted(meta.get("learned_vs_peers", []), key=lambda p: (p["ref"] != "best-peer", p["mode"] != "live"))
+    if pairs:
+        lines.append("")
+    for p in pairs:
+        detail = f"{p['row']} vs peer-{best}" if p["ref"] == "best-peer" else p["row"]
+        lines.append(f"- learned / {p['ref']} ({p['mode']}, {detail}, {p['n_prompts']} prompts): {p['ratio']:.2f}x "
+                     f"[{p['ci'][0]:.2f}, {p['ci'][1]:.2f}]")
+    return "\n".join(lines)
 
 
 def _ceilings(rows: list[dict], skipped: dict) -> str:

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sacpolicy.io import write_json
 from sacpolicy.pipeline import config  # noqa: F401 (registers the config nodes conf/ extends: config.register)
-from sacpolicy.pipeline.context import PipelineError, RunContext, eval_settings
+from sacpolicy.pipeline.context import PipelineError, RunContext, build_policy, eval_settings
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ def validate(cfg: DictConfig) -> None:
             "machine (GPU presets also need Hub access to download the models), or pick a CPU preset "
             "(experiment=embedded_cpu or experiment=smoke)"
         )
+    if cfg.get("policy") is not None:  # its settings alone (the cost model is a stage's): a bad one is named here
+        build_policy(cfg.policy)
     k_max = cfg.fit.k_max  # the policies' longest block, under the two other limits (sacpolicy.pipeline.config)
     if "collect" in cfg.stages and k_max > cfg.collect.k_max:
         raise PipelineError(f"fit.k_max={k_max} exceeds collect.k_max={cfg.collect.k_max}, the longest accepted run "

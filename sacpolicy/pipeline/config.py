@@ -154,6 +154,13 @@ BASES: dict[str, tuple[str, ...]] = {
     "sacpolicy.policy.Confidence": (),
     "sacpolicy.policy.SeedRule": (),
     "sacpolicy.policy.Bandit": ("cost",),
+    # the engines' controllers (policy/peers.py); adaptive verification budgets with the run's cost model
+    "sacpolicy.policy.SglangAdaptive": (),
+    "sacpolicy.policy.TrtllmAdaptive": (),
+    "sacpolicy.policy.VllmBatchSchedule": (),
+    "sacpolicy.policy.VllmAdaptiveVerification": ("cost",),
+    "sacpolicy.policy.LlamaCppPMin": (),
+    "sacpolicy.policy.AdaEDL": (),
     "sacpolicy.training.predictor.fit_sklearn": ("train", "val", "out_dir", "logger"),
     "sacpolicy.training.predictor.fit_mlp": ("train", "val", "out_dir", "logger"),
     "sacpolicy.training.distill.DistillSettings": (),

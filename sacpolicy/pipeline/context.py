@@ -89,8 +89,9 @@ class RunContext:
     def decoder(self, policy=None, drafters=None) -> SpeculativeDecoder:
         """A decoder over the run's drafters (or ``drafters``) with ``policy`` (default: the configured one)."""
         cfg = self.cfg
-        return SpeculativeDecoder(self.target.model, self.drafters if drafters is None else drafters,
-                                  policy if policy is not None else instantiate(cfg.policy),
+        if policy is None:
+            policy = build_policy(cfg.policy, cost=self.cost if needs_cost(cfg.policy) else None)
+        return SpeculativeDecoder(self.target.model, self.drafters if drafters is None else drafters, policy,
                                   sampling=instantiate(cfg.sampling), config=instantiate(cfg.decoder),
                                   stop_token_ids=self.target.eos_token_ids)
 
@@ -237,6 +238,30 @@ class RunContext:
         """The run's Lightning logger for a training stage; its keys carry the stage (``distill-val/accept_len``,
         ``head-val/accept_len``), so the curves of two drafts in one W&B run stay apart."""
         return instantiate(self.cfg.logger, prefix=stage) if self.cfg.get("logger") else None
+
+
+def needs_cost(node: DictConfig) -> bool:
+    """Whether the policy ``node`` builds takes the cost model without a default (vLLM's adaptive verification prices
+    its budget with it; the bandit's is optional: live, it times its steps)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    param = inspect.signature(get_object(node._target_)).parameters.get("cost")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def build_policy(node: DictConfig, cost=None):
+    """The policy a ``policy`` option composes (``conf/policy/``), its lists and mappings plain Python (a peer's
+    settings are checked as SGLang's JSON or vLLM's lists would be), given ``cost`` where it takes one
+    (``needs_cost``; None: the settings alone are checked, before the cost model is loaded). A setting the policy
+    refuses is a ``PipelineError`` naming the option, what is wrong and the fix."""
+    make = instantiate(node, _convert_="all", _partial_=True)  # the cost model is passed as is, not converted
+    try:
+        return make(**({"cost": cost} if needs_cost(node) else {}))
+    except (ValueError, TypeError) as exc:
+        raise PipelineError(f"policy ({node._target_}): {exc}. Fix the setting in the policy option's YAML "
+                            f"(conf/policy/) or override it: policy.<setting>=<value>") from exc
 
 
 def spread(rows: list, extra: list) -> list:
