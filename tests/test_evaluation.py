@@ -472,7 +472,9 @@ def test_live_policies_pick_rows_by_pattern_and_refuse_unknown_ones():
     make = policy_factories(settings(None), chosen, None, {"hgb": None, "mlp": None}, live=True)
     assert list(live_factories(settings(None), make)) == list(make) and "static-k4" in make
     picked = live_factories(settings(("learned-*", "ar", "best-static")), make)
-    assert list(picked) == ["ar", "best-static", "learned-hgb", "learned-mlp"]  # the rows' order, not the patterns'
+    # the rows' order, not the patterns'; each predictor's row the other way (learning while serving or not) too
+    assert list(picked) == ["ar", "best-static", "learned-hgb", "learned-hgb-online", "learned-mlp",
+                            "learned-mlp-online"]
     assert picked["best-static"]().k == 4
     with pytest.raises(ValueError, match=r"\['learned-logreg'\] match no policy row; rows are \['ar'"):
         check_live_policies(settings(("ar", "learned-logreg")), ["hgb", "mlp"])
