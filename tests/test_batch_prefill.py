@@ -150,15 +150,18 @@ def test_prefill_logits_and_cache_equal_each_prompt_prefilled_alone(tiny_target,
     assert allowed[1].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
 
 
-def test_several_rows_prefilled_together_need_full_attention_caches():
-    """A sliding-window target's cache cannot hold a ragged batch: refused as every batch of it is (one row is fine)."""
-    from transformers import MistralConfig
+def test_several_rows_prefilled_together_need_caches_that_keep_every_token():
+    """A sliding-window target's rows batch in the decoder's caches (``new_cache`` keeps a sliding layer's every token;
+    the window is the mask's, tests/test_architectures.py). transformers' own sliding-window cache, which drops the
+    tokens past the window, cannot hold a ragged batch: refused, naming the fix (one row is fine)."""
+    from transformers import DynamicCache, MistralConfig
 
     config = MistralConfig(num_hidden_layers=2, sliding_window=4, hidden_size=16, num_attention_heads=2,
                            num_key_value_heads=1, intermediate_size=16, vocab_size=32)
-    with pytest.raises(ValueError, match="full-attention KV caches.*max_batch=1"):
-        RaggedCache.prefilled(new_cache(config), [3, 5], torch.device("cpu"))
-    assert RaggedCache.prefilled(new_cache(config), [3], torch.device("cpu")).counts == [3]
+    assert RaggedCache.prefilled(new_cache(config), [3, 5], torch.device("cpu")).counts == [3, 5]
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer.*Fix: build it with .*new_cache"):
+        RaggedCache.prefilled(DynamicCache(config=config), [3, 5], torch.device("cpu"))
+    assert RaggedCache.prefilled(DynamicCache(config=config), [3], torch.device("cpu")).counts == [3]
 
 
 def test_feature_drafters_get_each_prompts_hidden_states(tiny_target, head, prompts):

@@ -36,6 +36,7 @@ from torch import nn
 from sacpolicy.decoding.aux import AuxCapture
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
 from sacpolicy.decoding.controller import Controller, Drafted, Planned, ServedView, stop_callback
+from sacpolicy.decoding.layout import attention_layout
 from sacpolicy.decoding.protocols import Autoregressive, Drafter, Policy, PolicyRow, feature_layers
 from sacpolicy.decoding.ragged import RaggedCache, new_cache, prefill_inputs
 from sacpolicy.decoding.rows import Clock, Row, WallClock
@@ -152,6 +153,8 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] | None = None,
     ):
         self.target = target
+        # the target's attention (full, sliding-window layers): a family the decoder cannot run is refused here
+        self.layout = attention_layout(getattr(target, "config", None))
         items = drafters.values() if isinstance(drafters, Mapping) else drafters
         self.drafters: dict[str, Drafter] = {}
         for d in items:
@@ -325,13 +328,13 @@ class SpeculativeDecoder:
         cache = new_cache(self.target.config)
         with self.features:
             last = self.target(input_ids=ids, **with_cache(self.target, cache), use_cache=True, logits_to_keep=1,
-                               **prefill_inputs(lengths, self.device, self.dtype)).logits[:, -1]
+                               **prefill_inputs(lengths, self.device, self.dtype, self.layout)).logits[:, -1]
         for i, row in enumerate(rows):
             self._first_token(row, last[i], i, W - row.n)
         seconds = (self.now() - t0) / len(rows)
         for row in rows:
             row.t_start, row.prefill_s = t0, seconds
-        return RaggedCache.prefilled(cache, lengths, self.device, self.config.compact_slack)
+        return RaggedCache.prefilled(cache, lengths, self.device, self.config.compact_slack, self.layout)
 
     def _first_token(self, row: Row, logits: torch.Tensor, i: int, pad: int) -> None:
         """Row ``i`` of the prefill pass (its prompt after ``pad`` pads; ``logits`` [V] at its last token): the

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sacpolicy.decoding.compat import with_cache
+from sacpolicy.decoding.layout import attention_layout
 from sacpolicy.decoding.protocols import Drafter, Peekable
 from sacpolicy.decoding.sampling import draft_stats, select_token
 from sacpolicy.decoding.teacher import TeacherForced, TeacherForcing
@@ -57,6 +58,7 @@ class ModelDrafter(Drafter, TeacherForcing):
 
     def __init__(self, model: nn.Module, name: str = "model", d2t: torch.Tensor | None = None,
                  vocab_size: int | None = None):
+        attention_layout(getattr(model, "config", None), role="draft")  # a family it cannot run: refused here
         self.model = model
         self.name = name
         head = int(model.get_output_embeddings().out_features)
@@ -89,9 +91,11 @@ class ModelDrafter(Drafter, TeacherForcing):
         return ModelDraftState()
 
     def _new_cache(self):
-        from transformers import DynamicCache
+        """The row's cache: every token of every layer kept (``ragged.new_cache``), so a rollback is one crop on
+        sliding-window layers too."""
+        from sacpolicy.decoding.ragged import new_cache
 
-        return DynamicCache(config=self.model.config)
+        return new_cache(self.model.config)
 
     @torch.inference_mode()
     def propose(self, rows: list[DraftRow]) -> list[DraftBlock]:

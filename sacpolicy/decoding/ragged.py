@@ -14,7 +14,9 @@ by depth); ``commit(columns=...)`` then moves the accepted path's columns to the
 row's cache stays what its committed sequence alone would give.
 
 Masks are additive floats (0 or the dtype's minimum), passed as transformers' custom 4D mask: a query with nothing to
-attend (a padded slot) stays finite, and masked columns get exactly zero weight.
+attend (a padded slot) stays finite, and masked columns get exactly zero weight. A target with sliding-window layers
+(``layout.AttentionLayout``) keeps every token's keys and values in those layers too, so rollback and tree moves are
+the same crops and gathers; its window is in the mask, counted in each row's own positions.
 
 ``new_cache``: the decoder's caches append in place once they hold several rows (``GrowingLayer``) where transformers'
 ``DynamicLayer`` copies the whole cache into a new tensor on every forward, a copy that grows with rows x context
@@ -25,7 +27,9 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from sacpolicy.decoding.layout import FULL, SLIDING, AttentionLayout, attention_layout, layer_types
 
 _HEADROOM = 0.25  # a growing layer reallocates with this share of its length (at least _MIN_HEADROOM tokens) to spare
 _MIN_HEADROOM = 64
@@ -121,12 +125,15 @@ class GrowingLayer(DynamicLayer):
 
 
 def new_cache(config) -> DynamicCache:
-    """An empty KV cache for a model of this config: transformers' ``DynamicCache`` whose full-attention layers append
-    in place (``GrowingLayer``); other kinds of layers (sliding window, ...) stay as transformers builds them."""
+    """An empty KV cache for a model of this config: transformers' ``DynamicCache`` whose full-attention and
+    sliding-window layers keep every token and append in place (``GrowingLayer``: a sliding layer's window is the
+    mask's, ``layout``); other kinds of layers (chunked, linear attention, ...) stay as transformers builds them."""
     cache = DynamicCache(config=config)
     layers = getattr(cache, "layers", None) or []
+    kinds = layer_types(config)
     for i, layer in enumerate(layers):
-        if type(layer) is DynamicLayer:
+        kind = kinds[i] if i < len(kinds) else FULL
+        if type(layer) is DynamicLayer or (type(layer) is DynamicSlidingWindowLayer and kind == SLIDING):
             layers[i] = GrowingLayer()
     return cache
 
@@ -135,15 +142,18 @@ def _layers(cache: DynamicCache) -> list:
     layers = getattr(cache, "layers", None)
     if layers is None or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in (layers or [])})
-        raise ValueError(f"batched decoding needs a target with full-attention KV caches (DynamicLayer); this one has "
-                         f"{kinds or 'no cache layers'} (sliding-window or linear-attention layers). Decode it with "
-                         "max_batch=1")
+        raise ValueError(f"a ragged batch needs KV caches that keep every token of every layer (DynamicLayer); this "
+                         f"one has {kinds or 'no cache layers'}. Fix: build it with sacpolicy.decoding.ragged."
+                         "new_cache(config), which keeps a sliding-window layer's every token (the decoder's "
+                         "caches do); chunked or linear-attention layers cannot be batched")
     return layers
 
 
 class RaggedCache:
-    def __init__(self, cache: DynamicCache, length: int, device: torch.device, slack: float = 0.25):
+    def __init__(self, cache: DynamicCache, length: int, device: torch.device, slack: float = 0.25,
+                 layout: AttentionLayout = AttentionLayout()):
         self.cache, self.device, self.slack = cache, device, slack
+        self.layout = layout  # the model's attention: the window a sliding layer's mask adds
         self.counts = [int(length)]  # valid columns per row (host side: no sync to know whether a mask is needed)
         self.width = int(length)
         self.valid = torch.ones(1, self.width, dtype=torch.bool, device=device)
@@ -177,9 +187,9 @@ class RaggedCache:
             own = torch.stack([causal if t is None else t[0] for t in trees])
         pos = torch.tensor(self.counts, device=self.device)[:, None] + offsets
         keys = torch.cat([self.valid[:, None, :].expand(B, T, P), own], dim=-1)
-        mask = torch.zeros(B, 1, T, P + T, dtype=dtype, device=self.device)
-        mask.masked_fill_(~keys[:, None], torch.finfo(dtype).min)
-        return {"position_ids": pos, "attention_mask": mask}
+        # a cached column's position is the count of its row's valid columns before it (sliding windows only)
+        k_pos = None if self.layout.window is None else torch.cat([self.valid.cumsum(1) - 1, pos], dim=1)
+        return {"position_ids": pos, "attention_mask": self.layout.mask(keys, pos, k_pos, dtype)}
 
     def commit(self, kept: list[int], T: int, columns: list | None = None) -> None:
         """After a forward of T tokens per row: row i keeps its first kept[i] (0 <= kept[i] <= T), or with
@@ -231,22 +241,23 @@ class RaggedCache:
         for i in range(len(per_row[0])):
             out.update(torch.cat([_left_pad(rows[i].keys, W) for rows in per_row]),
                        torch.cat([_left_pad(rows[i].values, W) for rows in per_row]), i)
-        batch = cls(out, W, device)
+        batch = cls(out, W, device, layout=attention_layout(config))
         batch.counts = list(lengths)
         batch.valid = torch.cat([_left_pad(torch.ones(1, n, dtype=torch.bool, device=device), W, dim=1)
                                  for n in lengths])
         return batch
 
     @classmethod
-    def prefilled(cls, cache: DynamicCache, lengths: list[int], device: torch.device,
-                  slack: float = 0.25) -> RaggedCache:
+    def prefilled(cls, cache: DynamicCache, lengths: list[int], device: torch.device, slack: float = 0.25,
+                  layout: AttentionLayout = AttentionLayout()) -> RaggedCache:
         """The batch of a cache just filled by one pass over prompts of these lengths left-padded to the longest (the
-        pass ``prefill_inputs`` describes): row i's valid columns are its last lengths[i]. Several rows need
-        full-attention caches, as every batch does (one row is the single-sequence cache, of any kind)."""
+        pass ``prefill_inputs`` describes): row i's valid columns are its last lengths[i]. Several rows need caches
+        that keep every token (``new_cache``), as every batch does (one row is the single-sequence cache, of any
+        kind)."""
         if len(lengths) > 1:
             _layers(cache)
         W = max(lengths)
-        batch = cls(cache, W, device, slack)
+        batch = cls(cache, W, device, slack, layout)
         batch.counts = [int(n) for n in lengths]
         batch.valid = _left_padded(lengths, device)
         return batch
@@ -313,14 +324,16 @@ class RaggedCache:
         self.compactions += 1
 
 
-def prefill_inputs(lengths: list[int], device: torch.device, dtype: torch.dtype) -> dict:
+def prefill_inputs(lengths: list[int], device: torch.device, dtype: torch.dtype,
+                   layout: AttentionLayout = AttentionLayout()) -> dict:
     """Keyword arguments of one forward over prompts of these lengths, each left-padded to the longest (pads first, so
     every row's last position is its prompt's last token): nothing when all have one length (the default causal mask
     and positions are right), else per-row positions (0 at each prompt's first token, as the prompt alone has them)
     and the additive 4D mask [B, 1, W, W] of ``RaggedCache.inputs``: a token attends to its own prompt up to itself.
     A pad attends to itself only, so no query has every key masked (a case attention kernels may turn into NaN, e.g.
     boolean masks, or minimum values summed in half precision), and no real token ever reads it (nor, after the pass,
-    any later query: ``RaggedCache.prefilled`` marks it invalid)."""
+    any later query: ``RaggedCache.prefilled`` marks it invalid). ``layout``: the model's attention (a sliding
+    window narrows its layers' masks)."""
     W = max(lengths)
     if all(n == W for n in lengths):
         return {}
@@ -328,9 +341,7 @@ def prefill_inputs(lengths: list[int], device: torch.device, dtype: torch.dtype)
     pos = (torch.arange(W, device=device) - (W - torch.tensor(lengths, device=device))[:, None]).clamp_(min=0)
     causal = torch.ones(W, W, dtype=torch.bool, device=device).tril_()
     keys = (causal & real[:, None, :]) | torch.eye(W, dtype=torch.bool, device=device)  # [B, W queries, W keys]
-    mask = torch.zeros(len(lengths), 1, W, W, dtype=dtype, device=device)
-    mask.masked_fill_(~keys[:, None], torch.finfo(dtype).min)
-    return {"position_ids": pos, "attention_mask": mask}
+    return {"position_ids": pos, "attention_mask": layout.mask(keys, pos, pos, dtype)}
 
 
 def _left_padded(lengths: list[int], device: torch.device) -> torch.Tensor:

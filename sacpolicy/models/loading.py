@@ -20,11 +20,10 @@ import re
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -62,6 +61,14 @@ _TINY_BASE = dict(
 TINY_PRESETS: dict[str, dict] = {
     "llama-4l": {**_TINY_BASE, "num_hidden_layers": 4},
     "llama-1l": {**_TINY_BASE, "num_hidden_layers": 1},
+    # other families (``model_type``; default llama), sliding windows of 8 tokens: tests' prompts outgrow them
+    "gemma3-2l": {**_TINY_BASE, "model_type": "gemma3_text", "num_hidden_layers": 2, "head_dim": 16,
+                  "query_pre_attn_scalar": 16, "sliding_window": 8, "layer_types": ["sliding_attention",
+                                                                                    "full_attention"]},
+    "qwen2-2l": {**_TINY_BASE, "model_type": "qwen2", "num_hidden_layers": 2, "use_sliding_window": True,
+                 "sliding_window": 8, "max_window_layers": 1},  # layer 0 full, layer 1 sliding
+    "qwen3-2l": {**_TINY_BASE, "model_type": "qwen3", "num_hidden_layers": 2, "head_dim": 16},
+    "mistral-2l": {**_TINY_BASE, "model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 8},
 }
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -295,11 +302,12 @@ def _embedded_gguf_path(name: str) -> pathlib.Path:
 
 
 def _build_tiny(preset: str, seed: int) -> PreTrainedModel:
-    config = LlamaConfig(**TINY_PRESETS[preset])
+    kwargs = dict(TINY_PRESETS[preset])
+    config = AutoConfig.for_model(kwargs.pop("model_type", "llama"), **kwargs)
     # fork_rng restores the caller's CPU RNG afterwards, so loading a model never perturbs sampling elsewhere.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from sacpolicy.decoding.compat import cpu_kernels, with_cache
+from sacpolicy.decoding.layout import attention_layout
 from sacpolicy.decoding.protocols import feature_layers, fresh_drafters
 from sacpolicy.decoding.ragged import RaggedCache, new_cache
 from sacpolicy.decoding.sampling import SamplingConfig
@@ -129,7 +130,7 @@ def prefilled_batch(model, lengths: Sequence[int], device, gen, make_cache=None)
         cache = make_cache() if make_cache is not None else new_cache(model.config)
         x = torch.randint(model.config.vocab_size, (1, L), generator=gen).to(device)
         model(input_ids=x, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
-        row = RaggedCache(cache, L, device)
+        row = RaggedCache(cache, L, device, layout=attention_layout(model.config))  # a window: its masks too
         if batch is None:
             batch = row
         else:
