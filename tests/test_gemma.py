@@ -168,3 +168,26 @@ def test_gemma_loads_with_bos_and_its_stop_token_and_greedy_speculation_equals_g
     ids = torch.tensor([tok(text)["input_ids"]])
     with torch.no_grad():
         assert model(ids, labels=ids).loss.item() < 3.0
+
+
+def test_a_head_starts_from_the_scale_a_gemma_norm_applies_not_its_stored_weight():
+    """Gemma's RMSNorm scales by 1 + w: the head's Llama norms (x * w) start from that scale, and its pre-MLP norm
+    from Gemma's pre_feedforward_layernorm (Gemma's post_attention_layernorm scales the attention output)."""
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from sacpolicy.training.eagle3 import norm_scale
+
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=16, sliding_window=8))
+    layer = gemma.model.layers[-1]
+    with torch.no_grad():
+        for norm in (layer.input_layernorm, layer.pre_feedforward_layernorm, gemma.model.norm):
+            norm.weight.normal_()
+    for norm in (layer.input_layernorm, layer.pre_feedforward_layernorm, gemma.model.norm):
+        assert torch.allclose(norm_scale(norm, 32), 1 + norm.weight, atol=1e-4)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with torch.no_grad():
+        llama.model.norm.weight.normal_()
+    assert torch.allclose(norm_scale(llama.model.norm, 32), llama.model.norm.weight, atol=1e-4)
