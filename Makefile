@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sacpolicy-installed
 VLLM_STAMP := $(VENV)/.sacpolicy-vllm-installed
 ARGS ?=
+# TARGET=<name>: the run on conf/target/<name>.yaml with its overlay conf/experiment/<name>_cpu.yaml (what that target
+# needs on this CPU), e.g. make train TARGET=gemma3_270m; unset: conf/train.yaml's default target
+TARGET ?=
+TARGET_ARGS := $(if $(TARGET),target=$(TARGET) experiment=$(TARGET)_cpu)
 
 .PHONY: install train test bench clean
 
@@ -20,7 +24,7 @@ $(VLLM_STAMP): $(STAMP)
 	touch $@
 
 train: $(STAMP)
-	$(PY) scripts/train.py $(ARGS)
+	$(PY) scripts/train.py $(TARGET_ARGS) $(ARGS)
 
 # pytest-xdist: two workers that steal each other's queued tests (206 s vs 255 s with a file per worker); conftest gives each
 # worker its share of the cores

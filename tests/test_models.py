@@ -15,6 +15,7 @@ import torch
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
 from sacpolicy.models import gguf as gguf_module
+from sacpolicy.models.embedded import embedded_gguf
 from sacpolicy.models import loading as models
 from sacpolicy.models import (
     EMBEDDED_TARGET,
@@ -34,7 +35,7 @@ CPU32 = dict(device="cpu", dtype="float32")
 
 
 def _embedded_gguf() -> pathlib.Path:
-    return models._embedded_gguf_path("smollm2-135m-instruct")
+    return embedded_gguf("smollm2-135m-instruct")
 
 
 def _forbid_gguf_parsing(monkeypatch):

@@ -52,8 +52,9 @@ def apply_template(messages, tokenizer, *, chat: bool = True, system_prompt: str
         return [int(t) for t in tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]]
     if not getattr(tokenizer, "chat_template", None):
         raise PromptSetError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template; "
-            f"pass chat=False to tokenize the raw prompt text"
+            f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template (a base "
+            "model). Fix: use the plain prompt format, the messages joined by blank lines: chat=False here, "
+            "data.chat=false in a run (conf/experiment/gemma3_270m_cpu.yaml sets it for the Gemma 3 base target)"
         )
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding (a Mapping) here; older versions a plain list.
@@ -193,14 +194,16 @@ def load_prompts(
     return datasets.Dataset.from_list(rows, features=prompt_features(tokenizer is not None))
 
 
-def load_prompt_mix(sources: list[str | dict], **common) -> datasets.Dataset:
+def load_prompt_mix(sources: list[str | dict], *, chat: bool = True, **common) -> datasets.Dataset:
     """Concatenate several prompt sets. Each entry is a source string or a dict of load_prompts kwargs with a
-    "source" key; its keys override `common` (so `limit` and `categories` in `common` apply to each entry)."""
+    "source" key; its keys override `common` (so `limit` and `categories` in `common` apply to each entry).
+    ``chat``: every entry in the tokenizer's chat template, or (False) in the plain format of a base model without
+    one (``apply_template``); a run's ``data.chat``, which every prompt of the run follows (``RunContext.chat``)."""
     if not sources:
         raise PromptSetError(f"load_prompt_mix needs at least one source; use any of {', '.join(PROMPT_SETS)}")
     parts = []
     for entry in sources:
-        kwargs = dict(common)
+        kwargs = {"chat": chat, **common}
         if isinstance(entry, str):
             kwargs["source"] = entry
         elif isinstance(entry, Mapping) and "source" in entry:

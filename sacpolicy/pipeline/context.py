@@ -126,8 +126,16 @@ class RunContext:
 
         data = self.cfg.distill.data
         return ranks.rank_zero_first(lambda: first_answers(self.target, max_new_tokens=data.max_new_tokens,
-                                                           topk=data.topk, batch_size=data.gen_batch_size),
+                                                           topk=data.topk, batch_size=data.gen_batch_size,
+                                                           chat=self.chat),
                                      "the target's first answers")
+
+    @property
+    def chat(self) -> bool:
+        """Whether the run's prompts are in the target's chat template (``data.chat``, a ``load_prompt_mix``
+        setting) or, False, the plain format of a base model without one: every prompt the run builds (the mix, the
+        held-out sets, the distillation prompts, the first answers) follows it."""
+        return bool(self.cfg.data.chat)
 
     @cached_property
     def eval_only_prompts(self) -> list:

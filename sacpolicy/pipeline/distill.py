@@ -29,6 +29,7 @@ def distill_data(ctx: RunContext, settings):
     max_tokens = cfg.data.max_prompt_tokens
 
     def mix(sources, **kwargs):
+        kwargs = {"chat": ctx.chat, **kwargs}  # the run's prompt format (fixed text is never templated)
         return ctx.load_prompts(partial(load_prompt_mix, sources), sources, max_prompt_tokens=max_tokens, **kwargs)
 
     train = split_prompts(mix(settings.prompts))["train"]

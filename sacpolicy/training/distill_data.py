@@ -117,15 +117,18 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
     return datasets.Dataset.from_dict(rows, features=FEATURES)
 
 
-def first_answers(target: LoadedModel, *, max_new_tokens: int, topk: int, batch_size: int = 48) -> datasets.Dataset:
+def first_answers(target: LoadedModel, *, max_new_tokens: int, topk: int, batch_size: int = 48,
+                  chat: bool = True) -> datasets.Dataset:
     """The target's greedy answers to every MT-Bench first turn, with their teacher top-k, generated once per target
     and settings (cached). The ``mt_bench_turn2`` prompts quote them (``answer_texts``), and distillation trains on
-    them where its prompts are those first turns (``DistillDataModule(reuse=...)``): one generation for both."""
+    them where its prompts are those first turns (``DistillDataModule(reuse=...)``): one generation for both.
+    ``chat``: the prompts in the target's chat template, or (False) a base model's plain format (``load_prompts``)."""
     from sacpolicy.data import load_prompts
 
-    prompts = load_prompts("mt_bench", tokenizer=target.tokenizer)
+    prompts = load_prompts("mt_bench", tokenizer=target.tokenizer, chat=chat)
+    plain = {} if chat else {"chat": False}  # the key of a chat run's answers stays what it was
     key = cache_key(format=DATA_FORMAT, target=target.spec, dtype=str(target.dtype), ids=prompts["prompt_id"],
-                    lens=[len(x) for x in prompts["input_ids"]], max_new_tokens=max_new_tokens, topk=topk)
+                    lens=[len(x) for x in prompts["input_ids"]], max_new_tokens=max_new_tokens, topk=topk, **plain)
     return cached_dataset("answers", key, lambda: generate_continuations(
         target, prompts, max_new_tokens=max_new_tokens, topk=topk, batch_size=batch_size))
 

@@ -149,13 +149,25 @@ def init_head(target, config: Eagle3Config, draft_ids: torch.Tensor, seed: int =
         layer.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
         layer.mlp.load_state_dict(last.mlp.state_dict())
         for norm in (layer.input_layernorm, layer.hidden_norm):
-            norm.weight.copy_(last.input_layernorm.weight)
-        layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
-        head.norm.weight.copy_(model.model.norm.weight)
+            norm.weight.copy_(norm_scale(last.input_layernorm, H))
+        # the norm before the MLP: Gemma's layers name it pre_feedforward_layernorm (their post_attention_layernorm
+        # scales the attention output), Llama's post_attention_layernorm
+        pre_mlp = getattr(last, "pre_feedforward_layernorm", None) or last.post_attention_layernorm
+        layer.post_attention_layernorm.weight.copy_(norm_scale(pre_mlp, H))
+        head.norm.weight.copy_(norm_scale(model.model.norm, H))
         ids = torch.as_tensor(draft_ids, dtype=torch.long)
         head.lm_head.weight.copy_(model.get_output_embeddings().weight[ids.to(model.device)])
         head.set_vocab(ids)
     return head.to(target.device)
+
+
+@torch.no_grad()
+def norm_scale(norm: torch.nn.Module, hidden_size: int) -> torch.Tensor:
+    """The per-channel scale an RMSNorm of the target applies, as the head's Llama RMSNorm holds it (``x * w``): its
+    output on a vector of ones (RMS 1). Read from the output, not the weight, since families store it differently:
+    Gemma's norms keep ``w`` and scale by ``1 + w``."""
+    weight = next(norm.parameters())
+    return norm(torch.ones(1, hidden_size, device=weight.device, dtype=weight.dtype))[0].float()
 
 
 class Eagle3Module(WarmupAdamW, StepAcceptance, L.LightningModule):
