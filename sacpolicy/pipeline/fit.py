@@ -63,18 +63,19 @@ def examples(ctx: RunContext):
                                soft=ctx.soft_labels)
 
 
-def fit_rule(ctx: RunContext, name: str, ex, static: dict, *, out_dir=None, lightning_logger=None):
+def fit_rule(ctx: RunContext, name: str, ex, static: dict, *, out_dir=None, lightning_logger=None, val=None):
     """(predictor, its metrics, its decision rule, the rule's tuning table): predictor ``name`` of
     ``cfg.predictor`` fitted on the examples ``ex`` (``examples``), calibrated on val, and its rule tuned on the val
-    traces with ``static`` as fallback (``decision_rule``). The predictor's meta records the sampling settings of the
-    traces (``fitted_temperature``, ``fitted_top_p``: ``DecisionRule.sampling_mismatch`` reads them)."""
+    traces (``val``, grouped; default the run's) with ``static`` as fallback (``decision_rule``). The predictor's meta
+    records the sampling settings of the traces (``fitted_temperature``, ``fitted_top_p``:
+    ``DecisionRule.sampling_mismatch`` reads them)."""
     from sacpolicy.traces.schema import trace_sampling
     from sacpolicy.training.predictor import fit_predictor
 
     spec = instantiate(ctx.cfg.predictor[name], _convert_="all")
     pred, metrics = fit_predictor(name, spec, ex, out_dir, logger=lightning_logger)
     pred.meta.update({f"fitted_{k}": v for k, v in trace_sampling(ctx.traces.meta).items()})
-    return (pred, metrics, *decision_rule(ctx, name, pred, static))
+    return (pred, metrics, *decision_rule(ctx, name, pred, static, val=val))
 
 
 def track_calibration(tracker, name: str, pred, test, plot_dir, soft: bool = False) -> None:
@@ -90,13 +91,14 @@ def track_calibration(tracker, name: str, pred, test, plot_dir, soft: bool = Fal
         tracker.image(f"fit/calibration_{name}", plot)
 
 
-def decision_rule(ctx: RunContext, name: str, pred, static: dict):
-    """(rule, tuning table): tuned on the val traces by replay (``tune_rule``: exact on greedy traces, in expectation
-    on sampled ones), with ``static`` as fallback; the table says which replay (``replay``)."""
+def decision_rule(ctx: RunContext, name: str, pred, static: dict, val=None):
+    """(rule, tuning table): tuned on the val traces (``val``, grouped; default the run's) by replay (``tune_rule``:
+    exact on greedy traces, in expectation on sampled ones), with ``static`` as fallback; the table says which replay
+    (``replay``)."""
     from sacpolicy.traces.draws import replay_kind
     from sacpolicy.training.predictor import tune_rule
 
-    val, k_max = ctx.traces.by_split["val"], ctx.cfg.fit.k_max
+    val, k_max = ctx.traces.by_split["val"] if val is None else val, ctx.cfg.fit.k_max
     if not val:
         raise PipelineError("no validation traces to choose the decision rule on; collect traces over val prompts")
     online = ctx.cfg.fit.get("online")
