@@ -349,7 +349,7 @@ def test_bench_serve_sets_the_learned_rule_against_the_best_other_and_none_sync(
     assert x["p99_e2el_vs_best_ci"] is None  # runs without per-request latencies: no interval, the ratio alone
     assert x["tpot_vs_learned_ngram"] == pytest.approx(0.8)  # the same rule without its suffix drafter: not an other
     table = cli.markdown(results, [1.0], 2.0)
-    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | 0.50 | 8.40 | 2.00 | - | 0.80 | none |" in table
+    assert "| learned | 1.0x | 0.75 | 0.60 | 0.98 | 1.05 | 0.50 | 8.40 | 2.00 | - | 0.80 | - | none |" in table
 
 
 def _raw_run(latencies, errors=None):

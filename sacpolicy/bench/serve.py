@@ -85,12 +85,13 @@ def markdown(results: dict, rates: list[float], capacity: float, v: list[dict] |
     v = verdict(results, rates) if v is None else v
     if v:
         keys = ("tpot_vs_none", "tpot_vs_ngram", "throughput_vs_best", "p99_e2el_vs_best", "tpot_vs_none_sync",
-                "p99_e2el_vs_none_sync", "tpot_vs_spec_idle", "tpot_vs_learned", "tpot_vs_learned_ngram")
+                "p99_e2el_vs_none_sync", "tpot_vs_spec_idle", "tpot_vs_learned", "tpot_vs_learned_ngram",
+                "tpot_vs_learned_fitted")
         out.append("Learned rule vs the others (95% intervals: paired bootstrap over repeats and requests):\n\n"
                    + table(["config", "rate", "mean TPOT vs none", "mean TPOT vs vLLM n-gram",
                             "throughput vs best other", "P99 e2e vs best other", "mean TPOT vs none-sync",
                             "P99 e2e vs none-sync", "mean TPOT vs spec-idle", "mean TPOT vs learned",
-                            "mean TPOT vs learned-ngram", "best other (throughput)"],
+                            "mean TPOT vs learned-ngram", "mean TPOT vs learned-fitted", "best other (throughput)"],
                            [[x["policy"], f"{x['rate_x']}x", *(_with_ci(x, k) for k in keys),
                              x.get("best_other", "-")] for x in v]))
     cost = log_cost(results, rates)
@@ -150,7 +151,7 @@ def _interval(mine: list[dict], others: dict, key: str) -> list[float] | None:
 
 # the learned rule; with its step log on; with its n-gram drafter alone; with the EAGLE-3 head; another export's rule
 # (a refit's candidate, set against learned)
-LEARNED = ("learned", "learned-logged", "learned-ngram", "learned-head", "candidate")
+LEARNED = ("learned", "learned-fitted", "learned-logged", "learned-ngram", "learned-head", "candidate")
 
 
 def verdict(results: dict, rates: list[float]) -> list[dict]:
@@ -160,7 +161,8 @@ def verdict(results: dict, rates: list[float]) -> list[dict]:
     synchronous scheduling, as vLLM runs n-gram and ``custom_class`` speculation) and spec-idle (speculation on,
     nothing ever drafted); ``learned-logged``'s mean TPOT to ``learned``'s (``tpot_vs_learned``: the step log's
     overhead; ``candidate``'s: another export's rule against the one it would replace); ``learned``'s to
-    ``learned-ngram``'s (``tpot_vs_learned_ngram``: what its suffix drafter adds). Each
+    ``learned-ngram``'s (``tpot_vs_learned_ngram``: what its suffix drafter adds) and to ``learned-fitted``'s
+    (``tpot_vs_learned_fitted``: what learning while serving costs or gains). Each
     TPOT and P99 ratio ``key`` comes with ``key_ci``, its 95% interval (paired over repeats and requests:
     ``nested_ratio_interval``), None for runs that kept no per-request latencies."""
     return [x for name in LEARNED if name in results for x in _verdict(results, rates, name)]
@@ -176,7 +178,7 @@ def _verdict(results: dict, rates: list[float], name: str) -> list[dict]:
         x = {"policy": name, "rate_x": r}
         for n, key in (("none", "tpot_vs_none"), ("vllm-ngram", "tpot_vs_ngram"), ("none-sync", "tpot_vs_none_sync"),
                        ("spec-idle", "tpot_vs_spec_idle"), ("learned", "tpot_vs_learned"),
-                       ("learned-ngram", "tpot_vs_learned_ngram")):
+                       ("learned-ngram", "tpot_vs_learned_ngram"), ("learned-fitted", "tpot_vs_learned_fitted")):
             if n == name:
                 continue
             rows = results.get(n, {}).get(str(r))

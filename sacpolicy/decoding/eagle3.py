@@ -102,7 +102,8 @@ class Eagle3Config:
                    rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(c.max_position_embeddings),
                    target_vocab_size=V, draft_vocab_size=int(draft_vocab_size), aux_layer_ids=ids,
                    target_num_layers=L, verifier=verifier, vocab_hash=vocab_hash,
-                   hidden_act=str(getattr(c, "hidden_act", "silu")))
+                   # Gemma's configs call it hidden_activation (gelu_pytorch_tanh)
+                   hidden_act=str(getattr(c, "hidden_act", None) or getattr(c, "hidden_activation", None) or "silu"))
 
     def layer_config(self) -> LlamaConfig:
         """The decoder layer as a LlamaConfig (also the ``transformer_layer_config`` of a speculators export)."""

@@ -37,6 +37,7 @@ DRAFTER_ENV = "SACPOLICY_POLICY_DRAFTER"  # optional: which of the policy's look
 STATS_ENV = "SACPOLICY_PROPOSER_STATS"  # optional: a JSON file where the proposer reports its calls and seconds
 LOAD_ENV = "SACPOLICY_PROPOSER_LOAD"  # "0": price every step as one request even where the cost model has batches
 LOG_ENV = "SACPOLICY_PROPOSER_LOG"  # optional: a directory for the proposer's step log (sacpolicy.export.steplog)
+LEARN_ENV = "SACPOLICY_PROPOSER_LEARN"  # "0": serve the fitted rule alone where it learns while serving (rule.online)
 _GREEDY = SamplingConfig()  # n-gram proposals are deterministic; the sampling settings do not reach them
 
 
@@ -214,13 +215,14 @@ class PolicyProposer:
             raise ArtifactError(f"PolicyProposer needs a policy artifact: set {POLICY_ENV}=<artifact dir>")
         art, root, policy_id = open_policy(policy)  # a deploy root: its `current` version
         load = os.environ.get(LOAD_ENV, "1") != "0"
+        learn = os.environ.get(LEARN_ENV, "1") != "0"
         self.k_cap, self.max_model_len, seqs = engine_limits(vllm_config)
         self.history = _History(4 * seqs)
         served = served_policy(art, drafter, policy_id, k_cap=self.k_cap, max_model_len=self.max_model_len,
-                               load=load)
+                               load=load, learn=learn)
         # hot reload and canary (sacpolicy.export.reload): the slot holds the served policy and swaps it
         self.slot = PolicySlot(served, art, root, drafter, k_cap=self.k_cap, max_model_len=self.max_model_len,
-                               load=load, notify=self.write_stats)
+                               load=load, learn=learn, notify=self.write_stats)
         first = is_first_rank(vllm_config)  # under tensor parallelism one rank reports and logs
         self.calls, self.seconds, self.failures = 0, 0.0, 0
         self.dropped_drafters = 0  # drafters dropped for a request (one raised): counted, as the decoder's results do

@@ -158,19 +158,20 @@ class ServedPolicy:
 
 
 def served_policy(art: PolicyArtifact, drafter: str | None, policy_id: str, *, k_cap: int, max_model_len: int,
-                  load: bool = True, running: ServedPolicy | None = None) -> ServedPolicy:
+                  load: bool = True, running: ServedPolicy | None = None, learn: bool = True) -> ServedPolicy:
     """The ``ServedPolicy`` of ``art``: its lookup drafters (``lookup_drafters``), planned under the served view of a
     server that verifies at most ``k_cap`` tokens a step before ``max_model_len``; ``load``: price steps at vLLM's
     live batch size where the cost model has batch curves. ``running``: the policy serving now, whose drafters that
     keep what earlier requests taught them (a suffix drafter's global index; ``Resettable``) are kept wherever the
-    spec is the same: that index and its requests' rows outlive a policy swap, and a canary's two arms share it."""
+    spec is the same: that index and its requests' rows outlive a policy swap, and a canary's two arms share it.
+    ``learn=False``: a rule that learns while serving (``DecisionRule.online``) serves its fitted decisions alone."""
     names = lookup_drafters(art, drafter)
     specs = {n: art.drafters[n] for n in names}
     lookups = {n: lookup_drafter(spec) for n, spec in specs.items()}
     if running is not None:
         lookups |= {n: running.lookups[n] for n, spec in specs.items()
                     if isinstance(running.lookups.get(n), Resettable) and running.specs.get(n) == spec}
-    policy = LearnedPolicy(art.rule)
+    policy = LearnedPolicy(art.rule, online=None if learn else False)
     load_aware = bool(art.rule.cost.batch) and load
     view = ServedView(tuple(art.rule.drafters), k_cap, max_model_len, load_aware)
     config = DecoderConfig(k_max=max(art.rule.k_max, k_cap), view=view)
@@ -251,8 +252,9 @@ class PolicySlot:
     start or end)."""
 
     def __init__(self, current: ServedPolicy, art: PolicyArtifact, root: Path | None, drafter: str | None, *,
-                 k_cap: int, max_model_len: int, load: bool = True, notify=lambda: None):
+                 k_cap: int, max_model_len: int, load: bool = True, learn: bool = True, notify=lambda: None):
         self.current, self.root, self.drafter, self.load, self.notify = current, root, drafter, load, notify
+        self.learn = learn
         self.k_cap, self.max_model_len = k_cap, max_model_len
         self.target = (art.provenance or {}).get("target")
         self.every = reload_interval() if root is not None else None
@@ -373,7 +375,7 @@ class PolicySlot:
                                 f"{self.k_cap} draft tokens a step (num_speculative_tokens); refit it with k_max <= "
                                 f"{self.k_cap}, or restart the server with {version / 'speculative_config.json'}")
         served = served_policy(art, self.drafter, version.name, k_cap=self.k_cap, max_model_len=self.max_model_len,
-                               load=self.load, running=self.current)
+                               load=self.load, running=self.current, learn=self.learn)
         # on copies of its drafters: the smoke test teaches the running ones (kept by ``served``) nothing
         got = plan([(_SMOKE, None), (_SMOKE[:20], (0.5, 1.0))], 2 if served.load_aware else 1, None,
                    served.isolated())

@@ -17,6 +17,8 @@ Configurations (``CONFIGS``):
   is importable;
 - ``learned``: the learned rule of an export (``scripts/export.py format=vllm``): ``speculative_config.json`` (our
   ``custom_class`` proposer) with ``vllm.env`` (the policy directory it reads);
+- ``learned-fitted``: ``learned`` serving its fitted rule alone where the rule learns while serving
+  (``SACPOLICY_PROPOSER_LEARN=0``): learning's overhead and gain, side by side with ``learned``;
 - ``learned-logged``: ``learned`` with the proposer's step log on for every request (``sacpolicy.export.steplog``,
   into ``log_dir``): the feedback loop's logging overhead, side by side with ``learned``;
 - ``static``: the same export's ``static_speculative_config.json`` (the rule's static k, with its k-by-batch-size
@@ -59,9 +61,10 @@ from sacpolicy.export.vllm_run import cuda_available, engine_defaults, engine_en
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "vllm-suffix", "learned", "learned-logged", "learned-ngram",
-           "static", "head", "learned-head", "candidate")
-LEARNED_RULE = ("learned", "learned-logged", "learned-ngram", "candidate")  # configs that serve an export's rule
+CONFIGS = ("none", "none-sync", "spec-idle", "vllm-ngram", "vllm-suffix", "learned", "learned-fitted", "learned-logged",
+           "learned-ngram", "static", "head", "learned-head", "candidate")
+# configs that serve an export's rule
+LEARNED_RULE = ("learned", "learned-fitted", "learned-logged", "learned-ngram", "candidate")
 VLLM_NGRAM_DOCS = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
 # vLLM's own suffix decoding (arctic-inference's suffix tree; scripts/install.sh --vllm builds it): a peer row
 VLLM_SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
@@ -238,6 +241,10 @@ def serve_config(name: str, *, export=None, head=None, head_export=None, candida
     if name in LEARNED_RULE and spec.get("method") not in ("custom_class", "eagle3"):
         logger.warning("%s holds a static setting (%s), not the learned rule: vLLM runs a model drafter with a "
                        "static k", Path(export) / file, spec.get("method"))
+    if name == "learned-fitted":
+        from sacpolicy.export.proposer import LEARN_ENV
+
+        env = {**env, LEARN_ENV: "0"}
     if name == "learned-logged":
         from sacpolicy.export.steplog import RATE_ENV
         from sacpolicy.export.vllm import LOG_ENV
