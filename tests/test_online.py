@@ -262,3 +262,14 @@ def test_the_vllm_proposer_learns_from_every_step_it_serves_and_logs_the_guard(t
         replay_logged(tmp_path / "traces", art)
     out = replay_logged(tmp_path / "traces", art, learn=False)
     assert set(out["replayed"]) == set(out["logged"])
+
+
+def test_a_shadow_defined_only_where_the_rule_chose_to_draft_cannot_win():
+    """Half the steps draft 8 tokens (3 accepted), half are autoregressive: a static 3 looks better on the steps where
+    it is defined, the ones the rule picked as promising, but would also run on the others; with ``coverage`` it is
+    not eligible (and AR, defined everywhere, does worse than the rule), without it the guard falls for it."""
+    for coverage, falls in ((0.8, False), (0.0, True)):
+        guard = ShadowGuard(OnlineSettings(window=40, min_steps=10, coverage=coverage), cost_model(["q"]), ("q",), 8)
+        for t in range(80):
+            guard.observe(*(("q", 8, 3, 4) if t % 2 else (None, 0, 0, 1)), 100)
+        assert (guard.fallbacks > 0) == falls, coverage

@@ -16,7 +16,10 @@ from its own step, in order; no locks):
   autoregressive decoding (k' = 0) is priced on every step; the cost model times both. Over a window of steps, when
   the rule's realized tokens per unit of cost fall below the best shadow's by more than ``margin`` (each compared on
   the steps where that shadow is defined), the rule hands its decisions to that static block for ``hold`` steps
-  (the step log says so: ``Decision.guard``), then tries again on a fresh window.
+  (the step log says so: ``Decision.guard``), then tries again on a fresh window. A shadow defined on only some of
+  the window's steps (the rule drafted that far with that drafter only where it expected acceptance) would be judged
+  on the steps that favour it, and then run on all of them: a shadow must be defined on at least ``coverage`` of
+  the window's steps to win.
 
 The learners' state is the policy's: a replay of the same steps in the same order reproduces every decision.
 """
@@ -52,8 +55,8 @@ class OnlineSettings:
     """How the learned rule learns while it serves (module docstring). ``lr``: the calibration's step size; ``shrink``:
     its pull toward the fitted model per update; ``window``: steps the guard compares over; ``margin``: how far the
     rule's realized tokens per unit cost may fall below the best shadow static's before it falls back; ``hold``: steps
-    a fallback lasts; ``min_steps``: steps a shadow needs in the window before it may win; ``guard``: False learns
-    without the guard."""
+    a fallback lasts; ``min_steps``: steps a shadow needs in the window before it may win, and ``coverage`` the share
+    of the window's steps; ``guard``: False learns without the guard."""
 
     lr: float = 0.05
     shrink: float = 0.02
@@ -61,10 +64,11 @@ class OnlineSettings:
     margin: float = 0.05
     hold: int = 64
     min_steps: int = 16
+    coverage: float = 0.8
     guard: bool = True
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("lr", 0.0, 1.0), ("shrink", 0.0, 1.0), ("margin", 0.0, 1.0)):
+        for name, lo, hi in (("lr", 0.0, 1.0), ("shrink", 0.0, 1.0), ("margin", 0.0, 1.0), ("coverage", 0.0, 1.0)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi):
                 raise OnlineError(f"online.{name} must be a number in [{lo}, {hi}], got {v!r}; e.g. "
@@ -230,7 +234,7 @@ class ShadowGuard:
         s = self.settings
         if self.steps < s.min_steps:
             return
-        ok = self._count >= s.min_steps
+        ok = (self._count >= s.min_steps) & (self._count >= s.coverage * min(self.steps, s.window))
         if not ok.any():
             return
         sums = self._sums
