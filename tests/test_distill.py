@@ -328,3 +328,26 @@ def test_a_pretrained_draft_of_another_vocabulary_size_is_refused_for_distillati
     tiny_target.tokenizer.save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="scores 40000 token ids, the target 49152(.|\n)*Fix: decode with this draft"):
         build_draft(tiny_target, arch="pretrained", spec=str(tmp_path / "small"), vocab_size=None)
+
+
+def test_continuations_cut_a_batch_to_fit_the_logits_budget_and_give_the_same_rows(tiny_target, monkeypatch, caplog):
+    """A 262k vocabulary's raw logits for 48 rows and 160 tokens are 8 GB (Gemma 3 ran out of memory there): batches
+    are cut to ``LOGITS_BUDGET``; the rows are the same as one batch gives (greedy, left padding either way)."""
+    import datasets
+
+    from sacpolicy.training import distill_data
+
+    prompts = datasets.Dataset.from_dict({"prompt_id": [f"p{i}" for i in range(4)],
+                                          "input_ids": [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42], [7] * 7]})
+    whole = distill_data.generate_continuations(tiny_target, prompts, max_new_tokens=6, batch_size=4, topk=4,
+                                                progress=False)
+    vocab = tiny_target.model.get_output_embeddings().out_features
+    monkeypatch.setattr(distill_data, "LOGITS_BUDGET", 2 * 6 * vocab * 4)  # two rows' logits
+    with caplog.at_level("INFO", logger=distill_data.__name__):
+        cut = distill_data.generate_continuations(tiny_target, prompts, max_new_tokens=6, batch_size=4, topk=4,
+                                                  progress=False)
+    assert "batches of 2 rows, not 4" in caplog.text
+    a, b = whole.to_dict(), cut.to_dict()
+    assert a["prompt_id"] == b["prompt_id"] and a["input_ids"] == b["input_ids"] and a["topk_ids"] == b["topk_ids"]
+    for x, y in zip(a["topk_logp"], b["topk_logp"]):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=2e-2)

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+from types import SimpleNamespace
 
 import datasets
 import lightning as L
@@ -29,6 +30,7 @@ from sacpolicy.progress import progress_iter
 logger = logging.getLogger(__name__)
 
 DATA_FORMAT = 1
+LOGITS_BUDGET = 4 * 2**30  # bytes of raw logits a batch of target continuations may hold (``generate_continuations``)
 # Rows: input_ids = prompt + continuation; topk_* hold the teacher's top-k at positions prompt_len - 1 .. len - 2,
 # i.e. the distributions of the continuation tokens (for fixed text, prompt_len = 1: every position).
 FEATURES = datasets.Features({
@@ -81,6 +83,14 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
     """
     pad = _pad_id(target)
     model = target.model.eval()
+    # generate keeps every step's raw logits (output_logits): [batch, steps, vocab] floats, 8 GB at a 262k vocabulary,
+    # 48 rows and 160 tokens; a batch is cut to fit LOGITS_BUDGET (a 49k vocabulary keeps its 48 rows)
+    vocab = int(model.get_output_embeddings().out_features)
+    fits = max(1, LOGITS_BUDGET // (max(max_new_tokens, 1) * vocab * 4))
+    if batch_size > fits:
+        logger.info("target continuations: batches of %d rows, not %d (a %d-token vocabulary's logits for %d tokens "
+                    "within %.0f GiB)", fits, batch_size, vocab, max_new_tokens, LOGITS_BUDGET / 2**30)
+        batch_size = fits
     jobs = [(row["prompt_id"], s, row["input_ids"]) for row in prompts for s in range(samples)]
     jobs.sort(key=lambda j: len(j[2]))  # similar lengths per batch: less padding
     rows = {key: [] for key in FEATURES}
@@ -100,8 +110,12 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
                              temperature=temperature if temperature > 0 else None, top_k=0, top_p=1.0,
                              pad_token_id=pad, eos_token_id=target.eos_token_ids,
                              output_logits=True, return_dict_in_generate=True)
-        # the raw logits of each generation step are the teacher's next-token distributions: no second pass
-        top = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).topk(topk, dim=-1)
+        # the raw logits of each generation step are the teacher's next-token distributions: no second pass; each
+        # step's top-k taken alone (one step's logits at a time, not all of them stacked and normalised at once)
+        steps = [torch.log_softmax(step.float(), -1).topk(topk, dim=-1) for step in out.logits]
+        top = SimpleNamespace(indices=torch.stack([t.indices for t in steps], 1),
+                              values=torch.stack([t.values for t in steps], 1))
+        del steps
         for i, (pid, s, p) in enumerate(batch):
             cont = out.sequences[i, width:].tolist()
             for j, t in enumerate(cont):  # cut after the first EOS; what follows is padding
