@@ -133,9 +133,8 @@ class LearnedPolicy(Policy):
                 name = name if k > 0 else None
             if self.select == "request" and name is not None:
                 mem.request_drafter = name
-            stops = self.rule.mode == "stop" and held is None
             mem.block = Block(name, state.context_len, k, batch=state.batch_size, rows=together[name],
-                              rate=rate if state.batch_size > 1 else None) if name is not None and stops else None
+                              rate=rate if state.batch_size > 1 else None) if name is not None and held is None else None
             mem.prev_top1 = None
             if self.guard is not None:
                 mem.rows, mem.drafted = (feat[name] if name is not None else None), {}
@@ -149,7 +148,7 @@ class LearnedPolicy(Policy):
         mem.prev_top1 = token.top1
         if self.guard is not None:
             mem.drafted[token.position] = now
-        if mem.block is None:  # a block the stop rule does not end (mode "k", the guard's static block)
+        if mem.block is None or self.rule.mode != "stop":  # a block the stop rule does not end (mode "k", the guard's)
             return False
         nxt = token_features(row.state, None, token.top1, position=token.position + 1)
         with one_blas_thread():
