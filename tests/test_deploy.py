@@ -48,6 +48,15 @@ def _proposer(root):
     return PolicyProposer(cfg, str(root))
 
 
+def _half_canary(tmp_path, monkeypatch):
+    """A proposer serving version a with b on trial for half the requests (no reload polling), for the whole test."""
+    monkeypatch.setenv(RELOAD_ENV, "0")
+    root = tmp_path / "root"
+    deploy(_policy(tmp_path, "a", ngram_rule("k")), root)
+    deploy(_policy(tmp_path, "b", ngram_rule("stop")), root, candidate=True, fraction=0.5, min_steps=1000)
+    return _proposer(root)
+
+
 def _name(link):
     return Path(link).name
 
@@ -486,11 +495,7 @@ def test_a_request_keeps_its_canary_arm_across_steps_vllm_ran_without_the_propos
     """vLLM skips the hook while a request of the batch is near the context limit; the rows come back several tokens
     on. The canary finds each request through the proposer's one request table (prefix fallback included), so a
     request never switches arms mid-flight, and its tokens and seconds since are credited to the arm it was given."""
-    monkeypatch.setenv(RELOAD_ENV, "0")
-    root = tmp_path / "root"
-    deploy(_policy(tmp_path, "a", ngram_rule("k")), root)
-    deploy(_policy(tmp_path, "b", ngram_rule("stop")), root, candidate=True, fraction=0.5, min_steps=1000)
-    proposer = _proposer(root)
+    proposer = _half_canary(tmp_path, monkeypatch)
     engine = FakeEngine(proposer, 12)
 
     def memos():  # each request's memory, recorded under the context the proposer just drafted on
@@ -518,11 +523,7 @@ def test_the_canary_draws_a_request_s_arm_from_the_key_its_request_table_files_i
     """One request key (``export.request_key``) for the proposer's request table and the canary: each request is
     filed under the key of the context it was drafted on, and on its first step its arm is that key's position
     against the trial's fraction."""
-    monkeypatch.setenv(RELOAD_ENV, "0")
-    root = tmp_path / "root"
-    deploy(_policy(tmp_path, "a", ngram_rule("k")), root)
-    deploy(_policy(tmp_path, "b", ngram_rule("stop")), root, candidate=True, fraction=0.5, min_steps=1000)
-    proposer = _proposer(root)
+    proposer = _half_canary(tmp_path, monkeypatch)
     engine = FakeEngine(proposer, 16)
     engine.step()
     keys = [request_key(f) for f in engine.first]

@@ -357,7 +357,8 @@ class PolicyProposer:
         (drafter, k) within the row's room, the chosen drafter drafts under the stop rule. ``batch``: the engine
         step's live size (where the policy is load-aware its rows are planned together at that size; else each
         alone). A ``Served`` memory gets its new block (``last``). ``seen``: a list that gets each row's (state
-        decided on, k chosen, the planning ``ServedPolicy``, the drafter or None, whether the policy's guard decided)."""
+        decided on, k chosen, the planning ``ServedPolicy``, the drafter or None, whether the policy's guard
+        decided)."""
         served = served or self.served
         memos = []
         for context, memo in rows:

@@ -129,17 +129,17 @@ class LearnedPolicy(Policy):
         for row, state, feat, cap, (name, k) in zip(rows, states, feats, caps, plans):
             mem = row.memory
             if held is not None:  # the guard fell back: its static block where the row can draft it, else AR
-                name, k = (held[0], min(held[1], cap)) if held[0] in feat and held[1] > 0 else (None, 0)
-                name = name if k > 0 else None
+                k = min(held[1], cap) if held[0] in feat else 0
+                name = held[0] if k > 0 else None
             if self.select == "request" and name is not None:
                 mem.request_drafter = name
+            planned = name is not None and held is None  # a block the rule planned (the stop rule ends it)
             mem.block = Block(name, state.context_len, k, batch=state.batch_size, rows=together[name],
-                              rate=rate if state.batch_size > 1 else None) if name is not None and held is None else None
+                              rate=rate if state.batch_size > 1 else None) if planned else None
             mem.prev_top1 = None
             if self.guard is not None:
                 mem.rows, mem.drafted = (feat[name] if name is not None else None), {}
-            out.append(Decision(name, k, guard=held is not None) if name is not None
-                       else Decision(None, 0, guard=held is not None))
+            out.append(Decision(name, k, guard=held is not None))  # (None, 0): autoregressive
         return out
 
     def should_stop(self, row: PolicyRow, token: DraftToken) -> bool:
