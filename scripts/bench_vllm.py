@@ -5,6 +5,12 @@ head, a draft model), side by side on the same held-out prompts.
     python scripts/train.py experiment=vllm_ngram hydra.run.dir=runs/vllm_ngram   # a learned n-gram policy
     python scripts/bench_vllm.py --policy runs/vllm_ngram/policies/hgb            # 16 MT-Bench test prompts
     python scripts/bench_vllm.py --policy ... --source humaneval_edit --prompts 8 --draft runs/x/distill/draft
+    python scripts/bench_vllm.py --target embedded:gemma3-270m --policy <gemma run>/policies/mlp --head none
+
+``--target``: any model spec (default the embedded one); a target without a chat template (a base model) gets the
+plain prompt format (``data.apply_template``, chat=False), as its runs do. A policy that also chooses drafters vLLM
+cannot run per step (layer-skip, a head) is served with its lookup drafters alone (``--drafter``, default all of
+them): the rule then plans over those.
 
 Every configuration runs in its own engine (float32, greedy, ``enforce_eager``: torch.compile would add minutes to
 every engine's start), one after another: a phase ``serial`` (one request at a time) and a phase ``concurrent``
@@ -26,6 +32,7 @@ import numpy as np
 import torch
 
 from sacpolicy import bench
+from sacpolicy.decoding.lookup import LOOKUP_KINDS
 from sacpolicy.evaluation.intervals import bootstrap_indices, paired_ratio_interval
 from sacpolicy.export import static_k
 from sacpolicy.export.vllm import learned_config, speculative_config
@@ -43,20 +50,27 @@ def configs(args, target_dir, tmp) -> dict[str, dict]:
         runs |= {"none-sync": sync, "vllm-ngram-sync": {"speculative_config": VLLM_NGRAM_DOCS, **sync}}
     if args.policy:
         art = load_artifact(args.policy)
-        ngram = [n for n, s in art.drafters.items() if s.kind == "ngram"]
-        if not ngram:
-            raise SystemExit(f"bench_vllm: the policy at {args.policy} has no n-gram drafter, the one vLLM's custom "
-                             "proposer runs; train one with experiment=vllm_ngram")
-        drafter = ngram[0]
+        lookups = [n for n, s in art.drafters.items() if s.kind in LOOKUP_KINDS]
+        drafter = args.drafter or ",".join(lookups)
+        if not drafter:
+            raise SystemExit(f"bench_vllm: the policy at {args.policy} has no n-gram or suffix drafter, the ones "
+                             "vLLM's custom proposer runs; train one with experiment=vllm_ngram")
+        env = {"SACPOLICY_POLICY_DRAFTER": drafter}
         runs["sacpolicy-learned"] = {"speculative_config": learned_config(art, drafter=drafter),
-                                     "policy_dir": args.policy}
-        static = speculative_config(art, drafter=drafter)
-        runs[f"sacpolicy-static-k{static['num_speculative_tokens']}"] = {"speculative_config": static}
-        print(f"policy {args.policy}: learned rule k<= {art.rule.k_max}, static k {static_k(art.rule, drafter)}")
+                                     "policy_dir": args.policy, "env": env}
+        ngram = [n for n in drafter.split(",") if art.drafters[n].kind == "ngram"]
+        if ngram:  # the static row: vLLM's own n-gram lookup at the rule's static k
+            static = speculative_config(art, drafter=ngram[0])
+            runs[f"sacpolicy-static-k{static['num_speculative_tokens']}"] = {"speculative_config": static}
+        print(f"policy {args.policy}: learned rule k<= {art.rule.k_max} with {drafter}"
+              + (f", static k {static_k(art.rule, ngram[0])}" if ngram else ""))
     if args.head != "none":
         from sacpolicy.export.speculators import export_speculators
         from sacpolicy.heads import shipped_head
 
+        if args.head == "shipped" and args.target != EMBEDDED_TARGET:
+            raise SystemExit(f"bench_vllm: the shipped head is {EMBEDDED_TARGET}'s; pass --head none or a head "
+                             f"trained on {args.target}")
         head = shipped_head(EMBEDDED_TARGET) if args.head == "shipped" else args.head
         spec = export_speculators(head, f"{tmp}/eagle3", str(target_dir), args.head_k, dtype=torch.float32)
         runs[f"sacpolicy-eagle3-k{args.head_k}"] = {"speculative_config": {
@@ -105,7 +119,10 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = bench.parser(__doc__)
-    ap.add_argument("--policy", help="a learned policy artifact with an n-gram drafter (experiment=vllm_ngram)")
+    ap.add_argument("--policy", help="a learned policy artifact with an n-gram or suffix drafter")
+    ap.add_argument("--drafter", default=None,
+                    help="the policy's lookup drafters to serve it with, comma-separated (default: all of them)")
+    ap.add_argument("--target", default=EMBEDDED_TARGET, help="the target's model spec (default: the embedded one)")
     ap.add_argument("--head", default="shipped", help="EAGLE-3 head directory, 'shipped' (default) or 'none'")
     ap.add_argument("--head-k", type=int, default=3)
     ap.add_argument("--draft", help="a draft model directory (e.g. <run>/distill/draft) for method draft_model")
@@ -121,10 +138,12 @@ def main(argv=None) -> int:
     ok, why = vllm_status()
     if not ok:
         raise SystemExit(f"bench_vllm: {why}")
-    tok = load_tokenizer(EMBEDDED_TARGET)
-    prompts = [r["input_ids"] for r in bench.held_out_prompts(args.source, tok, n=args.prompts)]
-    target_dir = served_model()  # what vLLM loads
-    print(f"vLLM {why}; {len(prompts)} {args.source} test prompts, {args.max_tokens} new tokens, greedy, float32")
+    tok = load_tokenizer(args.target)
+    chat = bool(getattr(tok, "chat_template", None))  # a base model: the plain format its runs use
+    prompts = [r["input_ids"] for r in bench.held_out_prompts(args.source, tok, n=args.prompts, chat=chat)]
+    target_dir = served_model(args.target)  # what vLLM loads
+    print(f"vLLM {why}; {args.target}; {len(prompts)} {args.source} test prompts"
+          f"{'' if chat else ' (plain format: no chat template)'}, {args.max_tokens} new tokens, greedy, float32")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, kw in configs(args, target_dir, tmp).items():

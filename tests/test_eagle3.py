@@ -592,3 +592,27 @@ def test_lr_schedule_warms_up_then_stays_or_decays_to_zero():
     decayed = [lr_factor(s, 4, decay_steps=10) for s in range(4, 16)]
     assert decayed[0] == 1.0 and decayed[5] == pytest.approx(0.5) and decayed[10] == pytest.approx(0.0, abs=1e-12)
     assert all(a >= b for a, b in zip(decayed, decayed[1:])) and decayed[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_hidden_states_beyond_float16_need_a_bfloat16_cache_and_the_error_names_the_setting(tiny_target, sequences,
+                                                                                            tmp_path, monkeypatch):
+    """Gemma's hidden states reach beyond float16's 65504: such a cache is refused naming ``head.cache_dtype``, and a
+    bfloat16 cache holds them (finite, within bfloat16's rounding)."""
+    from sacpolicy.training import eagle3_data
+
+    real = eagle3_data.sequence_features
+
+    def loud(*args, **kwargs):  # the tiny target's states scaled past float16's range, as Gemma's are
+        for seq in real(*args, **kwargs):
+            yield {**seq, "aux": seq["aux"].float() * 1e7}
+
+    monkeypatch.setattr(eagle3_data, "sequence_features", loud)
+    with pytest.raises(ValueError, match=r"overflow torch.float16.*head.cache_dtype=bfloat16"):
+        build_feature_cache(tiny_target, sequences[:2], tmp_path / "f16", AUX, progress=False)
+    cache = build_feature_cache(tiny_target, sequences[:2], tmp_path / "bf16", AUX, dtype=torch.bfloat16,
+                                progress=False)
+    ids = torch.tensor(sequences[1]["input_ids"])
+    assert cache[1]["aux"].dtype == torch.bfloat16 and torch.isfinite(cache[1]["aux"].float()).all()
+    torch.testing.assert_close(cache[1]["aux"].float(), features(tiny_target, ids) * 1e7, rtol=1e-2, atol=1e5)
+    with pytest.raises(ValueError, match="head.cache_dtype='float8'"):
+        Eagle3Settings(cache_dtype="float8")

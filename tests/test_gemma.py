@@ -125,6 +125,7 @@ def test_the_gemma_overlay_sets_the_target_the_plain_format_and_the_window_limit
     assert cfg.target.spec == "embedded:gemma3-270m" and cfg.data.chat is False
     assert set(cfg.draft) == {"ngram", "suffix", "layerskip"} and cfg.draft.layerskip.layers == 6
     assert cfg.head.init_from is None and cfg.head.budget_minutes > 0  # from scratch, on a budget
+    assert cfg.head.cache_dtype == "bfloat16"  # its hidden states overflow float16
     assert cfg.distill.data.synthetic.count == 0
     # prompt + collected answer + the longest block stay inside the 512-token sliding window
     assert cfg.data.max_prompt_tokens + cfg.collect.max_new_tokens + cfg.collect.k_max + 1 < 512

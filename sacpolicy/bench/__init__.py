@@ -79,11 +79,13 @@ def load_target(spec: str = EMBEDDED_TARGET, *, device: str = "cpu", dtype: str 
     return load_model(spec, device=device, dtype=dtype)
 
 
-def held_out_prompts(source: str, tokenizer, *, split: str = "test", n: int | None = None) -> list[dict]:
-    """The first ``n`` prompts of ``source`` in the ``split`` (``data.assign_split``: by prompt id), in file order."""
+def held_out_prompts(source: str, tokenizer, *, split: str = "test", n: int | None = None,
+                     chat: bool = True) -> list[dict]:
+    """The first ``n`` prompts of ``source`` in the ``split`` (``data.assign_split``: by prompt id), in file order.
+    ``chat``: False for the plain format (a base model without a chat template)."""
     from sacpolicy.data import load_prompts
 
-    return [] if n == 0 else list(load_prompts(source, tokenizer=tokenizer, split=split, limit=n))
+    return [] if n == 0 else list(load_prompts(source, tokenizer=tokenizer, split=split, limit=n, chat=chat))
 
 
 # ---------------------------------------------------------------------- timing

@@ -130,11 +130,13 @@ def served_target(spec: str) -> str:
 def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, speculative_config: dict | None = None,
                policy_dir=None, phases=("serial",), enforce_eager: bool | None = None, max_model_len: int = 2048,
                engine_args: dict | None = None, concurrency: int | None = None, timeout: float = 1200,
-               log=None, ignore_eos: bool = False, sampling: dict | None = None, dtype: str | None = None) -> dict:
+               log=None, ignore_eos: bool = False, sampling: dict | None = None, dtype: str | None = None,
+               env: dict[str, str] | None = None) -> dict:
     """Start one vLLM engine on ``model_dir`` in a child process and run ``phases`` over ``prompts``. ``dtype``,
     ``enforce_eager``: None for the device's (``engine_defaults``: float32 eager on CPU, bfloat16 compiled on CUDA).
     ``policy_dir``: the policy artifact a ``custom_class`` proposer of ours reads (``SACPOLICY_POLICY_DIR``);
-    ``engine_args``: more ``vllm.LLM`` keyword arguments (e.g. ``{"async_scheduling": False}``).
+    ``engine_args``: more ``vllm.LLM`` keyword arguments (e.g. ``{"async_scheduling": False}``); ``env``: more
+    environment for the engine's process (e.g. the proposer's ``SACPOLICY_POLICY_DRAFTER``).
 
     Returns {"outputs": {phase: [[token ids] per prompt]}, "seconds": {phase: s}, "tokens": {phase: n},
     "per_prompt_s": [s per prompt of the serial phase], "proposer": {"calls", "seconds"} (our custom proposer only),
@@ -157,7 +159,8 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
                          "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})},
                          "concurrency": concurrency or len(prompts), "ignore_eos": ignore_eos,
                          "sampling": sampling or {}})
-        env = {**engine_env(cuda), **os.environ}  # the caller's settings win
+        extra = env
+        env = {**engine_env(cuda), **os.environ, **(extra or {})}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
 

@@ -44,6 +44,7 @@ __all__ = ["Eagle3Module", "Eagle3Settings", "FeatureLoaders", "draft_vocabulary
 
 
 DEFAULT_DRAFT_VOCAB = 8192
+CACHE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass
@@ -71,6 +72,9 @@ class Eagle3Settings:
     # "online": the frozen target runs in every training step, nothing on disk (large targets, large data)
     features: str = "cached"
     num_workers: int = 0  # DataLoader workers per loader (persistent); 0 reads in the training process
+    # the feature cache's storage dtype: float16 (half the disk of float32), or bfloat16 for a target whose hidden
+    # states overflow float16's range (Gemma's reach beyond 65504)
+    cache_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not 0 < self.step_decay <= 1 or self.lr <= 0:
@@ -78,6 +82,9 @@ class Eagle3Settings:
         if self.features not in ("cached", "online"):
             raise ValueError(f"head.features={self.features!r}; use 'cached' (a feature cache on disk) or 'online' "
                              "(the target in the training step)")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"head.cache_dtype={self.cache_dtype!r}; use one of {list(CACHE_DTYPES)} (bfloat16 for "
+                             "a target whose hidden states overflow float16)")
         if self.num_workers < 0:
             raise ValueError(f"head.num_workers={self.num_workers}; use 0 (read in the training process) or more")
         if not (self.budget_minutes or self.max_steps or self.init_from):
@@ -91,7 +98,7 @@ class Eagle3Settings:
     def identity(self) -> dict:
         """What a checkpoint must agree on to be resumed (the budget and how features are read may change between
         runs; the warm-start head enters by its checksum, not its path)."""
-        skip = ("budget_minutes", "max_steps", "patience", "init_from", "features", "num_workers")
+        skip = ("budget_minutes", "max_steps", "patience", "init_from", "features", "num_workers", "cache_dtype")
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
@@ -362,7 +369,7 @@ def train_eagle3(target, train_seqs, val_seqs, settings: Eagle3Settings, trainer
     elif caches is None:  # built by rank 0, read by the others
         caches = ranks.rank_zero_first(lambda: {
             split: build_feature_cache(target, seqs, out_dir / "features" / split, config.aux_layer_ids,
-                                       progress=progress)
+                                       dtype=getattr(torch, s.cache_dtype), progress=progress)
             for split, seqs in (("train", train_seqs), ("val", val_seqs))}, "the head's feature caches")
     for split, cache in ({} if online else caches).items():
         if cache.aux_layer_ids != list(config.aux_layer_ids):

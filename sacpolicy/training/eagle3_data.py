@@ -102,8 +102,8 @@ def shard_tensors(target, rows: list[dict], layer_ids, dtype: torch.dtype, *, ba
             parts["final"].append(seq["final"].to(dtype).cpu())
     out = {k: torch.cat(v).contiguous() for k, v in parts.items()}
     if not (torch.isfinite(out["aux"]).all() and torch.isfinite(out["final"]).all()):
-        raise ValueError(f"the target's hidden states overflow {dtype}; build the feature cache with "
-                         "dtype=torch.bfloat16")
+        raise ValueError(f"the target's hidden states overflow {dtype}, the feature cache's storage dtype; build it "
+                         "with bfloat16 (a run: head.cache_dtype=bfloat16; here: dtype=torch.bfloat16)")
     lens = torch.tensor([0] + [len(r["input_ids"]) for r in rows])
     out["offsets"] = lens.cumsum(0)
     out["prompt_len"] = torch.tensor([int(r["prompt_len"]) for r in rows], dtype=torch.int32)
