@@ -164,19 +164,24 @@ def served_policy(art: PolicyArtifact, drafter: str | None, policy_id: str, *, k
     live batch size where the cost model has batch curves. ``running``: the policy serving now, whose drafters that
     keep what earlier requests taught them (a suffix drafter's global index; ``Resettable``) are kept wherever the
     spec is the same: that index and its requests' rows outlive a policy swap, and a canary's two arms share it.
-    ``learn=False``: a rule that learns while serving (``DecisionRule.online``) serves its fitted decisions alone."""
+    ``learn=False``: a rule that learns while serving (``DecisionRule.online``) serves its fitted decisions alone.
+    vLLM flattens a step's tokens into one pass, so the rule prices it by the tokens it feeds
+    (``CostModel.verify_pass = "total"``): a load-aware plan allocates the step's draft slots across its rows jointly,
+    whatever pass shape the artifact's cost model was profiled for."""
     names = lookup_drafters(art, drafter)
+    rule = art.rule if art.rule.cost.verify_pass == "total" else replace(
+        art.rule, cost=replace(art.rule.cost, verify_pass="total"))
     specs = {n: art.drafters[n] for n in names}
     lookups = {n: lookup_drafter(spec) for n, spec in specs.items()}
     if running is not None:
         lookups |= {n: running.lookups[n] for n, spec in specs.items()
                     if isinstance(running.lookups.get(n), Resettable) and running.specs.get(n) == spec}
-    policy = LearnedPolicy(art.rule, online=None if learn else False)
-    load_aware = bool(art.rule.cost.batch) and load
-    view = ServedView(tuple(art.rule.drafters), k_cap, max_model_len, load_aware)
-    config = DecoderConfig(k_max=max(art.rule.k_max, k_cap), view=view)
+    policy = LearnedPolicy(rule, online=None if learn else False)
+    load_aware = bool(rule.cost.batch) and load
+    view = ServedView(tuple(rule.drafters), k_cap, max_model_len, load_aware)
+    config = DecoderConfig(k_max=max(rule.k_max, k_cap), view=view)
     controller = Controller(policy, lookups, config, time.perf_counter, view)
-    return ServedPolicy(art.rule, lookups, specs, policy, controller, load_aware, policy_id, str(art.path))
+    return ServedPolicy(rule, lookups, specs, policy, controller, load_aware, policy_id, str(art.path))
 
 
 def ratio_interval(a: tuple[int, float, float], b: tuple[int, float, float], z: float = 1.96):

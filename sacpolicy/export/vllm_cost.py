@@ -176,7 +176,8 @@ def vllm_cost_model(base: CostModel, steps: dict, mean_context: float, *, meta: 
     stored at context 0 (measured at ``mean_context``, minus that term), so the model still charges longer contexts
     more; at B > 1 the term is ``base``'s at that B where profiled, else B times its one-row term (every row reads
     its own cache). ``head``, ``head_steps``: the head's drafter name and vLLM's step seconds with it ({B: {k:
-    [seconds]}}): its draft costs become vLLM's (``head_draft_costs``)."""
+    [seconds]}}): its draft costs become vLLM's (``head_draft_costs``). The pass is priced by the tokens it feeds
+    (``verify_pass="total"``): the rows of a step draft unequal k and vLLM feeds only their tokens."""
     per_context = base.verify["per_context"]
 
     def curve(by_k: dict, per_ctx: float) -> dict:
@@ -214,5 +215,8 @@ def vllm_cost_model(base: CostModel, steps: dict, mean_context: float, *, meta: 
         info.update(vllm_head=head, vllm_head_step_s={str(b): {str(k): v for k, v in by_k.items()}
                                                       for b, by_k in sorted(head_steps.items())},
                     vllm_head_draft={k: v for k, v in h.items() if k != "diff_s"})
+    # vLLM flattens a step's tokens into one pass: it costs the tokens fed (rows of unequal k priced as the profiled
+    # step at their mean width; ``CostModel.verify_total_time``)
     return dataclasses.replace(base, verify=verify, batch=batch, meta=info, step_base=0.0, step_draft={},
-                               draft=draft, per_token_draft=per_token, draft_fixed=fixed, draft_batch=share)
+                               draft=draft, per_token_draft=per_token, draft_fixed=fixed, draft_batch=share,
+                               verify_pass="total")

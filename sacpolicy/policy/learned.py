@@ -126,6 +126,9 @@ class LearnedPolicy(Policy):
                                                batch=states[0].batch_size)
         held = self.guard.held if self.guard is not None else None
         out, together = [], Counter(name for name, k in plans if name is not None and k > 0)
+        B = max(states[0].batch_size, len(rows))  # what one more token costs the pass (a "total" pass: its slope)
+        token_s = (self.rule.cost.token_seconds(B + sum(k for _, k in plans),
+                                                sum(s.context_len for s in states) / len(states), B) if B > 1 else 0.0)
         for row, state, feat, cap, (name, k) in zip(rows, states, feats, caps, plans):
             mem = row.memory
             if held is not None:  # the guard fell back: its static block where the row can draft it, else AR
@@ -135,7 +138,7 @@ class LearnedPolicy(Policy):
                 mem.request_drafter = name
             planned = name is not None and held is None  # a block the rule planned (the stop rule ends it)
             mem.block = Block(name, state.context_len, k, batch=state.batch_size, rows=together[name],
-                              rate=rate if state.batch_size > 1 else None) if planned else None
+                              rate=rate if state.batch_size > 1 else None, token_s=token_s) if planned else None
             mem.prev_top1 = None
             if self.guard is not None:
                 mem.rows, mem.drafted = (feat[name] if name is not None else None), {}

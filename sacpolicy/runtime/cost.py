@@ -41,6 +41,13 @@ Both depend on the sampling setting (``meta["overhead_sampling"]``: greedy verif
 verification builds probabilities for every drafted and verified position). Batches are priced by their passes
 alone: what one row's loop costs beyond its passes does not say what B rows' loop does.
 
+How a host's pass is shaped (``verify_pass``): our batched decoder pads every row's block to the longest
+(``"padded"``: the pass costs B rows of the widest block, the batch curves as profiled); vLLM flattens the batch's
+tokens into one sequence (``"total"``: the pass costs the sum of the rows' k_i + 1 tokens fed). A batch profiled with
+every row at one width w fed B * w tokens, so a flattened pass of T tokens over B rows is priced as the profiled
+B-row pass at the mean width T / B (between profiled widths, the curve's linear interpolation): exact at every
+profiled point, and no constant beyond the profile (``verify_total_time``).
+
 A profiled curve keeps each knot's 95% interval (``lo``, ``hi``) beside its value; ``profiling`` makes the verify curve
 non-decreasing in tokens fed unless the intervals show a decrease beyond noise. Files without intervals still load.
 """
@@ -55,13 +62,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from sacpolicy.runtime.curve import PiecewiseLinear
 
 logger = logging.getLogger(__name__)
 
+VERIFY_PASSES = ("padded", "total")  # how a host's target pass is shaped (module docstring)
 COST_FORMAT = 1  # intervals (lo, hi), per-batch-size curves (batch), per-proposal draft costs (draft_fixed), the
-# prefill curve (prefill), batched drafting (draft_batch) and the decoder's own work (step_base, step_draft) are
-# optional: older files load unchanged
+# prefill curve (prefill), batched drafting (draft_batch), the decoder's own work (step_base, step_draft) and the
+# pass's shape (verify_pass: padded when absent) are optional: older files load unchanged
 # Floor on every predicted time: a noisy fit extrapolated far from its knots may cross zero, and tokens/s must stay
 # finite and positive.
 _MIN_S = 1e-7
@@ -86,8 +96,14 @@ class CostModel:
     step_base: float = 0.0  # seconds of the decoder's own work per step and row beyond the passes (module docstring)
     # drafter -> seconds of the decoder's own work per step and row drafting k tokens, vs k (on top of step_base)
     step_draft: dict[str, PiecewiseLinear] = field(default_factory=dict)
+    # how the host's target pass is shaped: "padded" (blocks padded to the longest: our decoder) or "total" (the
+    # batch's tokens flattened: vLLM); module docstring
+    verify_pass: str = "padded"
 
     def __post_init__(self) -> None:
+        if self.verify_pass not in VERIFY_PASSES:
+            raise ValueError(f"verify_pass must be one of {list(VERIFY_PASSES)} (how the host's target pass is "
+                             f"shaped), got {self.verify_pass!r}")
         for b, curves in [(1, self.verify), *self.batch.items()]:
             if set(curves) != {"tokens", "per_context"}:
                 raise ValueError(f"verify curves (batch {b}) must have keys 'tokens' and 'per_context', "
@@ -128,6 +144,24 @@ class CostModel:
         """``verify_time(k, context_len, batch)`` for k = 0 .. k_max (the batch sizes' segment found once)."""
         segment = self._segment(batch)
         return [self._verify_at(segment, k, context_len) for k in range(k_max + 1)]
+
+    def verify_total_time(self, tokens: float, context_len: float, batch: int = 1) -> float:
+        """Seconds of one target pass feeding ``tokens`` tokens in all over ``batch`` rows flattened into one sequence
+        (vLLM's pass): the profiled ``batch``-row pass at the mean width tokens / batch (module docstring). One row:
+        ``verify_time(tokens - 1, ...)``."""
+        if tokens < batch:
+            raise ValueError(f"a pass over {batch} rows feeds at least {batch} tokens (each row's last one), "
+                             f"got {tokens}")
+        return self._verify_at(self._segment(batch), tokens / batch - 1, context_len)
+
+    def token_seconds(self, tokens: float, context_len: float, batch: int) -> float:
+        """Seconds one more drafted token adds to a batch's pass that feeds ``tokens`` tokens: for a ``"total"``
+        pass the slope of ``verify_total_time`` there; 0 for a ``"padded"`` one (it is as wide as the plan's longest
+        block whatever one row drafts). What a row's stop rule adds to its own draft time."""
+        if self.verify_pass == "padded":
+            return 0.0
+        return max(0.0, self.verify_total_time(tokens + 1, context_len, batch)
+                   - self.verify_total_time(tokens, context_len, batch))
 
     def _segment(self, batch: int) -> tuple:
         """(curves of the profiled batch size at or below ``batch``, curves above, those two sizes, batch): the
@@ -269,14 +303,20 @@ class CostModel:
         """k for every row of a batch maximising the batch's expected tokens/s. rows: (drafter or None, context
         length, acceptance probabilities of positions 0..cap-1: the row drafts at most cap tokens).
 
-        The target pass costs what its longest block costs, so the search is over that length K (0..k_max): every
-        row drafts up to K. With ``per_row``, each row then keeps only the tokens that pay for their own draft time
-        at the batch's rate (max over k <= K of E_i(k) - rate * draft_i(k)): a row whose drafter is slow or unlikely
-        to be accepted drafts less, or nothing. Ties go to the smaller K. A row's draft time is its share of its
-        drafter's rows drafting together (``draft_batch``). One row: ``best_k``."""
+        A ``"padded"`` pass (``verify_pass``) costs what its longest block costs, so the search is over that length K
+        (0..k_max): every row drafts up to K. With ``per_row``, each row then keeps only the tokens that pay for their
+        own draft time at the batch's rate (max over k <= K of E_i(k) - rate * draft_i(k)): a row whose drafter is
+        slow or unlikely to be accepted drafts less, or nothing. Ties go to the smaller K. A row's draft time is its
+        share of its drafter's rows drafting together (``draft_batch``). One row: ``best_k``.
+
+        A ``"total"`` pass costs the tokens it feeds: with ``per_row`` (B > 1) the rows' k are allocated jointly
+        (``allocate_batch_k``); without, the one K of the drafting rows is searched, the pass priced by its tokens."""
         B = len(rows)
         if B == 0:
             raise ValueError("best_batch_k needs at least one row")
+        total = self.verify_pass == "total" and B > 1
+        if total and per_row:
+            return self.allocate_batch_k(rows, k_max)
         ctx = sum(c for _, c, _ in rows) / B
         together = Counter(d for d, _, a in rows if d is not None and len(a))
         # per row, k = 0 .. cap: expected tokens and draft seconds (tabulated once: the search reads them O(B K^2) times)
@@ -286,7 +326,8 @@ class CostModel:
 
         def rate(ks: list[int]) -> float:
             tokens = sum(t[k] for t, k in zip(tokens_of, ks))
-            seconds = verify[max(ks)] + sum(s[k] for s, k in zip(draft_of, ks))
+            seconds = (self.verify_total_time(B + sum(ks), ctx, B) if total else verify[max(ks)]) + sum(
+                s[k] for s, k in zip(draft_of, ks))
             return tokens / seconds
 
         best = ([0] * B, rate([0] * B))
@@ -302,6 +343,63 @@ class CostModel:
             if tps > best[1]:
                 best = (ks, tps)
         return best
+
+    def allocate_batch_k(self, rows: Sequence[tuple[str | None, float, Sequence[float]]],
+                         k_max: int) -> tuple[list[int], float]:
+        """Draft slots allocated jointly over the rows of a pass priced by the tokens it feeds (``"total"``, vLLM's
+        flattened pass): each row's k (0 allowed) and the batch's expected tokens/s, the maximum over every k vector
+        with k_i <= min(k_max, cap_i). rows: as ``best_batch_k``'s.
+
+        Slot j of row i (its (j + 1)-th drafted token) adds its survival s_ij = prod_{l<=j} a_il to the batch's
+        expected tokens, one token to the pass and its draft seconds; a row's slots are taken in order. The rate is
+        sum_i E_i(k_i) / (V(B + sum_i k_i) + sum_i D_i(k_i)), V the flattened pass (``verify_total_time`` at this
+        batch size and the rows' mean context), D_i the row's share of its drafter's batched drafting. Were every
+        slot's draft seconds alike, the best S slots would be the S of highest survival and the answer the best
+        prefix of that ranking; a drafter's per-proposal cost (n-gram, a head's first pass) and drafters of
+        different speeds break the ranking, so the search is exact instead (Dinkelbach's method for a ratio): at the
+        current rate R, the k vector maximising sum_i [E_i(k_i) - R D_i(k_i)] - R V(B + S) is found by one pass over
+        the rows (a max-plus convolution: for every total S, the best split of S slots among the rows), and its rate
+        becomes R, until no k vector beats R. Each round strictly raises R over a finite set; a few rounds suffice.
+        A row whose slots do not pay gets k = 0 as readily as another gets k_max. Ties go to fewer slots."""
+        B = len(rows)
+        if B == 0:
+            raise ValueError("allocate_batch_k needs at least one row")
+        ctx = sum(c for _, c, _ in rows) / B
+        caps = [min(k_max, len(a)) if d is not None else 0 for d, _, a in rows]
+        together = Counter(d for (d, _, _), cap in zip(rows, caps) if cap > 0)
+        tokens_of = [np.array(self.expected_tokens_table(a[:cap])) for (_, _, a), cap in zip(rows, caps)]
+        draft_of = [np.array(self.draft_table(d, cap, c, together[d])) for (d, c, _), cap in zip(rows, caps)]
+        segment = self._segment(B)
+        verify = np.array([self._verify_at(segment, (B + s) / B - 1, ctx) for s in range(sum(caps) + 1)])
+        drafting = [i for i, cap in enumerate(caps) if cap > 0]
+
+        def rate(ks: list[int]) -> float:
+            tokens = sum(t[k] for t, k in zip(tokens_of, ks))
+            return float(tokens / (verify[sum(ks)] + sum(s[k] for s, k in zip(draft_of, ks))))
+
+        ks = [0] * B
+        best = rate(ks)
+        while drafting:
+            # h[S]: the best sum over drafting rows of E_i(k_i) - R D_i(k_i) with S slots in all; arg: each row's k
+            h, args = np.zeros(1), []
+            for i in drafting:
+                g = tokens_of[i] - best * draft_of[i]
+                cand = np.full((len(g), len(h) + len(g) - 1), -np.inf)
+                for k, gk in enumerate(g):
+                    cand[k, k : k + len(h)] = h + gk
+                arg = cand.argmax(axis=0)  # the fewest slots among ties
+                h = cand[arg, np.arange(cand.shape[1])]
+                args.append(arg)
+            S = int((h - best * verify).argmax())
+            new = [0] * B
+            for i, arg in zip(reversed(drafting), reversed(args)):
+                new[i] = int(arg[S])
+                S -= new[i]
+            r = rate(new)
+            if not r > best:  # no k vector beats the current rate: it is the maximum
+                break
+            ks, best = new, r
+        return ks, best
 
     # ------------------------------------------------------------------ token trees
     def tree_step_time(self, drafter: str | None, depth: int, nodes: int, context_len: int, batch: int = 1,
@@ -359,6 +457,8 @@ class CostModel:
         if self.step_base or self.step_draft:
             d["step_base"] = self.step_base
             d["step_draft"] = {name: curve.to_dict() for name, curve in self.step_draft.items()}
+        if self.verify_pass != "padded":
+            d["verify_pass"] = self.verify_pass
         return {**d, "batch": {str(b): _curves_to_dict(v) for b, v in self.batch.items()}} if self.batch else d
 
     @classmethod
@@ -383,7 +483,8 @@ class CostModel:
                    prefill=PiecewiseLinear(**d["prefill"]) if "prefill" in d else None,
                    draft_batch={name: PiecewiseLinear(**c) for name, c in d.get("draft_batch", {}).items()},
                    step_base=float(d.get("step_base", 0.0)),
-                   step_draft={name: PiecewiseLinear(**c) for name, c in d.get("step_draft", {}).items()})
+                   step_draft={name: PiecewiseLinear(**c) for name, c in d.get("step_draft", {}).items()},
+                   verify_pass=d.get("verify_pass", "padded"))
 
     def to_json(self, path) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a file."""

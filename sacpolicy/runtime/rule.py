@@ -13,6 +13,9 @@ The in-framework ``LearnedPolicy`` and every exported adapter call this one clas
   only its own draft time, paid at the batch's planned rate R (tokens/s): it is worth it when
   optimism * S * a > R * (draft(n + 1) - draft(n)), the per-row test ``CostModel.best_batch_k`` plans with, now
   with the drafted token's confidence known. A drafter paying once per proposal (n-gram) never stops early there.
+  Where the host's pass costs the tokens it feeds (``CostModel.verify_pass == "total"``: vLLM flattens the batch),
+  the plan allocates the rows' k jointly (``CostModel.allocate_batch_k``) and one more token also costs the pass's
+  seconds per token fed (``CostModel.token_seconds`` at the plan's tokens), added to the row's draft time.
 - Non-finite features (a broken signal upstream) never reach a decision: the rule falls back to the best static
   (drafter, k), chosen on validation traces, and counts it in ``fallbacks``.
 """
@@ -57,6 +60,7 @@ class Block:
     batch: int = 1  # rows in the target pass that will verify the block
     rows: int = 1  # rows drafting with this block's drafter together (``CostModel.draft_batch``)
     rate: float | None = None  # a batch's planned expected tokens/s (``plan_batch``); None: the row is alone
+    token_s: float = 0.0  # seconds one more drafted token adds to the batch's pass (``CostModel.token_seconds``)
 
 
 def _finite(rows: np.ndarray) -> bool:
@@ -148,7 +152,8 @@ class DecisionRule:
         """``plan`` for the rows of a batch verified in one target pass: each row's drafter is the one with the best
         expected tokens/s for that row at this batch size (at its best k >= 1); then k, 0 included, maximises the
         whole batch's expected tokens/s (``CostModel.best_batch_k``; ``per_row``: rows may draft less than the
-        longest block). One predictor call for the whole batch. -> (each row's (drafter, k), the batch's expected
+        longest block; where the pass costs the tokens it feeds, the rows' k allocated jointly). One predictor call
+        for the whole batch. -> (each row's (drafter, k), the batch's expected
         tokens/s at those k: the rate a row's stop rule weighs its draft time against). ``batch``: the rows in the
         target pass when more than these (rows the decoder keeps autoregressive, cooling down): they emit one token
         each and pay the pass's width, at the planned rows' mean context."""
@@ -222,8 +227,8 @@ class DecisionRule:
         extra = 0.0
         if batch:  # a row of a batch pays only its own draft time for one more token
             extra = (self.cost.draft_time(block.drafter, block.n + 1, block.context_len, block.rows)
-                     - self.cost.draft_time(block.drafter, block.n, block.context_len, block.rows))
-            if extra <= 0.0:  # a proposal paid once: more of it costs nothing, no prediction needed
+                     - self.cost.draft_time(block.drafter, block.n, block.context_len, block.rows)) + block.token_s
+            if extra <= 0.0:  # a proposal paid once in a padded pass: more of it costs nothing, no prediction needed
                 return False
         X = np.stack([row, next_row])
         if not _finite(X):

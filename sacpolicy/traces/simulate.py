@@ -59,10 +59,12 @@ def check_greedy(grouped: dict, what: str) -> None:
 
 class VirtualClock:
     """A decoder clock (``SpeculativeDecoder.clock``) whose time is what the cost model predicts: the replay target
-    and drafters advance it by each pass's and each proposal's predicted seconds."""
+    and drafters advance it by each pass's and each proposal's predicted seconds. ``drafted``: the tokens drafted
+    since the last pass, which a pass priced by the tokens it feeds (``CostModel.verify_pass == "total"``) counts."""
 
     def __init__(self):
         self.t = 0.0
+        self.drafted = 0
 
     def now(self) -> float:
         return self.t
@@ -76,7 +78,8 @@ class ReplayTarget(nn.Module):
     sequences can be decoded together (a batched replay): sequence i's prompt is the token i repeated, and each row
     of the cache carries i + 1 in its entries, so rows are told apart as they join, leave and are compacted. With a
     ``clock`` and ``cost``, every pass advances the clock by the cost model's seconds for it (at its batch size; a
-    prefill of rows admitted together, left-padded to the longest prompt, as one pass of that many rows)."""
+    prefill of rows admitted together, left-padded to the longest prompt, as one pass of that many rows; a verify
+    pass as the cost model's host shapes it: padded to the longest block, or its rows' own tokens, ``verify_pass``)."""
 
     def __init__(self, sequences, vocab_size: int, max_context: int | None = None, clock: VirtualClock | None = None,
                  cost: CostModel | None = None):
@@ -113,8 +116,13 @@ class ReplayTarget(nn.Module):
         logits.scatter_(-1, nxt.unsqueeze(-1), 1.0)
         if self.clock is not None:
             ctx = float((pos[:, 0] + 1).float().mean())
-            self.clock.t += (self.cost.prefill_time(T, B) if start == 0
-                             else self.cost.verify_time(T - 1, ctx, B))
+            if start == 0:
+                self.clock.t += self.cost.prefill_time(T, B)
+            elif self.cost.verify_pass == "total":  # a flattened pass (vLLM's): the rows' own tokens, no pads
+                self.clock.t += self.cost.verify_total_time(B + self.clock.drafted, ctx, B)
+            else:
+                self.clock.t += self.cost.verify_time(T - 1, ctx, B)
+            self.clock.drafted = 0
 
         class Out:
             pass
@@ -155,6 +163,7 @@ class ReplayDrafter(Drafter):
         blocks = [self._propose(row.context, row.k, row.stop) for row in rows]
         if self.clock is not None:
             n = sum(1 for b in blocks if b.k)
+            self.clock.drafted += sum(b.k for b in blocks)
             self.clock.t += sum(self.cost.draft_time(self.name, b.k, row.context.shape[0], max(n, 1))
                                 for b, row in zip(blocks, rows))
         return blocks
