@@ -1,7 +1,7 @@
 """Learning while serving (``runtime.online``, ``LearnedPolicy(online=...)``): settings refused with their fix, the
-calibration identical to the fitted model until it learns and then moving with the labels (bounded, never NaN on
-adversarial streams), the shadow guard falling back and returning, and the learning policy lossless and replayed step
-for step."""
+calibration identical to the fitted model until its gate finds it better (never on labels drawn from the fitted p
+itself) and then moving with the labels (bounded, never NaN on adversarial streams), the shadow guard falling back
+and returning, and the learning policy lossless and replayed step for step."""
 
 import math
 
@@ -17,6 +17,7 @@ from sacpolicy.policy.learned import LearnedPolicy
 from sacpolicy.profiling import CostModel, PiecewiseLinear
 from sacpolicy.runtime.features import FEATURE_NAMES, feature_spec
 from sacpolicy.runtime.online import (
+    P_SCORE,
     SLOPE_BOUNDS,
     WEIGHT_BOUND,
     OnlineCalibration,
@@ -61,7 +62,10 @@ def rows(n: int, drafter: int = 0, position: int = 0, top1: float | None = None)
 # ---------------------------------------------------------------------- settings
 @pytest.mark.parametrize("bad, option", [({"lr": -0.1}, "online.lr"), ({"shrink": 2.0}, "online.shrink"),
                                          ({"margin": float("nan")}, "online.margin"), ({"window": 0}, "online.window"),
-                                         ({"hold": 1.5}, "online.hold"), ({"min_steps": 100}, "online.min_steps")])
+                                         ({"hold": 1.5}, "online.hold"), ({"min_steps": 100}, "online.min_steps"),
+                                         ({"gate_margin": -0.01}, "online.gate_margin"),
+                                         ({"gate_margin": "0.1"}, "online.gate_margin"),
+                                         ({"gate_window": 0}, "online.gate_window")])
 def test_bad_settings_are_refused_naming_the_option_and_fix(bad, option):
     with pytest.raises(OnlineError, match=option.replace(".", r"\.")) as e:
         OnlineSettings(**bad)
@@ -70,16 +74,58 @@ def test_bad_settings_are_refused_naming_the_option_and_fix(bad, option):
         OnlineSettings.of({"learning_rate": 0.1})
     assert OnlineSettings.of(None) is None and OnlineSettings.of(False) is None
     assert OnlineSettings.of(True) == OnlineSettings() == OnlineSettings.of(OnlineSettings().to_dict())
+    s = OnlineSettings(gate_margin=0.05, gate_window=64)
+    assert OnlineSettings.of(s.to_dict()) == s and s.to_dict()["gate_margin"] == 0.05
+    assert OnlineSettings.of({"lr": 0.1}).gate_margin == OnlineSettings().gate_margin  # older artifacts: the default
 
 
 # ---------------------------------------------------------------------- calibration
-def test_calibration_is_the_fitted_model_until_a_cell_learns():
-    cal = OnlineCalibration(OnlineSettings(), drafters=2, positions=8)
+def test_calibration_is_the_fitted_model_until_a_cells_gate_opens():
+    cal = OnlineCalibration(OnlineSettings(gate_window=64), drafters=2, positions=8)
     X, p = rows(5, drafter=1, position=3), np.array([0.0, 0.2, 0.5, 0.9, 1.0])
     assert cal.adjust(X, p) is p
     cal.learn(rows(1, drafter=0, position=0), np.array([0.5]), np.array([1.0]))
+    assert cal.adjust(rows(1, 0, 0), np.array([0.5]))[0] == 0.5  # one label: the gate has not seen enough
+    for _ in range(200):  # the fitted 0.5 against labels that are all 1: the calibration does better
+        cal.learn(rows(1, drafter=0, position=0), np.array([0.5]), np.array([1.0]))
     np.testing.assert_array_equal(cal.adjust(X, p), p)  # another cell learned; this one is untouched
+    assert cal.open[0, 0] and cal.open.sum() == 1
     assert cal.adjust(rows(1, 0, 0), np.array([0.5]))[0] > 0.5  # the learned cell moved toward its label
+
+
+def _stream(cal, truth, steps: int, seed: int):
+    """Blocks of 5 positions of drafter 0: fitted p per row from the shared pattern (row confidence, position), labels
+    drawn from ``truth(p)``; returns (the fitted p, the rows) of the last block."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        top1 = rng.random(5)
+        X = rows(5, top1=0.0)
+        X[:, FEATURE_NAMES.index("position")] = np.arange(5)
+        X[:, FEATURE_NAMES.index("top1")] = top1
+        p = np.clip(0.15 + 0.8 * top1 - 0.05 * np.arange(5), 0.02, 0.98)
+        cal.learn(X, p, (rng.random(5) < truth(p)).astype(float))
+    return p, X
+
+
+def test_gate_stays_closed_on_labels_drawn_from_the_fitted_p():
+    """Traffic the predictor is calibrated on: the calibration cannot beat it, its gate never opens and the rule
+    decides with the fitted p exactly."""
+    cal = OnlineCalibration(OnlineSettings(), drafters=2, positions=8)
+    p, X = _stream(cal, lambda p: p, 6000, seed=2)
+    assert cal.updates == 30000 and not cal.open.any()
+    assert cal.adjust(X, p) is p
+    assert np.all(cal.loss[0, :5, 0] < cal.loss[0, :5, 1] + OnlineSettings().gate_margin * cal.mass[0, :5])
+
+
+def test_gate_opens_on_shifted_traffic_and_the_calibrated_loss_is_lower():
+    """Traffic accepting a third as often as the predictor says: every position's gate opens, the calibrated
+    running log-loss is below the fitted one there, and the rule's probabilities come down toward the truth."""
+    cal = OnlineCalibration(OnlineSettings(), drafters=2, positions=8)
+    p, X = _stream(cal, lambda p: p / 3, 3000, seed=3)
+    assert cal.open[0, :5].all() and not cal.open[1].any() and not cal.open[0, 5:].any()
+    assert np.all(cal.loss[0, :5, 1] < cal.loss[0, :5, 0] - OnlineSettings().gate_margin * cal.mass[0, :5])
+    out = cal.adjust(X, p)
+    assert np.all(np.abs(out - p / 3) < np.abs(p - p / 3))
 
 
 def test_calibration_follows_traffic_the_predictor_was_not_fitted_on_and_shrinks_toward_the_fit():
@@ -116,6 +162,10 @@ def test_adversarial_label_streams_never_make_the_calibration_nan_or_unbounded()
     assert np.all(np.isfinite(cal.w))
     assert np.all((SLOPE_BOUNDS[0] <= cal.w[..., 0]) & (cal.w[..., 0] <= SLOPE_BOUNDS[1]))
     assert np.all(np.abs(cal.w[..., 1:]) <= WEIGHT_BOUND)
+    # the gate's running losses: finite, their means within one label's worst loss, their weight at most 1
+    assert np.all(np.isfinite(cal.loss)) and np.all(np.isfinite(cal.mass))
+    assert np.all((cal.loss >= 0) & (cal.loss <= -math.log(P_SCORE) * cal.mass[..., None] + 1e-12))
+    assert np.all(cal.mass <= 1.0)
     assert cal.skipped > 0  # the NaN labels and p were counted, not learned
 
 
@@ -221,11 +271,11 @@ def test_a_learning_policy_costs_o1_per_token():
     """Bounded memory: the calibration's arrays and the guard's ring do not grow with the steps served."""
     s = OnlineSettings(window=32)
     cal, guard = OnlineCalibration(s, 2, 8), ShadowGuard(s, cost_model(["q"]), ("q",), 8)
-    sizes = (cal.w.nbytes, guard._ring.nbytes)
+    sizes = (cal.w.nbytes, cal.loss.nbytes, guard._ring.nbytes)
     for t in range(3000):
         cal.learn(rows(3, position=t % 8, top1=0.5), np.full(3, 0.6), np.array([1.0, 1.0, 0.0]))
         guard.observe("q", 4, t % 5, min(t % 5 + 1, 5), 50 + t)
-    assert (cal.w.nbytes, guard._ring.nbytes) == sizes and math.isfinite(float(cal.w.sum()))
+    assert (cal.w.nbytes, cal.loss.nbytes, guard._ring.nbytes) == sizes and math.isfinite(float(cal.w.sum()))
     assert torch.tensor(guard._sums).isfinite().all()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,10 +56,10 @@ class LearnedMemory:
     block: Block | None = None  # the block being drafted (the stop rule reads it)
     prev_top1: float | None = None  # the last drafted token's confidence
     request_drafter: str | None = None  # select="request": the drafter the request's first plan chose
-    # learning while serving: the feature rows of the block planned (before drafting) and of each drafted token
-    # (its confidence known, from the stop rule), by position: the rows its labels teach
+    # learning while serving: the feature rows of the block planned (before drafting) and the fitted predictor's
+    # probability of each, from the plan (the stop rule's rows of drafted tokens ride in ``block.predicted``)
     rows: np.ndarray | None = None
-    drafted: dict = field(default_factory=dict)
+    fitted: np.ndarray | None = None
 
 
 class LearnedPolicy(Policy):
@@ -84,7 +84,7 @@ class LearnedPolicy(Policy):
         else:
             rule = replace(rule, online=None, calibration=None) if rule.calibration is not None else rule
         self.rule, self.name, self.select, self.per_row = rule, name, select, per_row
-        self.needs_token_feedback = rule.mode == "stop" or settings is not None
+        self.needs_token_feedback = rule.mode == "stop"
         self.uses_peeks = True  # a peekable drafter's proposal (its length, each token's confidence) is known first
         self.warned = False  # about decoding at sampling settings the rule was not fitted for (once per policy)
 
@@ -121,15 +121,16 @@ class LearnedPolicy(Policy):
             # a peeked proposal shorter than the cap: rows for the positions it reaches (the rule drafts no further)
             feats.append({n: np.array(plan_rows(row_context(state, n), k_cap)) for n in names} if k_cap > 0 else {})
             caps.append(k_cap)
+        fitted = [] if self.guard is not None else None  # learning: the plan's own predictions, kept for observe
         with one_blas_thread():
             plans, rate = self.rule.plan_batch(feats, [s.context_len for s in states], caps, per_row=self.per_row,
-                                               batch=states[0].batch_size)
+                                               batch=states[0].batch_size, fitted=fitted)
         held = self.guard.held if self.guard is not None else None
         out, together = [], Counter(name for name, k in plans if name is not None and k > 0)
         B = max(states[0].batch_size, len(rows))  # what one more token costs the pass (a "total" pass: its slope)
         token_s = (self.rule.cost.token_seconds(B + sum(k for _, k in plans),
                                                 sum(s.context_len for s in states) / len(states), B) if B > 1 else 0.0)
-        for row, state, feat, cap, (name, k) in zip(rows, states, feats, caps, plans):
+        for i, (row, state, feat, cap, (name, k)) in enumerate(zip(rows, states, feats, caps, plans)):
             mem = row.memory
             if held is not None:  # the guard fell back: its static block where the row can draft it, else AR
                 k = min(held[1], cap) if held[0] in feat else 0
@@ -141,7 +142,7 @@ class LearnedPolicy(Policy):
                               rate=rate if state.batch_size > 1 else None, token_s=token_s) if planned else None
             mem.prev_top1 = None
             if self.guard is not None:
-                mem.rows, mem.drafted = (feat[name] if name is not None else None), {}
+                mem.rows, mem.fitted = (feat[name], fitted[i].get(name)) if name is not None else (None, None)
             out.append(Decision(name, k, guard=held is not None))  # (None, 0): autoregressive
         return out
 
@@ -149,8 +150,6 @@ class LearnedPolicy(Policy):
         mem = row.memory
         now = token_features(row.state, token, mem.prev_top1)
         mem.prev_top1 = token.top1
-        if self.guard is not None:
-            mem.drafted[token.position] = now
         if mem.block is None or self.rule.mode != "stop":  # a block the stop rule does not end (mode "k", the guard's)
             return False
         nxt = token_features(row.state, None, token.top1, position=token.position + 1)
@@ -159,24 +158,32 @@ class LearnedPolicy(Policy):
 
     def observe(self, row: PolicyRow, record) -> None:
         """Learning while serving: a chain's labels (``runtime.online.chain_labels``) teach the calibration, on the
-        rows the block was planned and drafted with, and the step goes to the shadow guard. Token trees teach
-        neither (a tree's accepted path is not a chain's prefix)."""
+        rows the block was decided with and the fitted predictor's probabilities the decisions already computed (a
+        drafted token's row where the stop rule predicted it, else its position's planned row), and the step goes to
+        the shadow guard. Token trees teach neither (a tree's accepted path is not a chain's prefix)."""
         if self.guard is None or record.tree:
             return
         mem = row.memory
         self.guard.observe(record.drafter, record.drafted, record.accepted, record.emitted, record.context_len,
                            record.batch_size)
-        if not record.drafted or record.drafter is None or mem.rows is None:
+        if not record.drafted or record.drafter is None or mem.rows is None or mem.fitted is None:
             return
         labels = chain_labels(record.drafted, record.accepted)
-        X = [mem.drafted[j] if j in mem.drafted else (mem.rows[j] if j < len(mem.rows) else None)
-             for j in range(len(labels))]
-        n = next((j for j, x in enumerate(X) if x is None), len(X))
-        if n:
-            X = np.asarray(X[:n], dtype=np.float64)
-            with one_blas_thread():
-                self.rule.calibration.learn(X, self.rule.predictor.predict(X), np.asarray(labels[:n], float))
-        mem.rows, mem.drafted = None, {}
+        predicted = mem.block.predicted if mem.block is not None else {}
+        X, p = [], []
+        for j in range(len(labels)):
+            if j in predicted:
+                x, q = predicted[j]
+            elif j < len(mem.fitted):
+                x, q = mem.rows[j], mem.fitted[j]
+            else:  # a position the block was neither planned nor predicted at: its label teaches nothing
+                break
+            X.append(x)
+            p.append(q)
+        if X:
+            self.rule.calibration.learn(np.asarray(X, dtype=np.float64), np.asarray(p, dtype=np.float64),
+                                        np.asarray(labels[: len(X)], dtype=np.float64))
+        mem.rows, mem.fitted = None, None
 
     @property
     def learning(self) -> dict | None:
@@ -184,7 +191,8 @@ class LearnedPolicy(Policy):
         if self.guard is None:
             return None
         cal = self.rule.calibration
-        return {"labels": cal.updates, "skipped": cal.skipped} | self.guard.state()
+        return {"labels": cal.updates, "skipped": cal.skipped, "calibrated_cells": int(cal.open.sum())} | (
+            self.guard.state())
 
     @property
     def fallbacks(self) -> int:

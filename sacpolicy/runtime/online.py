@@ -10,7 +10,12 @@ from its own step, in order; no locks):
   block position by an online logistic regression on (logit p, 1, a few features of the row) whose weights start at
   the identity (the fitted model exactly) and are pulled back toward it by an L2 term (``shrink``), so traffic the
   predictor was not fitted on moves its probabilities while a few steps cannot undo the fit. Weights stay in fixed
-  bounds and non-finite inputs are skipped: no label stream makes them NaN or unbounded.
+  bounds and non-finite inputs are skipped: no label stream makes them NaN or unbounded. A prequential gate decides
+  where the calibration is used: per cell, running means (exponentially weighted over about ``gate_window`` labels)
+  of the log-loss of the fitted p and of the calibrated p, each scored on a label before the update that label
+  causes; the calibrated p replaces the fitted one only in cells where its mean loss is lower by more than
+  ``gate_margin`` nats per label. On the traffic the predictor was fitted on (already calibrated there) the gate
+  stays closed and the rule decides exactly as fitted; where traffic shifts, the calibration wins and is used.
 - ``ShadowGuard``: the static blocks the same steps price without drafting them. A chain of n drafted tokens with a
   accepted gives every static block of k' <= n tokens with the same drafter min(a, k') accepted tokens, and
   autoregressive decoding (k' = 0) is priced on every step; the cost model times both. Over a window of steps, when
@@ -41,6 +46,8 @@ _HAS_EMA = FEATURE_NAMES.index("has_accept_ema")
 _POSITION = FEATURE_NAMES.index("position")
 _DRAFTER = FEATURE_NAMES.index("drafter_index")
 LOGIT_CAP = 8.0  # |logit p| at most this (p within [3e-4, 1 - 3e-4]) where calibration applies
+P_SCORE = 1e-4  # the gate scores probabilities clipped to [P_SCORE, 1 - P_SCORE]: a label costs at most ~9.2 nats
+GATE_WARM = 0.5  # a cell's gate opens only once its running means hold this share of their full weight
 # bounds of the calibration weights (slope on logit p, bias, feature weights): never unbounded whatever the labels
 SLOPE_BOUNDS = (0.2, 3.0)
 WEIGHT_BOUND = 4.0
@@ -56,7 +63,9 @@ class OnlineSettings:
     its pull toward the fitted model per update; ``window``: steps the guard compares over; ``margin``: how far the
     rule's realized tokens per unit cost may fall below the best shadow static's before it falls back; ``hold``: steps
     a fallback lasts; ``min_steps``: steps a shadow needs in the window before it may win, and ``coverage`` the share
-    of the window's steps; ``guard``: False learns without the guard."""
+    of the window's steps; ``guard``: False learns without the guard. ``gate_margin``: nats per label by which the
+    calibrated p's running log-loss must beat the fitted p's in a cell before the calibration is used there;
+    ``gate_window``: labels the running losses average over (their exponential weights' horizon)."""
 
     lr: float = 0.05
     shrink: float = 0.02
@@ -66,14 +75,17 @@ class OnlineSettings:
     min_steps: int = 16
     coverage: float = 0.8
     guard: bool = True
+    gate_margin: float = 0.01
+    gate_window: int = 256
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("lr", 0.0, 1.0), ("shrink", 0.0, 1.0), ("margin", 0.0, 1.0), ("coverage", 0.0, 1.0)):
+        for name, lo, hi in (("lr", 0.0, 1.0), ("shrink", 0.0, 1.0), ("margin", 0.0, 1.0), ("coverage", 0.0, 1.0),
+                             ("gate_margin", 0.0, 1.0)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi):
                 raise OnlineError(f"online.{name} must be a number in [{lo}, {hi}], got {v!r}; e.g. "
                                   f"online.{name}={getattr(OnlineSettings, name)}")
-        for name in ("window", "hold", "min_steps"):
+        for name in ("window", "hold", "min_steps", "gate_window"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise OnlineError(f"online.{name} must be an integer >= 1, got {v!r}; e.g. "
@@ -116,13 +128,19 @@ _PRIOR = np.array([1.0, 0.0, 0.0, 0.0])  # the identity: sigmoid(logit p) = p
 
 
 class OnlineCalibration:
-    """Per (drafter index, block position) logistic recalibration of the fitted predictor (module docstring): weights
-    [drafters, positions, 4] starting at the identity; a cell that has seen no label leaves p exactly as fitted."""
+    """Per (drafter index, block position) logistic recalibration of the fitted predictor, used only where the gate
+    finds it better (module docstring): weights [drafters, positions, 4] starting at the identity; per cell the
+    running log-loss of the fitted and of the calibrated p and their total weight. A cell whose gate is closed
+    (every cell, until its labels show the calibration better) leaves p exactly as fitted."""
 
     def __init__(self, settings: OnlineSettings, drafters: int, positions: int):
         self.settings = settings
         self.w = np.tile(_PRIOR, (max(drafters, 1), max(positions, 1), 1))
-        self.seen = np.zeros(self.w.shape[:2], dtype=np.int64)
+        cells = self.w.shape[:2]
+        self.seen = np.zeros(cells, dtype=np.int64)
+        self.loss = np.zeros((*cells, 2))  # running log-loss (exponentially weighted sums): fitted p, calibrated p
+        self.mass = np.zeros(cells)  # the running sums' total weight (-> 1 as labels come): loss / mass is the mean
+        self.open = np.zeros(cells, dtype=bool)  # the gate: cells where the calibrated p is used
         self.updates = 0
         self.skipped = 0  # labelled rows with non-finite inputs, never learned from
 
@@ -131,39 +149,62 @@ class OnlineCalibration:
         j = np.clip(np.nan_to_num(X[:, _POSITION], nan=0.0), 0, self.w.shape[1] - 1).astype(np.int64)
         return d, j
 
+    def _calibrated(self, phi: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return 0.5 * (1.0 + np.tanh(0.5 * np.einsum("ij,ij->i", phi, w)))
+
     def adjust(self, X: np.ndarray, p: np.ndarray) -> np.ndarray:
-        """``p`` (the fitted predictor's probabilities of rows ``X``) recalibrated; rows of cells that learned nothing
-        yet keep their ``p``."""
-        if not self.updates:
+        """``p`` (the fitted predictor's probabilities of rows ``X``) recalibrated in the cells whose gate is open;
+        rows of the other cells keep their ``p`` exactly."""
+        if not self.open.any():
             return p
         d, j = self._cells(X)
-        learned = self.seen[d, j] > 0
-        if not learned.any():
+        use = self.open[d, j]
+        if not use.any():
             return p
-        z = np.einsum("ij,ij->i", _phi(p, X), self.w[d, j])
-        out = np.where(learned, 0.5 * (1.0 + np.tanh(0.5 * z)), p)
+        out = np.where(use, self._calibrated(_phi(p, X), self.w[d, j]), p)
         return np.clip(out, 0.0, 1.0)
 
     def learn(self, X: np.ndarray, p: np.ndarray, labels: np.ndarray) -> None:
-        """One SGD step on the log-loss of each labelled row (``p``: the fitted predictor's probability of the row,
-        ``labels``: 1 accepted, 0 rejected), with the pull toward the identity; rows with non-finite p or label are
-        skipped (counted)."""
-        s = self.settings
+        """One block's labelled rows (``p``: the fitted predictor's probability of each row, ``labels``: 1 accepted, 0
+        rejected; rows with non-finite p or label are skipped, counted): for each row, first the gate scores the
+        fitted and the calibrated p on its label, then one SGD step on the log-loss with the pull toward the identity.
+        A block's rows are different positions, so different cells: all at once; rows sharing a cell (positions past
+        the last cell) one after another, in order, as a stream."""
         ok = np.isfinite(p) & np.isfinite(labels)
-        self.skipped += int((~ok).sum())
-        if not ok.any():
+        if not ok.all():
+            self.skipped += int((~ok).sum())
+            X, p, labels = X[ok], p[ok], labels[ok]
+        if not len(p):
             return
-        X, p, y = X[ok], p[ok], labels[ok]
-        phi = _phi(p, X)
         d, j = self._cells(X)
-        for i in range(len(y)):  # rows of one block share cells rarely; in order, as a stream
-            w = self.w[d[i], j[i]]
-            q = 0.5 * (1.0 + math.tanh(0.5 * float(phi[i] @ w)))
-            w -= s.lr * ((q - y[i]) * phi[i] + s.shrink * (w - _PRIOR))
-            w[0] = min(max(w[0], SLOPE_BOUNDS[0]), SLOPE_BOUNDS[1])
-            np.clip(w[1:], -WEIGHT_BOUND, WEIGHT_BOUND, out=w[1:])
-            self.seen[d[i], j[i]] += 1
-        self.updates += len(y)
+        if len(set((d * self.w.shape[1] + j).tolist())) == len(d):
+            self._step(X, p, labels, d, j)
+        else:
+            for i in range(len(d)):
+                self._step(X[i : i + 1], p[i : i + 1], labels[i : i + 1], d[i : i + 1], j[i : i + 1])
+        self.updates += len(d)
+
+    def _step(self, X: np.ndarray, p: np.ndarray, y: np.ndarray, d: np.ndarray, j: np.ndarray) -> None:
+        """``learn`` for rows in distinct cells (``d``, ``j``). The gate's prequential score: each cell's running
+        log-loss of the fitted (``p``) and calibrated (``q``) probability, before the update; each label weighs
+        ``1 / gate_window`` and the cell's older ones decay by ``1 - 1 / gate_window``, so the running sums stay
+        within one label's worst loss (probabilities clipped to ``P_SCORE``) times their weight, which stays <= 1."""
+        s = self.settings
+        phi = _phi(p, X)
+        w = self.w[d, j]
+        q = self._calibrated(phi, w)
+        a = 1.0 / s.gate_window
+        pq = np.clip(np.stack([p, q], axis=1), P_SCORE, 1.0 - P_SCORE)
+        loss = -(y[:, None] * np.log(pq) + (1.0 - y[:, None]) * np.log1p(-pq))  # [n, 2]: fitted, calibrated
+        mass = self.mass[d, j] * (1.0 - a) + a
+        run = self.loss[d, j] * (1.0 - a) + a * loss
+        self.mass[d, j], self.loss[d, j] = mass, run
+        self.open[d, j] = (mass >= GATE_WARM) & (run[:, 0] - run[:, 1] > s.gate_margin * mass)
+        w = w - s.lr * ((q - y)[:, None] * phi + s.shrink * (w - _PRIOR))
+        np.clip(w[:, 0], *SLOPE_BOUNDS, out=w[:, 0])
+        np.clip(w[:, 1:], -WEIGHT_BOUND, WEIGHT_BOUND, out=w[:, 1:])
+        self.w[d, j] = w
+        self.seen[d, j] += 1
 
 
 def chain_labels(drafted: int, accepted: int) -> list[int]:

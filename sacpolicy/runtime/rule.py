@@ -61,6 +61,9 @@ class Block:
     rows: int = 1  # rows drafting with this block's drafter together (``CostModel.draft_batch``)
     rate: float | None = None  # a batch's planned expected tokens/s (``plan_batch``); None: the row is alone
     token_s: float = 0.0  # seconds one more drafted token adds to the batch's pass (``CostModel.token_seconds``)
+    # position -> (feature row, the fitted predictor's p) of each drafted token the stop rule predicted: what learning
+    # while serving labels once the block is verified, with no second predictor call
+    predicted: dict = field(default_factory=dict)
 
 
 def _finite(rows: np.ndarray) -> bool:
@@ -137,8 +140,13 @@ class DecisionRule:
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Acceptance probabilities of feature rows ``X``: the fitted predictor's, through the online calibration
         when the rule learns while serving."""
+        return self.predictions(X)[1]
+
+    def predictions(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the fitted predictor's probabilities of rows ``X``, the ones the rule decides with: ``predict``); the
+        first is what learning while serving labels."""
         p = self.predictor.predict(X)
-        return p if self.calibration is None else self.calibration.adjust(np.asarray(X, dtype=np.float64), p)
+        return p, (p if self.calibration is None else self.calibration.adjust(np.asarray(X, dtype=np.float64), p))
 
     # ------------------------------------------------------------------ plan
     def plan(self, rows: dict[str, np.ndarray], context_len: int, k_cap: int | None = None) -> tuple[str | None, int]:
@@ -148,7 +156,8 @@ class DecisionRule:
         return self.plan_batch([rows], [context_len], [k_cap])[0][0]
 
     def plan_batch(self, rows: list[dict[str, np.ndarray]], context_lens: list[int], k_caps: list[int | None],
-                   per_row: bool = True, batch: int | None = None) -> tuple[list[tuple[str | None, int]], float]:
+                   per_row: bool = True, batch: int | None = None,
+                   fitted: list | None = None) -> tuple[list[tuple[str | None, int]], float]:
         """``plan`` for the rows of a batch verified in one target pass: each row's drafter is the one with the best
         expected tokens/s for that row at this batch size (at its best k >= 1); then k, 0 included, maximises the
         whole batch's expected tokens/s (``CostModel.best_batch_k``; ``per_row``: rows may draft less than the
@@ -156,7 +165,9 @@ class DecisionRule:
         for the whole batch. -> (each row's (drafter, k), the batch's expected
         tokens/s at those k: the rate a row's stop rule weighs its draft time against). ``batch``: the rows in the
         target pass when more than these (rows the decoder keeps autoregressive, cooling down): they emit one token
-        each and pay the pass's width, at the planned rows' mean context."""
+        each and pay the pass's width, at the planned rows' mean context. ``fitted``: a list this call fills with
+        each row's {drafter: the fitted predictor's probabilities of its rows} ({} for a row planned without a
+        prediction), which learning while serving labels once the row's block is verified."""
         B = max(len(rows), batch or 0)
         others = B - len(rows)
         caps = [min(self.k_max, c or self.k_max) for c in k_caps]
@@ -174,14 +185,18 @@ class DecisionRule:
                 out[i] = (name, min(k, cap, len(r[name]))) if name in r else (None, 0)
                 continue
             blocks.append((i, list(r), cap, lens, X))
+        if fitted is not None:
+            fitted[:] = [{} for _ in rows]
         if not blocks:
             return out, 0.0
-        probs = self.predict(np.concatenate([X for *_, X in blocks]))
+        raw, probs = self.predictions(np.concatenate([X for *_, X in blocks]))
         tables, at = [], 0
         for i, names, cap, lens, X in blocks:
             p = np.zeros((len(names), cap))
-            for row, n in zip(p, lens):
+            for row, name, n in zip(p, names, lens):
                 row[:n] = probs[at : at + n]
+                if fitted is not None:
+                    fitted[i][name] = raw[at : at + n]
                 at += n
             tables.append((i, names, p, self.cost.verify_table(cap, context_lens[i], B)))  # same pass for any drafter
 
@@ -234,7 +249,9 @@ class DecisionRule:
         if not _finite(X):
             self.fallbacks += 1
             return block.n >= self.fallback[1]
-        a, a_next = self.predict(X).tolist()
+        raw, p = self.predictions(X)
+        block.predicted[block.n - 1] = (X[0], float(raw[0]))
+        a, a_next = p.tolist()
         block.survive *= a
         block.expected += block.survive
         if batch:
