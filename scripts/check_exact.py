@@ -9,6 +9,8 @@ The reference is ``generate`` (greedy, one prompt at a time, no padding, the tar
 configuration must emit the same tokens for every prompt. Batched configurations decode ``--batch`` rows at a time
 with continuous batching (rows join as others finish). Prints a Markdown table (configuration, prompts identical,
 the first differing prompt and position) and writes the JSON; exits 1 when any configuration differs, naming it.
+A learned rule whose cost model cannot price a batch (profiled at batch size 1) is listed as skipped for its
+batched row; a configuration that raises is a failure, recorded with the others (results are written after each).
 Greedy on float32: a difference is a defect unless the target's top two logits at that position tie within float
 rounding, which the table shows (``margin``: top-1 minus top-2 logit at the first difference, on a fresh pass).
 """
@@ -43,6 +45,20 @@ def margin(model, prompt: list[int], tokens: list[int], at: int) -> float:
         logits = model(input_ids=torch.tensor([prompt + tokens[:at]], device=model.device)).logits[0, -1].float()
     top = logits.topk(2).values
     return float(top[0] - top[1])
+
+
+def cannot_batch(policy, batch: int | None) -> str | None:
+    """Why ``policy`` cannot plan a batch of ``batch`` rows (a learned rule whose cost model was profiled at batch size
+    1 only), else None."""
+    cost = getattr(getattr(policy, "rule", None), "cost", None)
+    if batch is None or batch < 2 or cost is None:
+        return None
+    try:
+        cost.check_batch(batch)
+    except ValueError:
+        return ("its cost model was profiled at batch size 1 only (a run with collect.profile.batch_sizes=[1,2,4,8,16] "
+                "can plan batches)")
+    return None
 
 
 def configurations(ctx, args) -> dict:
@@ -84,8 +100,10 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4, help="the static configurations' k")
     ap.add_argument("--tree", type=int, default=8, help="the feature head's token-tree budget (nodes)")
     ap.add_argument("--batch", type=int, default=4, help="rows of the batched configurations")
+    ap.add_argument("--configs", default=None,
+                    help="only the configurations whose name contains one of these, comma-separated (e.g. learned)")
     ap.add_argument("--predictors", default=None,
-                    help="the learned rules checked, comma-separated, 'all' or 'none' (default: the run's headline one)")
+                    help="learned rules checked, comma-separated, 'all' or 'none' (default: the run's headline one)")
     bench.add_out(ap, "check_exact.json")
     args = ap.parse_args(argv)
     run = Path(args.run)
@@ -103,15 +121,29 @@ def main(argv=None) -> int:
           f"(transformers generate) {time.perf_counter() - t:.0f} s", flush=True)
     results = []
     base = instantiate(cfg.decoder)
-    for name, (drafters, make, batch) in configurations(ctx, args).items():
+    chosen = configurations(ctx, args)
+    if args.configs:
+        chosen = {n: c for n, c in chosen.items() if any(part in n for part in args.configs.split(","))}
+    for name, (drafters, make, batch) in chosen.items():
         t = time.perf_counter()
         reset_drafters(drafters)
         config = base if batch is None else replace(base, max_batch=batch)
-        dec = SpeculativeDecoder(target.model, drafters, make(), config=config, stop_token_ids=stop)
-        if batch is None:
-            got = [dec.generate(p, args.max_new_tokens) for p in prompts]
-        else:
-            got = dec.generate_batch(prompts, args.max_new_tokens)
+        policy = make()
+        why = cannot_batch(policy, batch)
+        if why:
+            results.append({"config": name, "skipped": why})
+            print(f"  {name}: skipped: {why}", flush=True)
+            continue
+        dec = SpeculativeDecoder(target.model, drafters, policy, config=config, stop_token_ids=stop)
+        try:
+            if batch is None:
+                got = [dec.generate(p, args.max_new_tokens) for p in prompts]
+            else:
+                got = dec.generate_batch(prompts, args.max_new_tokens)
+        except Exception as e:  # a configuration that cannot decode is a failure, recorded with the others
+            results.append({"config": name, "identical": 0, "prompts": len(prompts), "error": repr(e)})
+            print(f"  {name}: FAILED: {e!r}", flush=True)
+            continue
         tokens = [g.tokens for g in got]
         same = [a == b for a, b in zip(tokens, ref)]
         row = {"config": name, "identical": sum(same), "prompts": len(prompts),
@@ -123,17 +155,20 @@ def main(argv=None) -> int:
                       min(len(tokens[i]), len(ref[i])))
             row |= {"first_prompt": i, "first_position": at, "margin": margin(target.model, prompts[i], ref[i], at)}
         results.append(row)
+        bench.write_results(args.out, {"target": cfg.target.spec, "run": str(run), "rows": results}, args)  # so far
         print(f"  {name}: {row['identical']}/{row['prompts']} identical, {row['accepted']}/{row['drafted']} drafted "
               f"tokens accepted, {row['seconds']:.0f} s", flush=True)
     md = bench.table(["configuration", "identical to generate", "drafted tokens accepted", "first difference"],
-                     ([r["config"], f"{r['identical']}/{r['prompts']}", f"{r['accepted']}/{r['drafted']}",
+                     ([r["config"], "skipped", "-", r["skipped"]] if "skipped" in r else
+                      [r["config"], f"0/{r['prompts']}", "-", f"error: {r['error']}"] if "error" in r else
+                      [r["config"], f"{r['identical']}/{r['prompts']}", f"{r['accepted']}/{r['drafted']}",
                        "-" if r["identical"] == r["prompts"] else
                        f"prompt {r['first_prompt']} token {r['first_position']} (margin {r['margin']:.2g})"]
                       for r in results))
     print(md)
     bench.write_results(args.out, {"target": cfg.target.spec, "run": str(run), "rows": results, "markdown": md},
                         args)
-    bad = [r["config"] for r in results if r["identical"] < r["prompts"]]
+    bad = [r["config"] for r in results if "skipped" not in r and r["identical"] < r["prompts"]]
     if bad:
         print(f"check_exact: FAILED: {', '.join(bad)} differ from transformers' greedy output", file=sys.stderr)
     return 1 if bad else 0

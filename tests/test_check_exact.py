@@ -43,3 +43,15 @@ def test_a_configuration_that_differs_fails_naming_it(tmp_path, monkeypatch, cap
     captured = capsys.readouterr()
     assert rc == 1 and "FAILED: ngram k=4, ngram k=4 B=2" in captured.err
     assert "prompt 0 token 5" in captured.out
+
+
+def test_a_rule_whose_cost_model_cannot_price_a_batch_is_skipped_in_batches_with_the_reason():
+    from types import SimpleNamespace
+
+    from test_traces import cost_model
+
+    script = load_script("check_exact")
+    rule = SimpleNamespace(rule=SimpleNamespace(cost=cost_model(["ngram"])))  # profiled at batch size 1
+    assert not rule.rule.cost.batch
+    assert "batch size 1 only" in script.cannot_batch(rule, 4)
+    assert script.cannot_batch(rule, None) is None and script.cannot_batch(SimpleNamespace(), 4) is None
