@@ -159,8 +159,7 @@ def run_engine(model_dir, prompts: list[list[int]], *, max_tokens: int = 64, spe
                          "engine_args": {**ENGINE_DEFAULTS, **(engine_args or {})},
                          "concurrency": concurrency or len(prompts), "ignore_eos": ignore_eos,
                          "sampling": sampling or {}})
-        extra = env
-        env = {**engine_env(cuda), **os.environ, **(extra or {})}  # the caller's settings win
+        env = {**engine_env(cuda), **os.environ, **(env or {})}  # the caller's settings win
         if policy_dir is not None:
             from sacpolicy.export.vllm import POLICY_ENV, STATS_ENV
 

@@ -152,7 +152,11 @@ class CostModel:
         if tokens < batch:
             raise ValueError(f"a pass over {batch} rows feeds at least {batch} tokens (each row's last one), "
                              f"got {tokens}")
-        return self._verify_at(self._segment(batch), tokens / batch - 1, context_len)
+        return self._total_at(self._segment(batch), tokens, batch, context_len)
+
+    def _total_at(self, segment: tuple, tokens: float, batch: int, context_len: float) -> float:
+        """``verify_total_time`` on a ``segment`` already found: the ``batch``-row pass at the mean width."""
+        return self._verify_at(segment, tokens / batch - 1, context_len)
 
     def token_seconds(self, tokens: float, context_len: float, batch: int) -> float:
         """Seconds one more drafted token adds to a batch's pass that feeds ``tokens`` tokens: for a ``"total"``
@@ -370,7 +374,7 @@ class CostModel:
         tokens_of = [np.array(self.expected_tokens_table(a[:cap])) for (_, _, a), cap in zip(rows, caps)]
         draft_of = [np.array(self.draft_table(d, cap, c, together[d])) for (d, c, _), cap in zip(rows, caps)]
         segment = self._segment(B)
-        verify = np.array([self._verify_at(segment, (B + s) / B - 1, ctx) for s in range(sum(caps) + 1)])
+        verify = np.array([self._total_at(segment, B + s, B, ctx) for s in range(sum(caps) + 1)])
         drafting = [i for i, cap in enumerate(caps) if cap > 0]
 
         def rate(ks: list[int]) -> float:

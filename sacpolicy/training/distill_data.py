@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-from types import SimpleNamespace
 
 import datasets
 import lightning as L
@@ -113,8 +112,7 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
         # the raw logits of each generation step are the teacher's next-token distributions: no second pass; each
         # step's top-k taken alone (one step's logits at a time, not all of them stacked and normalised at once)
         steps = [torch.log_softmax(step.float(), -1).topk(topk, dim=-1) for step in out.logits]
-        top = SimpleNamespace(indices=torch.stack([t.indices for t in steps], 1),
-                              values=torch.stack([t.values for t in steps], 1))
+        top_ids, top_logp = torch.stack([t.indices for t in steps], 1), torch.stack([t.values for t in steps], 1)
         del steps
         for i, (pid, s, p) in enumerate(batch):
             cont = out.sequences[i, width:].tolist()
@@ -126,8 +124,8 @@ def generate_continuations(target: LoadedModel, prompts: datasets.Dataset, *, ma
             rows["sample"].append(s)
             rows["input_ids"].append(list(p) + cont)
             rows["prompt_len"].append(len(p))
-            rows["topk_ids"].append(top.indices[i, : len(cont)].int().tolist())
-            rows["topk_logp"].append(top.values[i, : len(cont)].half().tolist())
+            rows["topk_ids"].append(top_ids[i, : len(cont)].int().tolist())
+            rows["topk_logp"].append(top_logp[i, : len(cont)].half().tolist())
     return datasets.Dataset.from_dict(rows, features=FEATURES)
 
 
